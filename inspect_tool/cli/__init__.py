@@ -1,0 +1,101 @@
+"""The `inspect_checkpoint` command: a lazy Click group; each subcommand lives in its own module.
+
+Errors raised by the library (`inspect_tool.errors`, `quant.errors`) are turned into one line on stderr and
+exit code 2 here, in one place. Commands return 1 for `--strict` findings (or disagreement), else 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+_COMMANDS = {
+    "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext", "List a MaxText model's parameters from key=value overrides."),
+    "orbax": ("inspect_tool.cli.listing_cmds", "orbax", "List an Orbax checkpoint's arrays (metadata only)."),
+    "hf": ("inspect_tool.cli.listing_cmds", "hf", "List HF safetensors tensors (headers only)."),
+    "diff": ("inspect_tool.cli.diff_cmd", "diff", "Compare a model config with an Orbax checkpoint."),
+    "forward": ("inspect_tool.cli.forward_cmd", "forward", "Run the model on tokens; print losses and predictions."),
+    "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
+    "export": ("inspect_tool.cli.export_cmd", "export", "Export an FP8 quantized checkpoint and validate it."),
+}
+
+
+class LazyGroup(click.Group):
+  """Imports a subcommand's module only when that subcommand runs (keeps `--help` free of JAX)."""
+
+  def list_commands(self, ctx):
+    return list(_COMMANDS)
+
+  def get_command(self, ctx, cmd_name):
+    if cmd_name not in _COMMANDS:
+      return None
+    module, attr, _ = _COMMANDS[cmd_name]
+    return getattr(importlib.import_module(module), attr)
+
+  def format_commands(self, ctx, formatter):
+    rows = [(name, help_text) for name, (_, _, help_text) in _COMMANDS.items()]
+    with formatter.section("Commands"):
+      formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="inspect-checkpoint", prog_name="inspect_checkpoint")
+def cli():
+  """See a DeepSeek MoE + MTP model: its parameters, checkpoints, quantization coverage and FP8 export.
+
+  Model keys are MaxText's, given as key=value (model_name=deepseek3-671b mtp_num_layers=1).
+  """
+
+
+# MaxText spells boolean flags `--check_dtype=true`; Click flags take no value, so such tokens are rewritten.
+_BOOL_FLAGS = {"--check_dtype": "check-dtype", "--check-dtype": "check-dtype", "--all": "all",
+               "--summary": "summary", "--strict": "strict", "--overwrite": "overwrite", "--compare": "compare"}
+_TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+  out = []
+  for token in argv:
+    name, sep, value = token.partition("=")
+    if sep and name in _BOOL_FLAGS and value.lower() in _TRUE | _FALSE:
+      flag = _BOOL_FLAGS[name]
+      out.append(f"--{flag}" if value.lower() in _TRUE else f"--no-{flag}")
+    else:
+      out.append(token)
+  return out
+
+
+def _library_errors() -> tuple[type[BaseException], ...]:
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  kinds: list[type[BaseException]] = [errors.InspectError]
+  if "quant.errors" in sys.modules:
+    kinds.append(sys.modules["quant.errors"].QuantError)
+  return tuple(kinds)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+  try:
+    code = cli.main(args=argv, prog_name="inspect_checkpoint", standalone_mode=False)
+  except click.exceptions.Exit as e:
+    return e.exit_code
+  except click.ClickException as e:
+    e.show()
+    return e.exit_code
+  except click.exceptions.Abort:
+    click.echo("aborted", err=True)
+    return 130
+  except BrokenPipeError:
+    return 0
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, _library_errors()):
+      click.echo(f"error: {e}", err=True)
+      return getattr(e, "exit_code", 2)
+    raise
+  return code if isinstance(code, int) else 0
+
+
+def entry_point() -> None:
+  sys.exit(main())

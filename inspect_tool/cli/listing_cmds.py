@@ -1,0 +1,60 @@
+"""`maxtext`, `orbax` and `hf`: list a parameter tree from a config, a checkpoint or safetensors files."""
+
+from __future__ import annotations
+
+import click
+
+from inspect_tool.cli import options
+
+
+@click.command()
+@click.argument("overrides", nargs=-1)
+@click.option("--all", "include_all", is_flag=True, help="Also list non-Param state (the DeepSeek-V3 gate bias).")
+@options.output_options
+def maxtext(overrides, include_all, fmt, check_dtype, output_file, html_file, summary):
+  """List the parameters of a MaxText model given as key=value overrides.
+
+  Example: inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
+  """
+  from inspect_tool import config, listings  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(overrides)
+  report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides))
+  options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
+  if html_file:
+    from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
+    options.write_html(html_file, html.render_model_html(model, title=report.source))
+  return 0
+
+
+@click.command()
+@click.option("--path", required=True, help="Step directory, its items directory, or a directory of steps.")
+@click.option("--all", "include_all", is_flag=True, help="List every item (nnx_aux, opt_state, step), grouped.")
+@options.output_options
+def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
+  """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
+  from inspect_tool import listings  # pylint: disable=import-outside-toplevel
+
+  report = listings.orbax_listing(path, include_all=include_all)
+  for note in report.notes:
+    click.echo(note, err=True)
+  options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
+  if html_file:
+    from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
+    options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=path))
+  return 0
+
+
+@click.command()
+@click.option("--path", required=True, help="A .safetensors file, a directory of them, or a sharded index.json set.")
+@options.output_options
+def hf(path, fmt, check_dtype, output_file, html_file, summary):
+  """List HF safetensors tensors from their headers (no torch, no tensor data)."""
+  from inspect_tool import listings  # pylint: disable=import-outside-toplevel
+
+  report = listings.hf_listing(path)
+  options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
+  if html_file:
+    from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
+    options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=path))
+  return 0

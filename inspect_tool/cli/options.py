@@ -1,0 +1,56 @@
+"""Options shared by the commands, and the one place that writes a report to stdout or files."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+FORMATS = ("text", "json", "markdown")
+
+
+def output_options(func):
+  """--format, --check_dtype, --output_file, --html, --summary for every listing command."""
+  options = [
+      click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+                   help="Output format on stdout."),
+      click.option("--check-dtype/--no-check-dtype", "--check_dtype", "check_dtype", default=False,
+                   help="Show dtypes (MaxText spelling --check_dtype=true works too)."),
+      click.option("--output-file", "--output_file", "output_file", type=click.Path(dir_okay=False),
+                   help="Also write MaxText's listing (with a '# <command>' header) to this file, atomically."),
+      click.option("--html", "html_file", type=click.Path(dir_okay=False),
+                   help="Write a self-contained treescope HTML page of the tree to this file."),
+      click.option("--summary/--no-summary", default=False,
+                   help="With text format, add the summary by group (always in json/markdown)."),
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
+
+
+def command_line() -> str:
+  return "inspect_checkpoint " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None, summary: bool) -> None:
+  """Prints the report in `fmt`; writes MaxText's listing to `output_file` when asked."""
+  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+  from inspect_tool.report import listing  # pylint: disable=import-outside-toplevel
+
+  if output_file:
+    atomic.atomic_write_text(output_file, listing.format_output_file(report, command_line(), check_dtype=check_dtype))
+  if fmt == "text":
+    text = listing.format_text(report, check_dtype=check_dtype, with_summary=summary)
+  elif fmt == "json":
+    text = listing.format_json(report)
+  else:
+    text = listing.format_markdown(report, check_dtype=True)
+  click.echo(text, nl=False)
+
+
+def write_html(path: str, html: str) -> None:
+  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+
+  atomic.atomic_write_text(path, html)
+  click.echo(f"wrote {path}", err=True)

@@ -1,0 +1,424 @@
+"""Model configuration: MaxText's keys, presets, `key=value` overrides and MaxText's validation rules.
+
+`resolve_config(["model_name=deepseek3-671b", "mtp_num_layers=1"])` returns a frozen `ModelConfig`.
+Resolution order is MaxText's: defaults (base.yml) < preset or user YAML model file < command-line keys;
+a key set by the model file and again on the command line with another value is refused unless
+`override_model_config=true`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Iterable, Mapping
+
+from inspect_tool import errors, presets
+
+QUANTIZATION_MODES = ("", "int4", "int8", "fp4", "fp4_e2m1", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_full",
+                      "fp8_gpu", "fp8_nanoo")
+DTYPES = ("float32", "bfloat16", "float16")
+SCORE_FUNCS = ("sigmoid", "softmax")
+CALIBRATION_METHODS = ("absmax", "minmax", "fixed")  # "fixed,<lo>,<hi>" is accepted as well
+# Model names whose gate bias is MaxText's non-Param `MoEBiasVar` and which use DeepSeek-V3 routing.
+DEEPSEEK_ROUTING_PREFIXES = ("deepseek3", "deepseek4", "kimi-k2")
+
+# MaxText keys that do not change the model, its parameter tree or its forward pass here: accepted so that
+# a MaxText command line works verbatim, and otherwise ignored.
+IGNORED_KEYS = frozenset({
+    "run_name", "base_output_directory", "skip_jax_distributed_system", "hardware", "steps",
+    "load_parameters_path", "load_full_state_path", "tokenizer_path", "tokenizer_type", "hf_access_token",
+    "dataset_type", "dataset_path", "async_checkpointing", "enable_checkpointing", "checkpoint_period",
+    "remat_policy", "log_period", "enable_goodput_recording", "monitor_goodput", "profiler",
+    "ici_fsdp_parallelism", "ici_data_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
+    "ici_sequence_parallelism", "ici_pipeline_parallelism", "dcn_fsdp_parallelism", "dcn_data_parallelism",
+    "dcn_pipeline_parallelism", "dcn_expert_parallelism", "learning_rate", "opt_type", "gradient_clipping_threshold",
+    "wi_tile_fwd_batch_seq", "wi_tile_fwd_embed_dim", "wi_tile_fwd_mlp_dim", "wo_tile_fwd_batch_seq",
+    "wo_tile_fwd_embed_dim", "wo_tile_fwd_mlp_dim", "sa_block_q", "sa_block_kv", "use_iota_embed",
+    "enable_single_controller", "allow_split_physical_axes", "compile_topology", "compile_topology_num_slices",
+})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """A DeepSeek-family model as MaxText configures it; field names are MaxText's keys."""
+
+  # Identity.
+  model_name: str = "default"
+  decoder_block: str = "deepseek"
+  attention_type: str = "mla"
+  enable_nnx: bool = True
+  override_model_config: bool = False
+
+  # Sizes before `global_parameter_scale` (MaxText's base_* keys).
+  global_parameter_scale: int = 1
+  base_emb_dim: int = 2048
+  base_num_query_heads: int = 16
+  base_num_kv_heads: int = 16
+  base_mlp_dim: int = 7168
+  base_moe_mlp_dim: int = 7168
+  base_num_decoder_layers: int = 16
+  first_num_dense_layers: int = 0
+  head_dim: int = 128  # unused by MLA shapes
+  vocab_size: int = 32_000
+
+  # MLA attention.
+  q_lora_rank: int = 0  # 0: a single `query` projection
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  float32_qk_product: bool = False
+
+  # Mixture of experts.
+  num_experts: int = 1
+  num_experts_per_tok: int = 1
+  shared_experts: int = 1
+  routed_scaling_factor: float = 1.0
+  routed_score_func: str = ""
+  routed_bias: bool = False
+  n_routing_groups: int = -1
+  topk_routing_group: int = -1
+  float32_gate_logits: bool = False
+  float32_weight_sum: bool = True
+  sparse_matmul: bool = True
+  megablox: bool = True
+  capacity_factor: float = -1.0
+
+  # Multi-token prediction.
+  mtp_num_layers: int = 0
+  mtp_loss_scaling_factor: float = 0.1
+  mtp_eval_target_module: int = 0
+  mtp_reuse_input_embedding: bool = False
+
+  # Layers, norms, activations.
+  mlp_activations: tuple[str, ...] = ("silu", "linear")
+  normalization_layer_epsilon: float = 1e-5
+  logits_via_embedding: bool = False
+  logits_dot_in_fp32: bool = False
+  cast_logits_to_fp32: bool = True
+  num_vocab_tiling: int = 1
+  enable_dropout: bool = True
+  dropout_rate: float = 0.0
+
+  # RoPE (YaRN).
+  rope_type: str = "default"
+  rope_max_timescale: int = 10_000
+  max_position_embeddings: int = 163840
+  original_max_position_embeddings: int = 4096
+  rope_factor: float = 40
+  beta_fast: float = 32
+  beta_slow: float = 1
+  mscale: float = 1.0
+  rope_interleave: bool = True
+  rope_truncate: bool = True
+  rope_attention_scaling: bool = False
+
+  # Numerics and layout.
+  dtype: str = "bfloat16"  # activations / compute
+  weight_dtype: str = "float32"  # parameter storage
+  matmul_precision: str = "default"
+  scan_layers: bool = True
+  param_scan_axis: int = 1
+  init_weights_seed: int = 0
+  attention: str = "autoselected"
+
+  # Batch (used by the traced forward pass of coverage and by `forward` limits).
+  max_target_length: int = 2048
+  per_device_batch_size: float = 12.0
+
+  # Quantization (Qwix).
+  quantization: str = ""
+  use_qwix_quantization: bool = False
+  quantize_mtp: bool = False
+  quantize_router_proj: bool = True
+  quantize_logits_proj: bool = False
+  logits_proj_quant_calibration_method: str = ""
+  weight_quantization_calibration_method: str = "absmax"
+  act_quantization_calibration_method: str = "absmax"
+  bwd_quantization_calibration_method: str = "absmax"
+  drhs_grad_quantization_calibration_method: str | None = None
+  quantization_local_shard_count: int = -1
+  weight_sparsity_n: int | None = None
+  weight_sparsity_m: int | None = None
+
+  def __post_init__(self):
+    _validate(self)
+
+  # Derived sizes (MaxText's global_parameter_scale rule; all equal base_* at scale 1).
+  @property
+  def _scales(self) -> tuple[int, int, int]:
+    log2 = int(math.log2(self.global_parameter_scale))
+    base, rem = divmod(log2, 3)
+    head_scale = base + int(rem > 0)
+    emb_scale = base + int(rem > 1)
+    return emb_scale, head_scale, base
+
+  @property
+  def emb_dim(self) -> int:
+    return 2 ** self._scales[0] * self.base_emb_dim
+
+  @property
+  def num_query_heads(self) -> int:
+    return 2 ** self._scales[1] * self.base_num_query_heads
+
+  @property
+  def num_kv_heads(self) -> int:
+    return 2 ** self._scales[1] * self.base_num_kv_heads
+
+  @property
+  def mlp_dim(self) -> int:
+    return 2 ** self._scales[1] * self.base_mlp_dim
+
+  @property
+  def moe_mlp_dim(self) -> int:
+    return 2 ** self._scales[1] * self.base_moe_mlp_dim
+
+  @property
+  def num_decoder_layers(self) -> int:
+    return 2 ** self._scales[2] * self.base_num_decoder_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_decoder_layers - self.first_num_dense_layers
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def deepseek_routing(self) -> bool:
+    """True for model names whose gate bias is `MoEBiasVar` and that select experts on biased scores."""
+    return self.model_name.startswith(DEEPSEEK_ROUTING_PREFIXES)
+
+  @property
+  def softmax_scale(self) -> float:
+    """MLA's query scale: (dn+dr)^-0.5, times mscale² under YaRN context extension."""
+    scale = self.qk_head_dim ** -0.5
+    if self.max_position_embeddings > self.original_max_position_embeddings:
+      m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
+      scale *= m * m
+    return scale
+
+  @property
+  def uses_qwix(self) -> bool:
+    return bool(self.quantization) and self.use_qwix_quantization
+
+  def replace(self, **changes: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise errors.ConfigError(message)
+
+
+def _validate(c: ModelConfig) -> None:
+  """MaxText's rules that matter here; each message names the value and what is accepted."""
+  _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
+         "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
+  _check(c.decoder_block == "deepseek", f"decoder_block={c.decoder_block!r} is not supported; accepted: 'deepseek'")
+  _check(c.attention_type == "mla", f"attention_type={c.attention_type!r} is not supported; accepted: 'mla'")
+  gps = c.global_parameter_scale
+  _check(gps >= 1 and (gps & (gps - 1)) == 0, f"global_parameter_scale={gps} must be a power of two >= 1")
+  for name in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim",
+               "base_num_decoder_layers", "vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "num_experts", "num_experts_per_tok", "max_target_length"):
+    value = getattr(c, name)
+    _check(value > 0, f"{name}={value} must be a positive integer")
+  for name in ("first_num_dense_layers", "q_lora_rank", "shared_experts", "mtp_num_layers"):
+    value = getattr(c, name)
+    _check(value >= 0, f"{name}={value} must be >= 0")
+  _check(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
+  _check(c.first_num_dense_layers <= c.num_decoder_layers,
+         f"first_num_dense_layers={c.first_num_dense_layers} exceeds num_decoder_layers={c.num_decoder_layers}")
+  _check(c.num_experts_per_tok <= c.num_experts,
+         f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}")
+  _check(c.param_scan_axis in (0, 1), f"param_scan_axis={c.param_scan_axis}; accepted: 0, 1")
+  _check(c.routed_score_func in SCORE_FUNCS + ("",),
+         f"routed_score_func={c.routed_score_func!r}; accepted: {', '.join(SCORE_FUNCS)}")
+  _check(c.dtype in DTYPES, f"dtype={c.dtype!r}; accepted: {', '.join(DTYPES)}")
+  _check(c.weight_dtype in DTYPES, f"weight_dtype={c.weight_dtype!r}; accepted: {', '.join(DTYPES)}")
+  _check(tuple(c.mlp_activations) in (("silu", "linear"),),
+         f"mlp_activations={list(c.mlp_activations)}; accepted: ['silu', 'linear']")
+  _check(c.n_routing_groups == -1 or (c.n_routing_groups > 0 and c.num_experts % c.n_routing_groups == 0
+                                      and 0 < c.topk_routing_group <= c.n_routing_groups),
+         f"n_routing_groups={c.n_routing_groups} topk_routing_group={c.topk_routing_group}: groups must divide "
+         f"num_experts={c.num_experts} and 0 < topk_routing_group <= n_routing_groups (or both -1)")
+  _check(c.quantization in QUANTIZATION_MODES,
+         f"quantization={c.quantization!r}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
+  for name in ("weight_quantization_calibration_method", "act_quantization_calibration_method",
+               "bwd_quantization_calibration_method"):
+    value = getattr(c, name)
+    _check(value.split(",")[0] in CALIBRATION_METHODS,
+           f"{name}={value!r}; accepted: {', '.join(CALIBRATION_METHODS)} (fixed as 'fixed,<lo>,<hi>')")
+  if c.quantize_mtp:
+    _check(c.mtp_num_layers > 0, "quantize_mtp=true needs mtp_num_layers > 0 (got mtp_num_layers=0)")
+    _check(c.quantization == "fp8_full",
+           f"quantize_mtp=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+  if c.quantize_logits_proj:
+    _check(c.quantization == "fp8_full",
+           f"quantize_logits_proj=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+    _check(not c.logits_via_embedding, "quantize_logits_proj=true needs logits_via_embedding=false")
+    _check(c.num_vocab_tiling == 1, f"quantize_logits_proj=true needs num_vocab_tiling=1 (got {c.num_vocab_tiling})")
+    _check(not c.logits_dot_in_fp32, "quantize_logits_proj=true needs logits_dot_in_fp32=false")
+  _check(not (c.quantization and c.use_qwix_quantization and c.quantize_router_proj and c.float32_gate_logits),
+         "float32_gate_logits=true cannot be combined with a quantized router; set quantize_router_proj=false")
+  _check(c.weight_sparsity_n is None or (c.weight_sparsity_m or 0) > (c.weight_sparsity_n or 0) > 0,
+         f"weight_sparsity_n={c.weight_sparsity_n} weight_sparsity_m={c.weight_sparsity_m}: need 0 < n < m")
+  _check(c.mtp_eval_target_module <= c.mtp_num_layers,
+         f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# key=value parsing: strings to typed values, nothing more.
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _field_kind(name: str) -> str:
+  default = FIELDS[name].default
+  annotation = str(FIELDS[name].type)
+  if isinstance(default, bool):
+    return "bool"
+  if isinstance(default, tuple):
+    return "list"
+  if isinstance(default, int) or annotation.startswith("int"):
+    return "int"
+  if isinstance(default, float):
+    return "float"
+  return "str"
+
+
+def parse_value(key: str, text: Any) -> Any:
+  """Converts one override value (a string from the command line, or a YAML value) to the key's type."""
+  kind = _field_kind(key)
+  if not isinstance(text, str):  # YAML already typed it
+    if kind == "list" and isinstance(text, (list, tuple)):
+      return tuple(str(t) for t in text)
+    if kind == "float" and isinstance(text, int) and not isinstance(text, bool):
+      return float(text)
+    if kind == "int" and isinstance(text, float) and text.is_integer():
+      return int(text)
+    expected = {"bool": bool, "int": int, "float": float, "str": str, "list": (list, tuple)}[kind]
+    if text is None and FIELDS[key].type.endswith("None"):
+      return None
+    if isinstance(text, expected) and not (kind in ("int", "float") and isinstance(text, bool)):
+      return text
+    raise errors.ConfigError(f"{key}={text!r} is not a valid {kind}")
+  value = text.strip()
+  if kind == "bool":
+    if value.lower() in _TRUE:
+      return True
+    if value.lower() in _FALSE:
+      return False
+    raise errors.ConfigError(f"{key}={text!r} is not a boolean; accepted: true, false, True, False, 1, 0")
+  if kind == "list":
+    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    return tuple(part.strip().strip("'\"") for part in inner.split(",") if part.strip())
+  if value.lower() in ("none", "null") and str(FIELDS[key].type).endswith("None"):
+    return None
+  if kind == "int":
+    try:
+      return int(value.replace("_", ""))
+    except ValueError:
+      try:
+        as_float = float(value)
+      except ValueError:
+        as_float = None
+      if as_float is not None and as_float.is_integer():
+        return int(as_float)
+      raise errors.ConfigError(f"{key}={text!r} is not an integer") from None
+  if kind == "float":
+    try:
+      return float(value.replace("_", ""))
+    except ValueError:
+      raise errors.ConfigError(f"{key}={text!r} is not a number") from None
+  return value.strip("'\"")
+
+
+def parse_overrides(tokens: Iterable[str]) -> dict[str, str]:
+  """Splits `key=value` tokens (raw strings). A token without `=` or with an empty key is refused."""
+  raw: dict[str, str] = {}
+  for token in tokens:
+    key, sep, value = token.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise errors.ConfigError(f"argument {token!r} is not of the form key=value (e.g. model_name=deepseek3-671b)")
+    raw[key] = value
+  return raw
+
+
+def known_keys() -> list[str]:
+  return sorted(set(FIELDS) | IGNORED_KEYS)
+
+
+def _typed(raw: Mapping[str, Any]) -> dict[str, Any]:
+  typed = {}
+  for key, value in raw.items():
+    if key in IGNORED_KEYS:
+      continue
+    if key not in FIELDS:
+      raise errors.UnknownKeyError(key, known_keys())
+    typed[key] = parse_value(key, value)
+  return typed
+
+
+def load_model_file(path: str) -> dict[str, Any]:
+  """Reads a user YAML model file (MaxText model-yml keys) into a key → value mapping."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  if not os.path.isfile(path):
+    raise errors.ConfigError(f"model file {path!r} does not exist")
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = yaml.safe_load(f)
+  except yaml.YAMLError as e:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise errors.ConfigError(f"model file {path!r} is not valid YAML: {first}") from None
+  if data is None:
+    data = {}
+  if not isinstance(data, dict):
+    raise errors.ConfigError(f"model file {path!r} must hold a mapping of MaxText keys, got {type(data).__name__}")
+  return data
+
+
+def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]:
+  """The keys a preset (or a user model file) sets, typed."""
+  if model_file:
+    data = load_model_file(model_file)
+    data.setdefault("model_name", model_name if model_name != "default" else
+                    os.path.splitext(os.path.basename(model_file))[0])
+    return _typed(data)
+  if model_name == "default":
+    return {}
+  if model_name not in presets.PRESETS:
+    raise errors.ConfigError(f"unknown model_name {model_name!r}; known: {', '.join(sorted(presets.PRESETS))} "
+                             "(or pass model_file=<your.yml>)")
+  return dict(presets.PRESETS[model_name], model_name=model_name)
+
+
+def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
+  """Builds a `ModelConfig` from MaxText-style `key=value` tokens (plus typed keyword overrides).
+
+  `model_file=<path.yml>` (or a bare `*.yml` token) names a user model file used in place of a preset.
+  """
+  tokens = list(tokens)
+  files = [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml"))]
+  raw = parse_overrides([t for t in tokens if t not in files])
+  model_file = raw.pop("model_file", None) or (files[0] if files else None)
+  cli = _typed(raw)
+  cli.update(extra)
+  model_name = cli.get("model_name", "default")
+  base = model_keys(model_name, model_file)
+  if not cli.get("override_model_config", False):
+    for key, value in cli.items():
+      if key in base and key != "model_name" and base[key] != value:
+        raise errors.ConfigError(
+            f"{key}={value!r} is set by model {base.get('model_name', model_name)!r} to {base[key]!r}; "
+            "add override_model_config=true to override model keys")
+  return ModelConfig(**{**base, **cli})

@@ -1,0 +1,126 @@
+"""Parameter summary by group: where the parameters of a DeepSeek tree live, what they weigh, what is active.
+
+Groups follow the model's structure: embedding, dense stack, MoE stack (attention, router, routed experts,
+shared experts), MTP block (same split) and head. Works on any `Leaf` list in MaxText's key convention —
+a model's or a checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from inspect_tool import tree
+
+# (group, part, pattern over the '/'-joined module path); first match wins.
+_GROUPS = (
+    ("embedding", "", r"token_embedder/.*"),
+    ("head", "", r"decoder/(logits_dense|decoder_norm)/.*"),
+    ("dense stack", "", r"decoder/dense_layers.*"),
+    ("moe stack", "router", r"decoder/moe_layers[^/]*/.*/MoeBlock_0/gate/.*"),
+    ("moe stack", "routed experts", r"decoder/moe_layers[^/]*/.*/MoeBlock_0/.*"),
+    ("moe stack", "shared experts", r"decoder/moe_layers[^/]*/.*/shared_experts/.*"),
+    ("moe stack", "attention and norms", r"decoder/moe_layers.*"),
+    ("mtp block", "router", r"mtp_block/.*/MoeBlock_0/gate/.*"),
+    ("mtp block", "routed experts", r"mtp_block/.*/MoeBlock_0/.*"),
+    ("mtp block", "shared experts", r"mtp_block/.*/shared_experts/.*"),
+    ("mtp block", "attention, norms and projection", r"mtp_block/.*"),
+)
+_COMPILED = tuple((g, p, re.compile(pattern)) for g, p, pattern in _GROUPS)
+_BYTES = {"float64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4, "bfloat16": 2,
+          "float16": 2, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def dtype_bytes(dtype: str) -> float:
+  if dtype.startswith("float8"):
+    return 1
+  if dtype in ("int4", "uint4", "float4_e2m1fn"):
+    return 0.5
+  return _BYTES.get(dtype, 4)
+
+
+def group_of(leaf: tree.Leaf) -> tuple[str, str]:
+  path = "/".join(leaf.module_path)
+  for group, part, pattern in _COMPILED:
+    if pattern.fullmatch(path):
+      return group, part
+  return "other", ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRow:
+  group: str
+  part: str  # "" for the group's total row
+  params: int
+  bytes: float  # at the stored dtype
+  bytes_bf16: int
+  bytes_fp8: int
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """Per-group parameter counts and sizes, totals and (given the routing fraction) active parameters."""
+
+  rows: tuple[GroupRow, ...]
+  total_params: int
+  total_bytes: float
+  active_params: int | None  # per token, main model (no MTP)
+  active_params_with_mtp: int | None
+  routed_fraction: float | None  # num_experts_per_tok / num_experts
+
+  def to_dict(self) -> dict:
+    return {"groups": [r.to_dict() for r in self.rows], "total_params": self.total_params,
+            "total_bytes": self.total_bytes, "active_params_per_token": self.active_params,
+            "active_params_per_token_with_mtp": self.active_params_with_mtp,
+            "routed_expert_fraction": self.routed_fraction}
+
+
+def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, all_leaves: bool = False) -> Summary:
+  """Sums parameter leaves (`params.params.*`, or every leaf with `all_leaves`) by group; others are ignored.
+
+  `routed_fraction` (experts per token / experts) turns routed-expert counts into active parameters per token:
+  every other parameter is counted as active.
+  """
+  sums: dict[tuple[str, str], list[float]] = {}
+  for leaf in leaves:
+    if not (leaf.is_param or all_leaves):
+      continue
+    group, part = group_of(leaf)
+    for key in ((group, ""), (group, part)) if part else ((group, ""),):
+      acc = sums.setdefault(key, [0, 0.0])
+      acc[0] += leaf.size
+      acc[1] += leaf.size * dtype_bytes(leaf.dtype)
+  order = [g for g, _, _ in _GROUPS] + ["other"]
+  parts = [p for _, p, _ in _GROUPS]
+  keys = sorted(sums, key=lambda k: (order.index(k[0]), k[1] != "", parts.index(k[1]) if k[1] else 0))
+  rows = tuple(GroupRow(g, p, int(sums[(g, p)][0]), sums[(g, p)][1], int(sums[(g, p)][0]) * 2,
+                        int(sums[(g, p)][0])) for g, p in keys)
+  total = sum(r.params for r in rows if not r.part)
+  total_bytes = sum(r.bytes for r in rows if not r.part)
+  active = active_mtp = None
+  if routed_fraction is not None:
+    def inactive(group: str) -> float:
+      routed = sums.get((group, "routed experts"), [0, 0])[0]
+      return routed * (1.0 - routed_fraction)
+    mtp_total = sums.get(("mtp block", ""), [0, 0])[0]
+    active_mtp = int(round(total - inactive("moe stack") - inactive("mtp block")))
+    active = int(round(total - mtp_total - inactive("moe stack")))
+  return Summary(rows, total, total_bytes, active, active_mtp, routed_fraction)
+
+
+def human(n: float) -> str:
+  """1234567 -> '1.23M'."""
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f}{unit}"
+  return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+  for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{n:.0f} B"
