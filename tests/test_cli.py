@@ -1,0 +1,68 @@
+"""The command line: help everywhere without JAX, MaxText spellings, exit codes and one-line errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from inspect_tool import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "tests", "data")
+CKPT_ITEMS = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024", "0", "items")
+
+
+def run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+@pytest.mark.parametrize("command", list(cli._COMMANDS))  # pylint: disable=protected-access
+def test_every_command_has_help(capsys, command):
+  code, out, _ = run(capsys, command, "--help")
+  assert code == 0 and "Usage:" in out
+
+
+def test_help_does_not_import_jax():
+  code = ("import sys; from inspect_tool import cli; rc = cli.main(['--help']); "
+          "assert rc == 0; assert 'jax' not in sys.modules, 'jax imported'")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+  assert result.returncode == 0, result.stderr
+
+
+def test_python_dash_m_runs_the_cli():
+  result = subprocess.run([sys.executable, "-m", "inspect_tool", "--help"], capture_output=True, text=True, cwd=REPO,
+                          check=False)
+  assert result.returncode == 0 and "maxtext" in result.stdout
+
+
+def test_normalize_maxtext_boolean_spellings():
+  assert cli.normalize_argv(["--check_dtype=true", "--check_dtype=False", "--all=1", "x=y"]) == [
+      "--check-dtype", "--no-check-dtype", "--all", "x=y"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["maxtext", "model_name=nope"], "unknown model_name 'nope'"),
+    (["maxtext", "model_name=deepseek3-tiny", "mtp_num_layer=1"], "did you mean 'mtp_num_layers'"),
+    (["maxtext", "scan_layers=perhaps"], "not a boolean"),
+    (["maxtext", "mtp_num_layers"], "not of the form key=value"),
+    (["maxtext", "base_emb_dim=-4"], "base_emb_dim=-4 must be a positive integer"),
+    (["orbax", "--path", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, message):
+  code, out, err = run(capsys, *argv)
+  assert code == 2 and out == ""
+  assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_orbax_listing_is_maxtext_listing(capsys, tmp_path):
+  target = tmp_path / "listing.txt"
+  code, out, _ = run(capsys, "orbax", "--path", CKPT_ITEMS, "--check_dtype=true", f"--output_file={target}")
+  assert code == 0
+  with open(os.path.join(DATA, "listings", "orbax_ckpt_deepseek3-tiny-L4-V1024.txt"), encoding="utf-8") as f:
+    expected = f.read().splitlines()[2:]
+  assert target.read_text().splitlines()[2:] == expected
+  assert target.read_text().startswith("# inspect_checkpoint ")
+  assert out.splitlines()[:-1] == expected and out.splitlines()[-1].startswith("Total Parameters: ")
