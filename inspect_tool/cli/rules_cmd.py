@@ -1,0 +1,40 @@
+"""`rules`: which Qwix rule quantizes which op and weight (GMM experts and the MTP block included)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("overrides", nargs=-1)
+@click.option("--rules", "rules_file", type=click.Path(dir_okay=False),
+              help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
+@click.option("--format", "fmt", type=click.Choice(("text", "json", "markdown", "html")), default="text",
+              show_default=True, help="html: the treescope module tree marked by rule.")
+@click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight.")
+@click.option("--explain", "explain_path", metavar="MODULE_PATH",
+              help="Show each rule tried for one module path (e.g. decoder/moe_layers/self_attention/out).")
+def rules(overrides, rules_file, fmt, strict, explain_path):
+  """Report Qwix rule coverage of the model given as key=value overrides (abstract trace, no memory).
+
+  Example: inspect_checkpoint rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full quantize_mtp=true
+  """
+  from inspect_tool import config, coverage  # pylint: disable=import-outside-toplevel
+  from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(overrides)
+  report = coverage.trace_coverage(cfg, rules_file)
+  if explain_path:
+    click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)
+  elif fmt == "html":
+    click.echo(coverage.coverage_html(cfg, report), nl=False)
+  else:
+    formatter = {"text": coverage_format.to_text, "json": coverage_format.to_json,
+                 "markdown": coverage_format.to_markdown}[fmt]
+    click.echo(formatter(report), nl=False)
+  findings = report.strict_findings()
+  if strict and findings:
+    for finding in findings:
+      click.echo(f"strict: {finding}", err=True)
+    return 1
+  return 0

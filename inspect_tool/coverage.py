@@ -1,0 +1,92 @@
+"""The DeepSeek side of `inspect_checkpoint rules`: Qwix rule coverage of the model a config describes.
+
+`trace_coverage(cfg)` builds MaxText's rules from the config (or takes user rules / a rule file), builds the
+abstract model, and traces one forward pass the way MaxText's `maybe_quantize_model` does (dummy inputs of
+ones; `decoder_target_tokens`/`decoder_target_mask` when MTP is on so that the MTP block is traced too),
+under `nnx.eval_shape`: nothing is allocated, scanned stacks are traced once.
+
+The batch is (1, min(max_target_length, 16)): which ops run and which rule each gets does not depend on the
+shape, and FLOPs per token are computed from the weights (see `quant.coverage`), so a short sequence only
+makes the trace cheaper.
+
+Module groups for the summary: `mtp_block/...` → mtp, `decoder/logits_dense` → head (both of its calls:
+the main head `dot_general0` and the MTP head `dot_general1`), everything else → decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"))
+DEFAULT_GROUP = "decoder"
+TRACE_SEQUENCE = 16
+
+
+def quant_settings(cfg):
+  """The config's quantization keys as `quant.rules.QuantSettings`."""
+  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
+
+  return rules_lib.QuantSettings.from_object(cfg)
+
+
+def config_rules(cfg) -> list:
+  """MaxText's Qwix rules for the config ([] without quantization)."""
+  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
+
+  return rules_lib.build_rules(quant_settings(cfg))
+
+
+def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
+  """The raw `quant.coverage.Trace` for the config (rules: None → MaxText's, a list, or a YAML rule file)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+  from quant import coverage, rules as rules_lib  # pylint: disable=import-outside-toplevel
+
+  if rules is None:
+    rule_list = config_rules(cfg)
+    provider = rules_lib.provider_name(cfg.quantization) or "qt"
+  elif isinstance(rules, (str, os.PathLike)):
+    rule_list, provider = rules_lib.load_rule_file(rules), "qt"
+  else:
+    rule_list, provider = list(rules), "qt"
+  model = model_lib.build_model(cfg, abstract=True)
+  shape = (1, min(cfg.max_target_length, TRACE_SEQUENCE))
+  ones = jnp.ones(shape, jnp.int32)
+  kwargs = {"enable_dropout": False}
+  if cfg.mtp_num_layers > 0:
+    kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
+  return coverage.trace_model(model, rule_list, ones, ones, ones, experts_per_token=cfg.num_experts_per_tok,
+                              provider=provider, **kwargs)
+
+
+def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
+  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head."""
+  from quant import coverage_report  # pylint: disable=import-outside-toplevel
+
+  return coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP)
+
+
+def module_labels(report) -> dict[str, str]:
+  """Module path → the label the HTML tree shows: the winning rule and its weight qtype, or "unquantized"."""
+  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
+
+  labels = {}
+  for module, index in report.module_rules().items():
+    rule = report.rules[index].rule if index is not None else None
+    if rule is None or rule.weight_qtype is None:
+      labels[module] = "unquantized" if rule is None else f"rule {index} (unquantized)"
+    else:
+      labels[module] = f"rule {index} ({rules_lib.qtype_name(rule.weight_qtype)})"
+  return labels
+
+
+def coverage_html(cfg, report) -> str:
+  """The treescope module tree of the (abstract) model, each module marked by the rule that won its ops."""
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
+
+  return html.render_model_html(model_lib.build_model(cfg, abstract=True), title=f"Qwix rule coverage: "
+                                f"{cfg.model_name} quantization={cfg.quantization or 'none'}",
+                                annotations=module_labels(report))

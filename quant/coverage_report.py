@@ -1,0 +1,265 @@
+"""The rule coverage report: built once from a `coverage.Trace`, read by every formatter.
+
+It answers: which rule won how many ops, which rules never win (unused) or are hidden behind earlier rules
+(shadowed), which matmul weights no quantized op reaches, and what share of matmul parameters and of weight
+FLOPs per token is quantized per group of modules. Groups come from a small table of module-path prefixes
+that the caller passes (first prefix that a module path starts with wins; otherwise `default_group`), so this
+module stays model-agnostic.
+
+A weight counts as quantized when at least one op consuming it runs quantized (`rules.quantizes`: a matched
+rule with a weight qtype under Qwix's QtProvider). Parameters count once per weight; FLOPs count per op (a
+weight used by two ops, like an output head shared by the MTP block, contributes its FLOPs twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from typing import Sequence
+
+import qwix
+
+from quant import coverage, rules as rules_lib
+
+GroupTable = Sequence[tuple[str, str]]  # (module-path prefix, group name), first match wins
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleRow:
+  index: int
+  rule: qwix.QtRule
+  matches: int  # Qwix's match counter: ops and rule lookups that this rule won
+  ops: int  # distinct reported ops (module, op id) this rule won
+
+
+@dataclasses.dataclass(frozen=True)
+class Shadowed:
+  index: int  # the rule that never wins
+  by: tuple[int, ...]  # the earlier rules that win every op it would match
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRow:
+  """A weight consumed by at least one matmul op."""
+
+  weight: str
+  group: str
+  shape: tuple[int, ...]
+  params: int
+  flops_per_token: int  # summed over the ops that consume it
+  quantized: bool
+  ops: tuple[str, ...]  # "module:op" of each consuming op
+  rules: tuple[int | None, ...]  # winning rule of each consuming op
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSummary:
+  group: str
+  weights: int
+  quantized_weights: int
+  params: int
+  quantized_params: int
+  flops_per_token: int
+  quantized_flops_per_token: int
+
+  @property
+  def params_share(self) -> float:
+    return self.quantized_params / self.params if self.params else 0.0
+
+  @property
+  def flops_share(self) -> float:
+    return self.quantized_flops_per_token / self.flops_per_token if self.flops_per_token else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleVerdict:
+  """Why one rule did or did not match a module path (and op name)."""
+
+  index: int
+  rule: qwix.QtRule
+  path_matches: bool  # re.fullmatch(rule.module_path, module_path)
+  op_matches: bool | None  # op name passes rule.op_names (None: no op name given and the rule filters ops)
+  wins: bool  # first rule that matches
+  shadowed_by: int | None  # an earlier rule that already matched
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  module_path: str
+  op_name: str | None
+  verdicts: tuple[RuleVerdict, ...]
+  ops: tuple[coverage.OpRecord, ...]  # the recorded ops of this module with this op name (report only)
+  traced: bool | None = None  # with a report: whether the module had any recorded op; None for plain rules
+  suggestions: tuple[str, ...] = ()  # with a report and an unknown module: the closest traced module paths
+
+  @property
+  def winner(self) -> int | None:
+    return next((v.index for v in self.verdicts if v.wins), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverageReport:
+  """Everything the formatters show; built by `build_report`."""
+
+  rules: tuple[RuleRow, ...]
+  ops: tuple[coverage.OpRecord, ...]  # reported ops (JAX lowering artifacts left out)
+  unused_rules: tuple[int, ...]
+  shadowed_rules: tuple[Shadowed, ...]
+  weights: tuple[WeightRow, ...]  # matmul weights, in first-use order
+  groups: tuple[GroupSummary, ...]  # default group first, then the table's groups in table order
+  total: GroupSummary
+  other_params: int  # params of the model that no matmul op consumes (embeddings, norms, biases, ...)
+  hidden_ops: tuple[coverage.OpRecord, ...]  # lowering artifacts that were left out of `ops`
+  provider: str | None
+  group_table: tuple[tuple[str, str], ...]
+  default_group: str
+
+  @property
+  def unquantized_weights(self) -> tuple[WeightRow, ...]:
+    return tuple(w for w in self.weights if not w.quantized)
+
+  def op_quantized(self, op: coverage.OpRecord) -> bool:
+    rule = self.rules[op.rule].rule if op.rule is not None else None
+    return rules_lib.quantizes(rule, op.op_name, self.provider)
+
+  def group_of(self, module_path: str) -> str:
+    return group_of(module_path, self.group_table, self.default_group)
+
+  def module_rules(self) -> dict[str, int | None]:
+    """Module path -> the rule that won its weight-consuming ops (else any of its ops), None if none won."""
+    out: dict[str, int | None] = {}
+    for op in self.ops:
+      out.setdefault(op.module, None)
+    for prefer_matmul in (True, False):
+      for op in self.ops:
+        if out[op.module] is None and op.rule is not None and (op.matmul or not prefer_matmul):
+          out[op.module] = op.rule
+    return out
+
+  def strict_findings(self, required_groups: Sequence[str] = ("decoder",)) -> list[str]:
+    """`--strict` problems: unused rules, and matmul weights of `required_groups` that stay unquantized."""
+    findings = []
+    for index in self.unused_rules:
+      rule = self.rules[index].rule
+      shadow = next((s for s in self.shadowed_rules if s.index == index), None)
+      why = (f"shadowed by rule {', '.join(map(str, shadow.by))}" if shadow else "matches no op")
+      findings.append(f"rule {index} (module_path {rule.module_path!r}, op_names {list(rule.op_names)}) is unused: "
+                      f"{why}")
+    for weight in self.unquantized_weights:
+      if weight.group in required_groups:
+        findings.append(f"{weight.group} weight {weight.weight} ({weight.params:,} params) is not quantized "
+                        f"(ops {', '.join(weight.ops)})")
+    return findings
+
+
+def group_of(module_path: str, table: GroupTable, default: str) -> str:
+  return next((group for prefix, group in table if module_path.startswith(prefix)), default)
+
+
+def match_rule(rules: Sequence[qwix.QtRule], module_path: str, op_name: str) -> int | None:
+  """Qwix's first-match rule lookup (`QuantizationProvider._get_current_rule_and_op_id`)."""
+  for index, rule in enumerate(rules):
+    if re.fullmatch(rule.module_path, module_path) and (not rule.op_names or op_name in rule.op_names):
+      return index
+  return None
+
+
+def build_report(trace: coverage.Trace, group_table: GroupTable = (), default_group: str = "model") -> CoverageReport:
+  """Derives the whole report from a trace; `group_table` classifies module paths by prefix."""
+  table = tuple((str(p), str(g)) for p, g in group_table)
+  ops = trace.visible_ops()
+  hidden = tuple(op for op in trace.ops if op.lowering)
+  rule_rows = tuple(RuleRow(index=i, rule=r, matches=trace.rule_matches[i], ops=sum(op.rule == i for op in ops))
+                    for i, r in enumerate(trace.rules))
+  unused = tuple(i for i, m in enumerate(trace.rule_matches) if m == 0)
+  shadowed = []
+  for index in unused:
+    rule = trace.rules[index]
+    winners = {op.rule for op in trace.ops
+               if re.fullmatch(rule.module_path, op.module) and (not rule.op_names or op.op_name in rule.op_names)}
+    if winners:
+      shadowed.append(Shadowed(index=index, by=tuple(sorted(w for w in winners if w is not None))))
+
+  def quantized(op: coverage.OpRecord) -> bool:
+    rule = trace.rules[op.rule] if op.rule is not None else None
+    return rules_lib.quantizes(rule, op.op_name, trace.provider)
+
+  by_weight: dict[str, list[coverage.OpRecord]] = {}
+  for op in ops:
+    if op.matmul and op.weight is not None:
+      by_weight.setdefault(op.weight, []).append(op)
+  weights = tuple(
+      WeightRow(weight=name, group=group_of(uses[0].module, table, default_group), shape=uses[0].weight_shape,
+                params=uses[0].params, flops_per_token=sum(op.flops_per_token for op in uses),
+                quantized=any(quantized(op) for op in uses), ops=tuple(f"{op.module}:{op.op}" for op in uses),
+                rules=tuple(op.rule for op in uses))
+      for name, uses in by_weight.items())
+
+  names = [default_group] + [g for _, g in table]
+  group_names = list(dict.fromkeys(names))
+  summaries = []
+  for name in group_names + [None]:
+    in_group = [w for w in weights if name is None or w.group == name]
+    group_ops = [op for op in ops if op.matmul and op.weight is not None
+                 and (name is None or group_of(op.module, table, default_group) == name)]
+    summaries.append(GroupSummary(
+        group=name or "total", weights=len(in_group), quantized_weights=sum(w.quantized for w in in_group),
+        params=sum(w.params for w in in_group), quantized_params=sum(w.params for w in in_group if w.quantized),
+        flops_per_token=sum(op.flops_per_token for op in group_ops),
+        quantized_flops_per_token=sum(op.flops_per_token for op in group_ops if quantized(op))))
+  total = summaries.pop()
+  groups = tuple(s for s in summaries if s.weights or s.group != default_group)
+  other = sum(_prod(shape) for path, shape in trace.param_shapes.items() if path not in by_weight)
+  return CoverageReport(rules=rule_rows, ops=ops, unused_rules=unused, shadowed_rules=tuple(shadowed),
+                        weights=weights, groups=groups, total=total, other_params=other, hidden_ops=hidden,
+                        provider=trace.provider, group_table=table, default_group=default_group)
+
+
+def explain(report_or_rules: CoverageReport | Sequence[qwix.QtRule], module_path: str,
+            op_name: str | None = None) -> list[Explanation]:
+  """Each rule tried on `module_path`, in order, and why it matched or not.
+
+  Without `op_name`: with a report, one explanation per op name recorded for that module; with plain
+  rules, one per op name that a rule matching the path lists (or a single one with the op left open,
+  `op_matches` None, when no such rule lists op names).
+  """
+  traced, suggestions = None, ()
+  if isinstance(report_or_rules, CoverageReport):
+    rule_list = [row.rule for row in report_or_rules.rules]
+    recorded = [op for op in report_or_rules.ops if op.module == module_path]
+    traced = bool(recorded)
+    if not traced:
+      modules = list(dict.fromkeys(op.module for op in report_or_rules.ops))
+      suggestions = tuple(difflib.get_close_matches(module_path, modules, n=3, cutoff=0.6))
+  else:
+    rule_list, recorded = list(report_or_rules), []
+  if op_name:
+    op_names = [op_name]
+  elif recorded:
+    op_names = list(dict.fromkeys(op.op_name for op in recorded))
+  else:  # every op name a rule whose path matches would accept (None: "any op" rules only, or none)
+    matching = [r for r in rule_list if re.fullmatch(r.module_path, module_path)]
+    op_names = list(dict.fromkeys(n for r in matching for n in r.op_names)) or [None]
+  out = []
+  for name in op_names:
+    verdicts, first = [], None
+    for index, rule in enumerate(rule_list):
+      path_ok = re.fullmatch(rule.module_path, module_path) is not None
+      op_ok = True if not rule.op_names else (None if name is None else name in rule.op_names)
+      matches = path_ok and op_ok is True
+      verdicts.append(RuleVerdict(index=index, rule=rule, path_matches=path_ok, op_matches=op_ok,
+                                  wins=matches and first is None, shadowed_by=first if matches else None))
+      if matches and first is None:
+        first = index
+    out.append(Explanation(module_path=module_path, op_name=name, verdicts=tuple(verdicts),
+                           ops=tuple(op for op in recorded if op.op_name == name), traced=traced,
+                           suggestions=suggestions))
+  return out
+
+
+def _prod(shape: Sequence[int]) -> int:
+  n = 1
+  for d in shape:
+    n *= int(d)
+  return n

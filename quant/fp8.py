@@ -1,0 +1,214 @@
+"""FP8 quantization numerics: calibration, scales, saturating casts and DeepSeek-style block scales.
+
+`quantize` follows Qwix 0.1.8's dynamic-range quantization step for step (same dtype of every intermediate),
+so scales and fp8 values are bit-identical to `qwix.quantize_api`:
+
+* calibration reduces every axis that is not channelwise (`absmax[,f]`, `rms,f`, `fixed,<hi>` or
+  `fixed,<lo>,<hi>` with lo == -hi; `fixed` is always per-tensor), computed in the input's dtype;
+* `scale = absmax / finfo(qtype).max` (448 for e4m3fn, 57344 for e5m2); scales below sqrt(finfo.tiny) — all-zero
+  channels — become 1;
+* `qvalue = clip(x / scale, finfo.min, finfo.max).astype(qtype)`: values beyond the range saturate, NaN stays
+  NaN (an inf input makes its channel's scale inf, hence NaN after dequantization, as in Qwix).
+
+Asymmetric calibrations (`minmax`, `fixed,<lo>,<hi>` with lo != -hi) need integer qtypes and are rejected.
+"""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from quant import errors
+
+_QTYPES = {
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "e4m3fn": jnp.float8_e4m3fn,
+    "e4m3": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+    "e5m2": jnp.float8_e5m2,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+CALIBRATIONS = ("absmax", "absmax,<factor>", "rms,<factor>", "fixed,<bound>", "fixed,<-bound>,<bound>")
+
+
+def resolve_qtype(qtype) -> np.dtype:
+  """Returns the numpy dtype of an fp8 qtype given as a dtype or a name (e.g. 'e4m3', 'float8_e5m2')."""
+  if isinstance(qtype, str):
+    resolved = _QTYPES.get(qtype.strip().lower())
+  else:
+    try:
+      resolved = np.dtype(qtype)
+    except TypeError:
+      resolved = None
+  if resolved is None or np.dtype(resolved) not in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
+    raise errors.QuantError(f"unsupported quantization type {qtype!r}; accepted: float8_e4m3fn, float8_e5m2")
+  return np.dtype(resolved)
+
+
+def qmax(qtype) -> float:
+  """Largest finite value of the fp8 type (448.0 for e4m3fn, 57344.0 for e5m2)."""
+  return float(jnp.finfo(resolve_qtype(qtype)).max)
+
+
+def parse_calibration(calibration: str) -> tuple[str, tuple[float, ...]]:
+  """Splits '<method>[,<args>]' and validates it for symmetric fp8 quantization."""
+  method, *raw = str(calibration).strip().lower().split(",")
+  try:
+    args = tuple(float(a) for a in raw)
+  except ValueError:
+    args = None
+  bad = args is None
+  if not bad and method == "absmax":
+    bad = len(args) > 1
+  elif not bad and method == "rms":
+    bad = len(args) != 1
+  elif not bad and method == "fixed":
+    if len(args) == 1:
+      args = (-args[0], args[0])
+    bad = len(args) != 2 or args[0] > 0 or args[1] < 0 or args[0] >= args[1] or args[0] + args[1] != 0
+  elif not bad:
+    bad = True
+  if bad:
+    raise errors.QuantError(
+        f"unsupported calibration method {calibration!r} for fp8; accepted: {', '.join(CALIBRATIONS)}")
+  return method, args
+
+
+def _check_float(x) -> None:
+  if np.dtype(x.dtype).name not in _FLOAT_DTYPES:
+    raise errors.QuantError(f"cannot quantize an array of dtype {x.dtype}; accepted: {', '.join(_FLOAT_DTYPES)}")
+
+
+def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:
+  out = []
+  for axis in axes:
+    if not -ndim <= axis < ndim:
+      raise errors.QuantError(f"channelwise axis {axis} is out of range for an array of rank {ndim}")
+    out.append(axis % ndim)
+  return tuple(sorted(set(out)))
+
+
+def compute_scale(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
+  """Returns the quantization scale of `x` (dtype of `x`, rank of `x`, 1 on reduced axes)."""
+  x = jnp.asarray(x)
+  _check_float(x)
+  qtype = resolve_qtype(qtype)
+  method, args = parse_calibration(calibration)
+  keep = _normalize_axes(channelwise_axes, x.ndim)
+  reduce_axes = tuple(a for a in range(x.ndim) if a not in keep)
+  if method == "absmax":
+    bound = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
+    if args:
+      bound = bound * args[0]
+  elif method == "rms":
+    bound = jnp.sqrt(jnp.mean(jnp.square(x), axis=reduce_axes, keepdims=True)) * args[0]
+  else:  # fixed: per-tensor
+    bound = jnp.full((1,) * x.ndim, args[1], x.dtype)
+  scale = bound / float(jnp.finfo(qtype).max)
+  tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
+  return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale)
+
+
+def quantize_with_scale(x, qtype, scale):
+  """Returns `clip(x / scale, finfo.min, finfo.max)` cast to `qtype` (division in the dtype of `x`)."""
+  x = jnp.asarray(x)
+  qtype = resolve_qtype(qtype)
+  info = jnp.finfo(qtype)
+  q = x / jnp.asarray(scale).astype(x.dtype)
+  return jnp.clip(q, info.min.astype(x.dtype), info.max.astype(x.dtype)).astype(qtype)
+
+
+def quantize(x, qtype, channelwise_axes=(), calibration: str = "absmax", scale_dtype=None):
+  """Quantizes `x` to fp8 with one scale per index of `channelwise_axes` (none: per-tensor).
+
+  Args:
+    x: floating array (bf16, f16, f32, f64).
+    qtype: float8_e4m3fn or float8_e5m2 (dtype or name).
+    channelwise_axes: axes that keep their own scales; all other axes are reduced.
+    calibration: one of CALIBRATIONS.
+    scale_dtype: dtype of the returned scale (default: dtype of `x`; computed in the dtype of `x` regardless).
+
+  Returns:
+    (qvalue, scale): qvalue has x's shape and dtype `qtype`; scale has x's rank with reduced axes of size 1, so
+    `dequantize(qvalue, scale) ≈ x`.
+  """
+  x = jnp.asarray(x)
+  scale = compute_scale(x, qtype, channelwise_axes, calibration)
+  qvalue = quantize_with_scale(x, qtype, scale)
+  if scale_dtype is not None:
+    scale = scale.astype(scale_dtype)
+  return qvalue, scale
+
+
+def dequantize(qvalue, scale):
+  """Returns `qvalue * scale` in the scale's dtype (scale broadcasts against qvalue)."""
+  scale = jnp.asarray(scale)
+  return jnp.asarray(qvalue).astype(scale.dtype) * scale
+
+
+def fake_quantize(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
+  """Quantize then dequantize, returning an array of x's dtype (for references and error studies)."""
+  qvalue, scale = quantize(x, qtype, channelwise_axes, calibration)
+  return dequantize(qvalue, scale).astype(jnp.asarray(x).dtype)
+
+
+def _check_block(block) -> tuple[int, int]:
+  try:
+    rows, cols = (int(b) for b in block)
+  except (TypeError, ValueError):
+    rows = cols = 0
+  if rows < 1 or cols < 1:
+    raise errors.QuantError(f"invalid block shape {block!r}; accepted: two positive integers, e.g. (128, 128)")
+  return rows, cols
+
+
+def block_scale_shape(shape, block=(128, 128)) -> tuple[int, ...]:
+  """Shape of the per-block scale of an array: last two dims divided by the block (rounded up)."""
+  rows, cols = _check_block(block)
+  if len(shape) < 2:
+    raise errors.QuantError(f"block quantization needs an array of rank >= 2, got shape {tuple(shape)}")
+  return tuple(shape[:-2]) + (math.ceil(shape[-2] / rows), math.ceil(shape[-1] / cols))
+
+
+def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn"):
+  """Quantizes the last two axes of `w` in blocks, DeepSeek-V3 serving style.
+
+  Each `block[0] x block[1]` tile of the last two axes (edge tiles may be smaller) gets one float32 scale
+  `absmax(tile) / finfo(qtype).max` (an all-zero tile gets 1); leading axes (layers, experts) are batch axes.
+
+  Returns:
+    (qvalue, scale_inv): qvalue has w's shape and dtype `qtype`; scale_inv is float32 of
+    `block_scale_shape(w.shape, block)`. The serving convention dequantizes by multiplying:
+    `block_dequantize(qvalue, scale_inv, block) ≈ w`.
+  """
+  w = jnp.asarray(w)
+  _check_float(w)
+  qtype = resolve_qtype(qtype)
+  rows, cols = _check_block(block)
+  scale_shape = block_scale_shape(w.shape, block)
+  w32 = w.astype(jnp.float32)
+  pad = [(0, 0)] * (w.ndim - 2) + [(0, scale_shape[-2] * rows - w.shape[-2]),
+                                    (0, scale_shape[-1] * cols - w.shape[-1])]
+  tiles = jnp.pad(w32, pad).reshape(scale_shape[:-2] + (scale_shape[-2], rows, scale_shape[-1], cols))
+  scale = compute_scale(tiles, qtype, channelwise_axes=tuple(range(w.ndim - 2)) + (w.ndim - 2, w.ndim))
+  qtiles = quantize_with_scale(tiles, qtype, scale)
+  qvalue = qtiles.reshape(w32.shape[:-2] + (scale_shape[-2] * rows, scale_shape[-1] * cols))
+  qvalue = qvalue[..., :w.shape[-2], :w.shape[-1]]
+  return qvalue, scale.reshape(scale_shape)
+
+
+def block_dequantize(qvalue, scale_inv, block=(128, 128), dtype=jnp.float32):
+  """Inverse of `block_quantize`: multiplies every block by its scale, returning `dtype`."""
+  qvalue = jnp.asarray(qvalue)
+  scale_inv = jnp.asarray(scale_inv, jnp.float32)
+  rows, cols = _check_block(block)
+  expected = block_scale_shape(qvalue.shape, block)
+  if tuple(scale_inv.shape) != expected:
+    raise errors.QuantError(
+        f"scale_inv shape {tuple(scale_inv.shape)} does not fit values of shape {tuple(qvalue.shape)} with "
+        f"block {tuple(block)}; expected {expected}")
+  full = jnp.repeat(jnp.repeat(scale_inv, rows, axis=-2), cols, axis=-1)
+  full = full[..., :qvalue.shape[-2], :qvalue.shape[-1]]
+  return (qvalue.astype(jnp.float32) * full).astype(dtype)
