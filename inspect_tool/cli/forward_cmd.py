@@ -1,0 +1,40 @@
+"""`forward`: run the model (random init or a checkpoint, quantized when configured) on a token batch."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("overrides", nargs=-1)
+@click.option("--checkpoint", type=str, help="MaxText-layout Orbax checkpoint to load (default: seeded random init).")
+@click.option("--tokens", "tokens_file", type=str, help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
+@click.option("--targets", "targets_file", type=str, help="int targets .npy (default: tokens shifted left).")
+@click.option("--save-logits", "--save_logits", "save_logits", type=click.Path(dir_okay=False),
+              help="Write logits (and mtp_logits) to this .npz.")
+@click.option("--compare", is_flag=True, help="Also run unquantized and report cosine, top-1 agreement and KL per head.")
+@click.option("--grad", is_flag=True, help="Also compute the training loss gradient (norm, finiteness).")
+@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
+def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt):
+  """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
+
+  With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
+  """
+  from inspect_tool import batch, config, listings, metrics, running  # pylint: disable=import-outside-toplevel
+  from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(overrides)
+  data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
+                          max_target_length=cfg.max_target_length)
+  result, reference = running.run(cfg, data, checkpoint=checkpoint, compare=compare)
+  comparisons = metrics.compare_heads(reference, result) if reference is not None else ()
+  grad_info = None
+  if grad:
+    grad_info = running.loss_and_grad_norm(running.quantize_for_training(running.load_model(cfg, checkpoint), cfg),
+                                           data)
+  if save_logits:
+    forward_format.save_logits(save_logits, result)
+  formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
+  click.echo(formatter(result, source=listings.model_source(overrides), quantization=cfg.quantization,
+                       comparisons=comparisons, grad=grad_info), nl=False)
+  return 0

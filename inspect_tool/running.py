@@ -1,0 +1,93 @@
+"""Running the model for real: build (random init or checkpoint), quantize on the fly (Qwix QT), forward, grad.
+
+The quantized forward pass is MaxText's `quantization=fp8_full` training semantics: the model is wrapped by
+`qwix.quantize_model` with a `QtProvider` over the config's rules, so dense `dot_general`s are quantized where
+a rule matches, the routed experts' `gmm` asks for its rule (FP8 with one, plain without), and with
+`megablox=false` Qwix quantizes `ragged_dot` itself. Parameters are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from inspect_tool import batch as batch_lib
+from inspect_tool import config as config_lib
+from inspect_tool import progress
+
+TRACE_SEQUENCE = 16
+
+
+def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | None = None):
+  """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+
+  rules = coverage.config_rules(cfg) if rules is None else list(rules)
+  if not rules:
+    return model
+  ones = jnp.ones((1, min(cfg.max_target_length, TRACE_SEQUENCE)), jnp.int32)
+  kwargs = {"enable_dropout": False, "skip_nnx_init": True}
+  if cfg.mtp_num_layers > 0:
+    kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
+  return qwix.quantize_model(model, qwix.QtProvider(rules), ones, ones, ones, **kwargs)
+
+
+def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):
+  """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init."""
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+
+  if checkpoint is None:
+    with progress.step(f"initialising {cfg.model_name} (seed {cfg.init_weights_seed})"):
+      return model_lib.build_model(cfg, abstract=False)
+  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
+
+  with progress.step(f"loading {checkpoint}"):
+    return restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
+
+
+def forward(model, batch: batch_lib.Batch):
+  """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.forward.ForwardResult`)."""
+  from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
+
+  with progress.step("forward pass"):
+    return forward_lib.run_forward(model, batch.tokens, targets=batch.targets, target_mask=batch.target_mask,
+                                   positions=batch.positions, segment_ids=batch.segment_ids)
+
+
+def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, bool]:
+  """Total training loss (main + λ·MTP), the global gradient norm over Params, and whether all grads are finite."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p):
+    out = forward_lib._pure_forward(  # pylint: disable=protected-access
+        graphdef, nnx.merge_state(p, rest), jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+        jnp.asarray(batch.segment_ids), jnp.asarray(batch.targets), jnp.asarray(batch.target_mask),
+        mtp_scale=model.config.mtp_loss_scaling_factor)
+    return out["total_loss"] if "total_loss" in out else out["loss"]
+
+  with progress.step("loss and gradients"):
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+  leaves = jax.tree.leaves(grads)
+  finite = all(bool(jnp.isfinite(g).all()) for g in leaves)
+  norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)))
+  return float(loss), norm, finite and bool(jnp.isfinite(loss))
+
+
+def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
+        compare: bool = False):
+  """Forward pass of the configured model (quantized when `quantization` is set).
+
+  Returns (result, reference): with `compare`, `reference` is the same model and batch without quantization.
+  """
+  model = load_model(cfg, checkpoint, mesh=mesh)
+  result = forward(quantize_for_training(model, cfg), batch)
+  reference = forward(model, batch) if compare else None
+  return result, reference
