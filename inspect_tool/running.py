@@ -66,15 +66,16 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def loss_fn(p):
+  def loss_fn(p, r):
+    r = jax.tree.map(lambda a: a, r)  # fresh Variables at this trace level (the model writes non-Param state)
     out = forward_lib._pure_forward(  # pylint: disable=protected-access
-        graphdef, nnx.merge_state(p, rest), jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+        graphdef, nnx.merge_state(p, r), jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
         jnp.asarray(batch.segment_ids), jnp.asarray(batch.targets), jnp.asarray(batch.target_mask),
         mtp_scale=model.config.mtp_loss_scaling_factor)
     return out["total_loss"] if "total_loss" in out else out["loss"]
 
   with progress.step("loss and gradients"):
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, rest)
   leaves = jax.tree.leaves(grads)
   finite = all(bool(jnp.isfinite(g).all()) for g in leaves)
   norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)))

@@ -34,8 +34,11 @@ class Leaf:
 
   @property
   def item(self) -> str:
-    """The checkpoint item the leaf belongs to (`params`, `nnx_aux`, `opt_state`, `step`, ...)."""
-    return self.key[0]
+    """The checkpoint item the leaf belongs to (`params`, `nnx_aux`, `opt_state`, `step`, ...).
+
+    A list item is folded by MaxText's key rule (`opt_state`, 0 → `opt_state_0`); the index is dropped here.
+    """
+    return re.sub(r"_\d+$", "", self.key[0])
 
   @property
   def module_path(self) -> tuple[str, ...]:

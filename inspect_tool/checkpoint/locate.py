@@ -1,0 +1,119 @@
+"""Resolves a user-given Orbax checkpoint path to the directory that holds one pytree's `_METADATA`.
+
+Accepted forms: a step directory (`.../checkpoints/3`), its checkpointable directory (`.../3/items`) and a
+directory of steps (`.../checkpoints`, the latest numeric step is taken). Anything else is a
+`CheckpointError` whose one-line message names the path and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from inspect_tool import errors
+
+TREE_METADATA = "_METADATA"
+STEP_METADATA = "_CHECKPOINT_METADATA"
+OCDBT_MANIFEST = "manifest.ocdbt"
+DEFAULT_ITEM = "items"
+
+_EXPECTED = ("expected an Orbax step directory (with items/_METADATA), its items directory, "
+             "or a directory of numeric steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPath:
+  """Where the pytree lives: `items_dir` holds `_METADATA`; `step` is its step number if known."""
+
+  items_dir: str
+  step: int | None
+  note: str = ""
+
+
+def _is_tree_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, TREE_METADATA))
+
+
+def _looks_like_orbax(path: str) -> bool:
+  return any(os.path.exists(os.path.join(path, name)) for name in (TREE_METADATA, STEP_METADATA, OCDBT_MANIFEST))
+
+
+def _step_of(path: str) -> int | None:
+  name = os.path.basename(os.path.normpath(path))
+  return int(name) if name.isdigit() else None
+
+
+def _numeric_steps(path: str) -> list[int]:
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+
+
+def _checkpointable_dirs(step_dir: str) -> list[str]:
+  try:
+    names = sorted(os.listdir(step_dir))
+  except OSError:
+    return []
+  return [n for n in names if _is_tree_dir(os.path.join(step_dir, n))]
+
+
+def _resolve_step_dir(step_dir: str, note: str) -> ResolvedPath | None:
+  """The pytree directory inside a step directory, or None if the step holds none."""
+  step = _step_of(step_dir)
+  if _is_tree_dir(os.path.join(step_dir, DEFAULT_ITEM)):
+    return ResolvedPath(os.path.join(step_dir, DEFAULT_ITEM), step, note)
+  names = _checkpointable_dirs(step_dir)
+  if len(names) == 1:
+    extra = f"using checkpointable {names[0]!r} (no 'items')"
+    return ResolvedPath(os.path.join(step_dir, names[0]), step, f"{note}; {extra}" if note else extra)
+  if len(names) > 1:
+    raise errors.CheckpointError(
+        f"{step_dir}: several checkpointables ({', '.join(names)}) and none named 'items'; "
+        f"pass the one to inspect, e.g. {os.path.join(step_dir, names[0])}")
+  return None
+
+
+def _incomplete_message(path: str) -> str:
+  items = os.path.join(path, DEFAULT_ITEM)
+  if os.path.isdir(items):
+    path = items
+  if os.path.isfile(os.path.join(path, OCDBT_MANIFEST)) or os.path.isdir(os.path.join(path, "d")):
+    return (f"{path}: Orbax tree metadata {TREE_METADATA} is missing (array data is present); "
+            "the checkpoint is incomplete or was written by an unsupported Orbax version")
+  return f"{path}: Orbax step metadata found but no items/{TREE_METADATA}; the checkpoint is incomplete"
+
+
+def resolve_orbax_path(path: str) -> ResolvedPath:
+  """Finds the `items` directory for `path` (step dir, items dir, or directory of steps).
+
+  Raises:
+    errors.CheckpointError: the path is missing, not a directory, or not an Orbax checkpoint.
+  """
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise errors.CheckpointError(f"checkpoint path does not exist: {path}")
+  if not os.path.isdir(path):
+    raise errors.CheckpointError(f"not an Orbax checkpoint (a file, not a directory): {path}; {_EXPECTED}")
+  path = os.path.normpath(path)
+  if _is_tree_dir(path):
+    parent = os.path.dirname(path)
+    return ResolvedPath(path, _step_of(parent) if _looks_like_orbax(parent) else None, "")
+  resolved = _resolve_step_dir(path, "")
+  if resolved is not None:
+    return resolved
+  if _looks_like_orbax(path):
+    raise errors.CheckpointError(_incomplete_message(path))
+  steps = [s for s in _numeric_steps(path)
+           if _looks_like_orbax(os.path.join(path, str(s))) or _checkpointable_dirs(os.path.join(path, str(s)))]
+  if steps:
+    step = steps[-1]
+    shown = ", ".join(str(s) for s in steps[-5:])
+    more = f" (of {len(steps)}: ..., {shown})" if len(steps) > 5 else f" (of {shown})"
+    note = f"using latest step {step}{more}" if len(steps) > 1 else f"using step {step}"
+    resolved = _resolve_step_dir(os.path.join(path, str(step)), note)
+    if resolved is None:
+      raise errors.CheckpointError(_incomplete_message(os.path.join(path, str(step))))
+    return resolved
+  raise errors.CheckpointError(f"not an Orbax checkpoint: {path}; {_EXPECTED}")

@@ -1,0 +1,191 @@
+"""Lists an Orbax checkpoint's arrays (key, shape, dtype) from its metadata alone, never its array data.
+
+Orbax's `_METADATA` JSON holds the pytree (key paths and value types); each array's global shape and dtype
+live in its small zarr header (`<param name>/zarr.json`, or `.zarray` for zarr2) inside the checkpoint's
+key-value store (OCDBT or plain files). Both are read with tensorstore's key-value API only: no jax, no
+orbax import, and the cost grows with the number of arrays, not their size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from inspect_tool import errors
+from inspect_tool import tree
+from inspect_tool.checkpoint import locate
+
+_SEQUENCE_KEY = 1
+_STRING_TYPE = "string"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One stored leaf: its raw pytree path (`str` for dict keys, `int` for sequence indices) and kind."""
+
+  raw_key: tuple[str | int, ...]
+  value_type: str
+
+  @property
+  def param_name(self) -> str:
+    """Orbax's storage name: the path's parts joined with '.'."""
+    return ".".join(str(k) for k in self.raw_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+  """A checkpoint's metadata: its location, its leaves and each leaf's raw Orbax path."""
+
+  resolved: locate.ResolvedPath
+  leaves: list[tree.Leaf]
+  raw_keys: dict[tuple[str, ...], tuple[str | int, ...]]
+  use_ocdbt: bool
+  use_zarr3: bool
+
+  def items(self) -> dict[str, list[tree.Leaf]]:
+    """Leaves grouped by top-level checkpoint item (`params`, `nnx_aux`, `opt_state`, `step`, ...)."""
+    groups: dict[str, list[tree.Leaf]] = {}
+    for leaf in self.leaves:
+      groups.setdefault(str(self.raw_keys[leaf.key][0]), []).append(leaf)
+    return groups
+
+
+def fold_key(parts) -> tuple[str, ...]:
+  """MaxText's key rule: an integer/digit part joins the previous one (`layers`,`0` -> `layers_0`); a trailing
+  `value` part is dropped."""
+  out: list[str] = []
+  for part in parts:
+    text = str(part)
+    if (isinstance(part, int) or text.isdigit()) and out:
+      out[-1] = f"{out[-1]}_{text}"
+    else:
+      out.append(text)
+  if len(out) > 1 and out[-1] == "value":
+    out.pop()
+  return tuple(out)
+
+
+def _bad_metadata(items_dir: str, why: str) -> errors.CheckpointError:
+  return errors.CheckpointError(f"{os.path.join(items_dir, locate.TREE_METADATA)}: corrupt Orbax metadata ({why})")
+
+
+def read_tree_metadata(items_dir: str) -> tuple[list[Entry], dict[str, Any]]:
+  """Parses `_METADATA`: the stored leaves (empty nodes skipped) and the file's other fields."""
+  meta_path = os.path.join(items_dir, locate.TREE_METADATA)
+  try:
+    with open(meta_path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise errors.CheckpointError(f"cannot read {meta_path}: {e.strerror or e}") from None
+  if not raw.strip():
+    raise _bad_metadata(items_dir, "empty file")
+  try:
+    doc = json.loads(raw)
+  except UnicodeDecodeError:
+    raise _bad_metadata(items_dir, "not UTF-8 JSON") from None
+  except json.JSONDecodeError as e:
+    truncated = e.pos >= len(e.doc.rstrip()) - 1 or e.msg.startswith("Unterminated")
+    why = "truncated JSON" if truncated else "not valid JSON"
+    raise _bad_metadata(items_dir, f"{why}: {e.msg} at byte {e.pos} of {len(raw)}") from None
+  if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
+    raise _bad_metadata(items_dir, "no 'tree_metadata' object")
+  entries = []
+  for name, node in doc["tree_metadata"].items():
+    try:
+      key_meta = node["key_metadata"]
+      value_meta = node["value_metadata"]
+      raw_key = tuple(int(k["key"]) if k.get("key_type") == _SEQUENCE_KEY else str(k["key"]) for k in key_meta)
+      value_type = str(value_meta["value_type"])
+      skip = bool(value_meta.get("skip_deserialize", False))
+    except (KeyError, TypeError, ValueError) as e:
+      raise _bad_metadata(items_dir, f"entry {name} lacks {e}") from None
+    if not skip:
+      entries.append(Entry(raw_key, value_type))
+  return entries, {k: v for k, v in doc.items() if k != "tree_metadata"}
+
+
+def open_kvstore(items_dir: str, use_ocdbt: bool):
+  """The key-value store holding the arrays of `items_dir` (tensorstore `KvStore`)."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  base = {"driver": "file", "path": os.path.abspath(items_dir) + "/"}
+  spec = {"driver": "ocdbt", "base": base} if use_ocdbt else base
+  try:
+    return ts.KvStore.open(spec).result()
+  except Exception as e:  # tensorstore raises ValueError/OSError subclasses with long messages
+    raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return text[0] if text else type(e).__name__
+
+
+def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
+  if zarr3:
+    dtype = header["data_type"]
+    if isinstance(dtype, dict):
+      dtype = dtype.get("name", str(dtype))
+    return str(dtype)
+  dtype = header["dtype"]
+  if isinstance(dtype, str) and dtype[:1] in "<>|=":
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    return np.dtype(dtype).name
+  return str(dtype)
+
+
+def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool, use_zarr3: bool) -> list[dict]:
+  """Reads every entry's zarr header concurrently."""
+  store = open_kvstore(items_dir, use_ocdbt)
+  suffix = "/zarr.json" if use_zarr3 else "/.zarray"
+  futures = [store.read((e.param_name + suffix).encode()) for e in entries]
+  headers = []
+  for entry, future in zip(entries, futures):
+    try:
+      result = future.result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.CheckpointError(
+          f"{items_dir}: cannot read the array metadata of {entry.param_name} ({_first_line(e)})") from None
+    if result.state != "value":
+      raise errors.CheckpointError(
+          f"{items_dir}: array metadata missing for {entry.param_name} (listed in {locate.TREE_METADATA}); "
+          "the checkpoint is incomplete")
+    try:
+      header = json.loads(result.value)
+      _dtype_name(header, use_zarr3), list(header["shape"])  # validate
+    except (ValueError, KeyError, TypeError) as e:
+      raise errors.CheckpointError(
+          f"{items_dir}: corrupt array metadata for {entry.param_name} ({_first_line(e)})") from None
+    headers.append(header)
+  return headers
+
+
+def read_listing(path: str) -> Listing:
+  """Resolves `path` and lists every stored leaf of its pytree (all items), sorted by key."""
+  resolved = locate.resolve_orbax_path(path)
+  items_dir = resolved.items_dir
+  entries, info = read_tree_metadata(items_dir)
+  use_ocdbt = bool(info.get("use_ocdbt", os.path.isfile(os.path.join(items_dir, locate.OCDBT_MANIFEST))))
+  use_zarr3 = bool(info.get("use_zarr3", False))
+  if use_ocdbt and not os.path.isfile(os.path.join(items_dir, locate.OCDBT_MANIFEST)):
+    raise errors.CheckpointError(
+        f"{items_dir}: {locate.OCDBT_MANIFEST} is missing (the metadata says OCDBT); the checkpoint is incomplete")
+  headers = _array_headers(items_dir, [e for e in entries if e.value_type != _STRING_TYPE], use_ocdbt, use_zarr3)
+  leaves, raw_keys = [], {}
+  header_iter = iter(headers)
+  for entry in entries:
+    key = fold_key(entry.raw_key)
+    if entry.value_type == _STRING_TYPE:
+      leaf = tree.Leaf(key, (), "string")
+    else:
+      header = next(header_iter)
+      leaf = tree.Leaf(key, tuple(int(d) for d in header["shape"]), _dtype_name(header, use_zarr3))
+    leaves.append(leaf)
+    raw_keys[key] = entry.raw_key
+  return Listing(resolved, tree.sort_leaves(leaves), raw_keys, use_ocdbt, use_zarr3)
+
+
+def read_leaves(path: str) -> list[tree.Leaf]:
+  """Every leaf of the checkpoint at `path` (all items; filter with `leaf.item` / `leaf.is_param`)."""
+  return read_listing(path).leaves
