@@ -19,7 +19,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(BIN)/.installed
-	$(BIN)/python bench/bench_listing.py
+	$(BIN)/python bench/bench_cli.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

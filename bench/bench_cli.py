@@ -1,7 +1,8 @@
-"""Benchmark: whole-process wall time and peak RSS of listing commands (median of N runs).
+"""Benchmark: whole-process wall time and peak RSS of CLI commands (median of N runs).
 
-Run: .venv/bin/python bench/bench_listing.py [--runs 5]
-Targets: 671B scanned listing ≤ 1.5 s and ≤ 250 MB; unscanned ≤ 2.5 s; --help ≤ 0.3 s.
+Run: .venv/bin/python bench/bench_cli.py [--runs 5] [--only CASE]
+Targets: 671B scanned listing ≤ 1.5 s and ≤ 250 MB; unscanned ≤ 2.5 s; --help ≤ 0.3 s;
+rules report for 671B fp8_full with quantize_mtp ≤ 3 s and ≤ 400 MB.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ CASES = {
     "help": [BIN, "--help"],
     "671b scanned + MTP": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=true", "mtp_num_layers=1"],
     "671b unscanned + MTP": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1"],
+    "671b rules fp8_full MTP": [BIN, "rules", "model_name=deepseek3-671b", "mtp_num_layers=1", "quantization=fp8_full",
+                                "quantize_mtp=true"],
 }
 
 
@@ -44,14 +47,14 @@ def main() -> None:
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--only", choices=list(CASES))
   args = parser.parse_args()
-  print(f"{'case':24s} {'median s':>9s} {'min s':>7s} {'peak RSS MB':>12s}")
+  print(f"{'case':26s} {'median s':>9s} {'min s':>7s} {'peak RSS MB':>12s}")
   for name, cmd in CASES.items():
     if args.only and name != args.only:
       continue
     measure(cmd)  # warm the page cache
     runs = [measure(cmd) for _ in range(args.runs)]
     walls = [w for w, _ in runs]
-    print(f"{name:24s} {statistics.median(walls):9.3f} {min(walls):7.3f} {max(r for _, r in runs):12.1f}")
+    print(f"{name:26s} {statistics.median(walls):9.3f} {min(walls):7.3f} {max(r for _, r in runs):12.1f}")
 
 
 if __name__ == "__main__":
