@@ -17,9 +17,9 @@ Without a quantizing rule (None, or `weight_qtype` None) it is a plain grouped m
 
 The grouped matmul is built from `jax.lax.dot_general` on row tiles (Megablox-style work items: every
 (tile, group) pair that overlaps, at most M/tile + G - 1), O((M/tile + G) * tile * K * N) work instead of the
-O(G * M * K * N) of `jax.lax.ragged_dot`'s CPU lowering; the items run as a loop of small matmuls (CPU default)
-or as one batched matmul (accelerator default). Everything here runs with Qwix interception disabled, so under a
-`QtProvider` none of its internal ops is intercepted, quantized again or logged as a module op.
+O(G * M * K * N) of `jax.lax.ragged_dot`'s CPU lowering; the items run as a loop of tile matmuls (default) or
+as one batched matmul (strategy="batched", for small weights). Everything here runs with Qwix interception
+disabled, so under a `QtProvider` none of its internal ops is intercepted, quantized again or logged as a module op.
 """
 
 import dataclasses
@@ -99,8 +99,8 @@ def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, t
     rule: a `qwix.QtRule` (quantizes when `weight_qtype` is set) or None (plain grouped matmul).
     preferred_element_type: output dtype (default: the promoted dtype of lhs and rhs).
     tile_rows: rows per work tile (default: DEFAULT_TILE_ROWS, capped by M rounded up to 8).
-    strategy: "loop" (one small matmul per work item in a loop; default on CPU) or "batched" (one batched
-      matmul over all work items, gathering a weight copy per item; default on accelerators).
+    strategy: "loop" (default: one tile matmul per work item in a loop, no extra memory) or "batched" (one
+      batched matmul over all work items; gathers a [K, N] weight copy per item, so only for small weights).
 
   Returns:
     [M, N] array of `preferred_element_type`.
@@ -110,11 +110,9 @@ def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, t
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
   spec = _Spec(config_from_rule(rule), out_dtype.name, lhs.dtype.name, rhs.dtype.name,
                _tile_rows(lhs.shape[0], tile_rows), _strategy(strategy))
-  return _call_disabled(_gmm_vjp, lhs, rhs, group_sizes.astype(jnp.int32), spec)
-
-
-def _call_disabled(fn, *args):
-  return interception.disable_interceptions(fn)(*args)
+  if lhs.shape[0] == 0 or rhs.shape[0] == 0:  # no rows or no groups: nothing to multiply
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
+  return interception.disable_interceptions(_gmm_jit)(lhs, rhs, group_sizes.astype(jnp.int32), spec)
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
@@ -132,7 +130,7 @@ def _check_shapes(lhs, rhs, group_sizes) -> None:
 
 def _strategy(strategy) -> str:
   if strategy is None:
-    return "loop" if jax.default_backend() == "cpu" else "batched"
+    return "loop"
   if strategy not in STRATEGIES:
     raise errors.QuantError(f"grouped matmul strategy {strategy!r} is invalid; accepted: {', '.join(STRATEGIES)}")
   return strategy
@@ -181,22 +179,26 @@ def _item_row_mask(tile_idx, row_lo, row_hi, tile: int):
   return (rows >= row_lo[:, None]) & (rows < row_hi[:, None])  # [W, tile]
 
 
-def _grouped_matmul(lhs, rhs, group_sizes, tile: int, strategy: str, transpose_rhs: bool = False):
-  """float32 `lhs[r] @ rhs[g(r)]` (`@ rhs[g(r)].T` if transpose_rhs) for rhs [G,K,N]; rows outside groups give 0."""
+def _grouped_matmul(lhs, rhs, group_sizes, tile: int, strategy: str, compute_dtype, transpose_rhs: bool = False):
+  """float32 `lhs[r] @ rhs[g(r)]` (`@ rhs[g(r)].T` if transpose_rhs) for rhs [G,K,N]; rows outside groups give 0.
+
+  Operands are cast to `compute_dtype` tile by tile (fp8 values are exact in float32 and so are their products).
+  """
   m, n = lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]
   tile_idx, group, row_lo, row_hi = _work_items(group_sizes, m, tile)
   lhs_tiles = _tiles(lhs, tile)
   rhs_contract = 1 if transpose_rhs else 0  # axis of one expert's [K, N] weight
   if strategy == "batched":  # one batched matmul over all work items (gathers a weight copy per item)
     batched = (((2,), (rhs_contract + 1,)), ((0,), (0,)))
-    y = jax.lax.dot_general(lhs_tiles[tile_idx], rhs[group], batched, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(lhs_tiles[tile_idx].astype(compute_dtype), rhs[group].astype(compute_dtype), batched,
+                            preferred_element_type=jnp.float32)
     y = jnp.where(_item_row_mask(tile_idx, row_lo, row_hi, tile)[:, :, None], y, 0.0)
     out = jax.ops.segment_sum(y, tile_idx, num_segments=lhs_tiles.shape[0], indices_are_sorted=True)
     return out.reshape(-1, n)[:m]
 
   def body(i, out):  # one work item per iteration, accumulated into its output tile
-    y = jax.lax.dot_general(lhs_tiles[tile_idx[i]], rhs[group[i]], (((1,), (rhs_contract,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(lhs_tiles[tile_idx[i]].astype(compute_dtype), rhs[group[i]].astype(compute_dtype),
+                            (((1,), (rhs_contract,)), ((), ())), preferred_element_type=jnp.float32)
     mask = _item_row_mask(tile_idx[i, None], row_lo[i, None], row_hi[i, None], tile)[0]
     return out.at[tile_idx[i]].add(jnp.where(mask[:, None], y, 0.0))
 
@@ -205,22 +207,22 @@ def _grouped_matmul(lhs, rhs, group_sizes, tile: int, strategy: str, transpose_r
   return out.reshape(-1, n)[:m]
 
 
-def _grouped_outer(lhs, grad, group_sizes, tile: int, strategy: str):
+def _grouped_outer(lhs, grad, group_sizes, tile: int, strategy: str, compute_dtype):
   """float32 `sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N] (empty groups give 0)."""
   m, num_groups = lhs.shape[0], group_sizes.shape[0]
   tile_idx, group, row_lo, row_hi = _work_items(group_sizes, m, tile)
   lhs_tiles, grad_tiles = _tiles(lhs, tile), _tiles(grad, tile)
   if strategy == "batched":
     mask = _item_row_mask(tile_idx, row_lo, row_hi, tile)[:, :, None]
-    x = jnp.where(mask, lhs_tiles[tile_idx], 0)  # [W, tile, K]
-    g = jnp.where(mask, grad_tiles[tile_idx], 0)  # [W, tile, N]
+    x = jnp.where(mask, lhs_tiles[tile_idx].astype(compute_dtype), 0)  # [W, tile, K]
+    g = jnp.where(mask, grad_tiles[tile_idx].astype(compute_dtype), 0)  # [W, tile, N]
     p = jax.lax.dot_general(x, g, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
     return jax.ops.segment_sum(p, group, num_segments=num_groups, indices_are_sorted=True)
 
   def body(i, out):
     mask = _item_row_mask(tile_idx[i, None], row_lo[i, None], row_hi[i, None], tile)[0][:, None]
-    x = jnp.where(mask, lhs_tiles[tile_idx[i]], 0)
-    g = jnp.where(mask, grad_tiles[tile_idx[i]], 0)
+    x = jnp.where(mask, lhs_tiles[tile_idx[i]].astype(compute_dtype), 0)
+    g = jnp.where(mask, grad_tiles[tile_idx[i]].astype(compute_dtype), 0)
     p = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return out.at[group[i]].add(p)
 
@@ -242,11 +244,6 @@ def _rows_in_groups(group_sizes, m: int):
 # Custom VJP.
 
 
-def _promoted(x, y):
-  dtype = jnp.result_type(x.dtype, y.dtype)
-  return x.astype(dtype), y.astype(dtype)
-
-
 def _quantize(x, qtype, axis: int, calibration: str, channelwise: bool):
   return fp8.quantize(x, qtype, [axis] if channelwise else [], calibration, scale_dtype=jnp.float32)
 
@@ -254,13 +251,13 @@ def _quantize(x, qtype, axis: int, calibration: str, channelwise: bool):
 def _fwd(lhs, rhs, group_sizes, spec: _Spec):
   cfg, tile, how = spec.config, spec.tile_rows, spec.strategy
   if cfg is None:
-    out = _grouped_matmul(*_promoted(lhs, rhs), group_sizes, tile, how)
+    out = _grouped_matmul(lhs, rhs, group_sizes, tile, how, jnp.result_type(lhs, rhs))
     return out.astype(spec.out_dtype), (lhs, None, rhs, None, group_sizes)
   lhs_scale = None
   if cfg.act_qtype is not None:
     lhs, lhs_scale = _quantize(lhs, cfg.act_qtype, 0, cfg.act_calibration, cfg.channelwise)  # scale [M|1, 1]
   rhs, rhs_scale = _quantize(rhs, cfg.weight_qtype, 2, cfg.weight_calibration, cfg.channelwise)  # [1, 1, N|1]
-  acc = _grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, tile, how)
+  acc = _grouped_matmul(lhs, rhs, group_sizes, tile, how, jnp.float32)
   if lhs_scale is not None:
     acc = acc * lhs_scale
   acc = acc * rhs_scale.reshape(1, -1)
@@ -274,8 +271,8 @@ def _bwd(spec: _Spec, residuals, grad):
   in_groups = _rows_in_groups(group_sizes, grad.shape[0])
   grad = jnp.where(in_groups, grad, jnp.zeros_like(grad))  # outputs past the groups are constant zeros
   if cfg is None:
-    dlhs = _grouped_matmul(*_promoted(grad, rhs), group_sizes, tile, how, transpose_rhs=True)
-    drhs = _grouped_outer(*_promoted(lhs, grad), group_sizes, tile, how)
+    dlhs = _grouped_matmul(grad, rhs, group_sizes, tile, how, jnp.result_type(grad, rhs), transpose_rhs=True)
+    drhs = _grouped_outer(lhs, grad, group_sizes, tile, how, jnp.result_type(lhs, grad))
     return dlhs.astype(spec.lhs_dtype), drhs.astype(spec.rhs_dtype), None
 
   # dlhs = (g * rhs_scale) @ rhs_q^T: the weight scale moves onto the gradient so the fp8 rhs is reused.
@@ -283,18 +280,17 @@ def _bwd(spec: _Spec, residuals, grad):
   dlhs_scale = None
   if cfg.bwd_qtype is not None:
     dlhs_dout, dlhs_scale = _quantize(dlhs_dout, cfg.bwd_qtype, 0, cfg.bwd_calibration, cfg.channelwise)
-  dlhs = _grouped_matmul(dlhs_dout.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, tile, how,
-                         transpose_rhs=True)
+  dlhs = _grouped_matmul(dlhs_dout, rhs, group_sizes, tile, how, jnp.float32, transpose_rhs=True)
   if dlhs_scale is not None:
     dlhs = dlhs * dlhs_scale
   dlhs = jnp.where(in_groups, dlhs, 0.0)
 
   # drhs[g] = lhs_q[rows of g]^T @ (g * lhs_scale), the gradient quantized per output column.
-  drhs_dout = grad if lhs_scale is None else grad * lhs_scale.astype(grad.dtype)
+  drhs_dout = grad if lhs_scale is None else jnp.where(in_groups, grad * lhs_scale.astype(grad.dtype), 0)
   drhs_scale = None
   if cfg.bwd_qtype is not None:
     drhs_dout, drhs_scale = _quantize(drhs_dout, cfg.bwd_qtype, 1, cfg.bwd_calibration, cfg.channelwise)
-  drhs = _grouped_outer(lhs.astype(jnp.float32), drhs_dout.astype(jnp.float32), group_sizes, tile, how)
+  drhs = _grouped_outer(lhs, drhs_dout, group_sizes, tile, how, jnp.float32)
   if drhs_scale is not None:
     drhs = drhs * drhs_scale.reshape(1, 1, -1)
   return dlhs.astype(spec.lhs_dtype), drhs.astype(spec.rhs_dtype), None
@@ -306,3 +302,4 @@ def _gmm_vjp(lhs, rhs, group_sizes, spec):
 
 
 _gmm_vjp.defvjp(interception.disable_interceptions(_fwd), interception.disable_interceptions(_bwd))
+_gmm_jit = jax.jit(_gmm_vjp, static_argnums=(3,))  # one compilation per shape and spec when called eagerly

@@ -1,0 +1,142 @@
+"""FP8 numerics: bit-identity with Qwix, scale shapes and edge values, calibrations, DeepSeek block scales."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import qwix
+
+from quant import errors, fp8
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _f32(x):
+  return np.asarray(x).astype(np.float32)
+
+
+def _edge_matrix(dtype):
+  x = np.random.default_rng(0).normal(size=(8, 16)) * 3
+  x[0, 0], x[1, 1], x[2, :], x[3, 3] = np.inf, np.nan, 0.0, 1e6
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantize_is_bit_identical_to_qwix_including_inf_nan_zero_and_huge_values(dtype):
+  x = _edge_matrix(dtype)
+  for qtype in (E4M3, E5M2):
+    for calibration in ("absmax", "absmax,0.5", "rms,3", "fixed,10", "fixed,-2,2"):
+      for axes in ([0], [1], []):
+        expected = qwix.quantize(x, qtype, channelwise_axes=axes, calibration_method=calibration)
+        qvalue, scale = fp8.quantize(x, qtype, axes, calibration)
+        assert qvalue.dtype == np.dtype(qtype) and scale.dtype == x.dtype
+        np.testing.assert_array_equal(_f32(qvalue), _f32(expected.qvalue))
+        np.testing.assert_array_equal(_f32(scale), _f32(expected.scale))
+        np.testing.assert_array_equal(_f32(fp8.dequantize(qvalue, scale)), _f32(qwix.dequantize(expected)))
+
+
+def test_scale_keeps_channelwise_axes_and_is_absmax_over_qmax():
+  x = np.random.default_rng(1).normal(size=(4, 6, 8)).astype(np.float32)
+  qvalue, scale = fp8.quantize(x, E4M3, channelwise_axes=[-1])
+  assert qvalue.shape == x.shape and scale.shape == (1, 1, 8)
+  np.testing.assert_allclose(scale, np.abs(x).max(axis=(0, 1), keepdims=True) / 448.0, rtol=1e-6)
+  _, scale = fp8.quantize(x, E5M2, channelwise_axes=[0, 2])
+  assert scale.shape == (4, 1, 8)
+  np.testing.assert_allclose(scale, np.abs(x).max(axis=1, keepdims=True) / 57344.0, rtol=1e-6)
+  _, scale = fp8.quantize(x, "e4m3")
+  assert scale.shape == (1, 1, 1)
+
+
+def test_all_zero_and_tiny_channels_get_scale_one():
+  x = np.ones((3, 5), np.float32)
+  x[1] = 0.0
+  x[2] = 1e-30  # absmax / 448 is below sqrt(finfo(float32).tiny) ~ 1.1e-19
+  qvalue, scale = fp8.quantize(x, E4M3, channelwise_axes=[0])
+  np.testing.assert_array_equal(scale[:, 0], np.array([1 / 448, 1.0, 1.0], np.float32))
+  np.testing.assert_array_equal(_f32(qvalue[1]), 0.0)
+  np.testing.assert_array_equal(_f32(qvalue[2]), 0.0)  # underflows to zero
+
+
+def test_values_beyond_the_calibrated_range_saturate_instead_of_becoming_nan():
+  x = np.array([[1.0, -100.0, 100.0, 5.0]], np.float32)
+  qvalue, scale = fp8.quantize(x, E4M3, [], "fixed,10")
+  np.testing.assert_array_equal(_f32(qvalue), [[44.0, -448.0, 448.0, 224.0]])
+  np.testing.assert_allclose(fp8.dequantize(qvalue, scale), [[1.0, -10.0, 10.0, 5.0]], rtol=2 ** -4)
+  qvalue, _ = fp8.quantize(x, E5M2, [], "absmax,0.01")
+  assert _f32(qvalue).max() == 57344.0 and _f32(qvalue).min() == -57344.0
+  assert np.isnan(np.array([500.0]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)).all()  # unclipped cast
+
+
+def test_inf_poisons_only_its_channel_and_nan_propagates():
+  x = np.ones((3, 4), np.float32)
+  x[0, 1], x[1, 2] = np.inf, np.nan
+  deq = _f32(fp8.dequantize(*fp8.quantize(x, E4M3, channelwise_axes=[0])))
+  assert np.isnan(deq[0]).all()  # scale inf: finite/inf -> 0, 0*inf -> nan
+  assert np.isnan(deq[1]).all()  # absmax nan -> scale nan
+  np.testing.assert_array_equal(deq[2], 1.0)
+
+
+@pytest.mark.parametrize("qtype,low,high", [(E4M3, 0.015, 0.035), (E5M2, 0.03, 0.07)])
+def test_round_trip_error_of_normal_data(qtype, low, high):
+  x = np.random.default_rng(2).normal(size=(64, 256)).astype(np.float32)
+  deq = np.asarray(fp8.fake_quantize(x, qtype, channelwise_axes=[0]))
+  rel = np.linalg.norm(deq - x) / np.linalg.norm(x)
+  assert low < rel < high
+  scale = np.abs(x).max(axis=1, keepdims=True) / float(jnp.finfo(qtype).max)
+  ulp_bound = 2.0 ** -(4 if qtype == E4M3 else 3)  # half a mantissa step, relative
+  min_normal = float(jnp.finfo(qtype).smallest_normal)
+  assert (np.abs(deq - x) <= np.maximum(ulp_bound * np.abs(x), min_normal * scale) * (1 + 1e-6)).all()
+
+
+def test_scale_dtype_and_dequantize_dtype():
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 4)), jnp.bfloat16)
+  qvalue, scale = fp8.quantize(x, E4M3, [0], scale_dtype=jnp.float32)
+  assert scale.dtype == jnp.float32 and fp8.dequantize(qvalue, scale).dtype == jnp.float32
+  _, bf16_scale = fp8.quantize(x, E4M3, [0])
+  np.testing.assert_array_equal(_f32(bf16_scale), _f32(scale))  # computed in bf16, then cast
+
+
+@pytest.mark.parametrize("calibration", ["minmax", "fixed,-1,3", "rms", "absmax,x", "percentile,99", "fixed,3,-3"])
+def test_rejects_calibrations_fp8_cannot_use(calibration):
+  with pytest.raises(errors.QuantError, match="calibration method") as info:
+    fp8.quantize(np.ones((2, 2), np.float32), E4M3, [0], calibration)
+  assert "\n" not in str(info.value) and "absmax" in str(info.value)
+
+
+def test_rejects_unknown_qtypes_and_integer_inputs():
+  for qtype in (jnp.int8, "float16", "e4m4", jnp.float8_e4m3fnuz):
+    with pytest.raises(errors.QuantError, match="float8_e4m3fn, float8_e5m2"):
+      fp8.quantize(np.ones((2, 2), np.float32), qtype)
+  with pytest.raises(errors.QuantError, match="int32"):
+    fp8.quantize(np.ones((2, 2), np.int32), E4M3)
+  with pytest.raises(errors.QuantError, match="out of range"):
+    fp8.quantize(np.ones((2, 2), np.float32), E4M3, [2])
+  assert fp8.resolve_qtype("float8_e5m2") == np.dtype(E5M2) and fp8.qmax("e4m3") == 448.0
+
+
+def test_block_quantize_shapes_scales_and_round_trip():
+  w = np.random.default_rng(4).normal(size=(2, 300, 200)).astype(np.float32)
+  w[1, 128:256, 0:128] = 0.0  # one all-zero block
+  qvalue, scale_inv = fp8.block_quantize(w, (128, 128))
+  assert qvalue.shape == w.shape and qvalue.dtype == np.dtype(E4M3)
+  assert scale_inv.shape == (2, 3, 2) == fp8.block_scale_shape(w.shape) and scale_inv.dtype == jnp.float32
+  np.testing.assert_allclose(scale_inv[0, 2, 1], np.abs(w[0, 256:, 128:]).max() / 448.0, rtol=1e-6)  # edge block
+  np.testing.assert_allclose(scale_inv[1, 0, 0], np.abs(w[1, :128, :128]).max() / 448.0, rtol=1e-6)
+  assert scale_inv[1, 1, 0] == 1.0
+  expected_q = np.clip(w[0, 256:, 128:] / scale_inv[0, 2, 1], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(_f32(qvalue[0, 256:, 128:]), expected_q.astype(np.float32))
+  deq = np.asarray(fp8.block_dequantize(qvalue, scale_inv, (128, 128)))
+  assert deq.shape == w.shape and np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.035
+  np.testing.assert_array_equal(deq[1, 128:256, 0:128], 0.0)
+
+
+def test_block_quantize_accepts_bf16_and_other_blocks_and_rejects_bad_input():
+  w = jnp.asarray(np.random.default_rng(5).normal(size=(64, 48)), jnp.bfloat16)
+  qvalue, scale_inv = fp8.block_quantize(w, (32, 16), qtype="e5m2")
+  assert qvalue.dtype == np.dtype(E5M2) and scale_inv.shape == (2, 3) and scale_inv.dtype == jnp.float32
+  with pytest.raises(errors.QuantError, match="block shape"):
+    fp8.block_quantize(w, (0, 128))
+  with pytest.raises(errors.QuantError, match="rank >= 2"):
+    fp8.block_quantize(np.ones(5, np.float32))
+  with pytest.raises(errors.QuantError, match="expected \\(2, 3\\)"):
+    fp8.block_dequantize(qvalue, np.ones((2, 2), np.float32), (32, 16))
