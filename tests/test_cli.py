@@ -66,3 +66,39 @@ def test_orbax_listing_is_maxtext_listing(capsys, tmp_path):
   assert target.read_text().splitlines()[2:] == expected
   assert target.read_text().startswith("# inspect_checkpoint ")
   assert out.splitlines()[:-1] == expected and out.splitlines()[-1].startswith("Total Parameters: ")
+
+
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1"]
+
+
+def test_forward_refuses_bad_tokens_before_building_anything(capsys, tmp_path):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  np.save(tmp_path / "t.npy", np.full((2, 4), 200000, np.int32))
+  code, out, err = run(capsys, "forward", *TINY, "--tokens", str(tmp_path / "t.npy"))
+  assert code == 2 and out == "" and "outside the vocabulary [0, 129279]" in err
+  np.save(tmp_path / "long.npy", np.zeros((1, 64), np.int32))
+  code, _, err = run(capsys, "forward", *TINY, "max_target_length=32", "--tokens", str(tmp_path / "long.npy"))
+  assert code == 2 and "max_target_length=32" in err
+
+
+def test_rules_strict_exit_codes_and_explain(capsys, tmp_path):
+  code, out, _ = run(capsys, "rules", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--strict", "--format",
+                     "json")
+  assert code == 0 and '"schema_version": 1' in out
+  rules_file = tmp_path / "rules.yml"
+  rules_file.write_text("- module_path: 'decoder/.*layers.*'\n  weight_qtype: float8_e4m3fn\n  op_names: [dot_general]\n"
+                        "- module_path: 'nothing/.*'\n  weight_qtype: float8_e4m3fn\n")
+  code, _, err = run(capsys, "rules", *TINY, "--rules", str(rules_file), "--strict")
+  assert code == 1 and "rule 1" in err and "unused" in err
+  code, out, _ = run(capsys, "rules", *TINY, "quantization=fp8_full", "--explain",
+                     "mtp_block/mtp_layer_1/mtp_1_transformer_layer/self_attention/out")
+  assert code == 0 and "no rule matches" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["rules", "model_name=deepseek3-tiny", "quantize_mtp=true", "quantization=fp8_full"], "mtp_num_layers > 0"),
+    (["rules", "model_name=deepseek3-tiny", "quantization=fp16"], "quantization='fp16'; accepted"),
+])
+def test_rules_bad_settings(capsys, argv, message):
+  code, _, err = run(capsys, *argv)
+  assert code == 2 and message in err and len(err.strip().splitlines()) == 1
