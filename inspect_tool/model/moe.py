@@ -1,0 +1,169 @@
+"""DeepSeek mixture of experts: router (`gate`), routed experts (`MoeBlock_0`) and shared experts.
+
+`RoutedAndSharedMoE` is MaxText's `DeepSeekMoeBlock_0`: `MoeBlock_0(x) + shared_experts(x)`.
+`RoutedMoE` (`MoeBlock_0`) routes each token to K experts and runs MaxText's dropless sorted path:
+tokens repeated K times, sorted by expert, three grouped matmuls (`quant.gmm.gmm`, asked from a method
+of this module so that Qwix attributes its rule lookup to `.../MoeBlock_0`; or `jax.lax.ragged_dot`
+with `megablox=false`), unsorted, and combined with one float32 `jnp.einsum`.
+
+Routing (facts §4.6): DeepSeek-V3 names (`cfg.deepseek_routing`) select experts on sigmoid scores plus
+the gate bias and weight them with the unbiased scores; other names take top-k of the (biased) scores.
+DeepSeek blocks then renormalise sigmoid weights and multiply by `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from inspect_tool.model import initializers as inits
+from inspect_tool.model import layers
+from quant import gmm as gmm_lib
+
+
+class MoEBiasVar(nnx.Variable):
+  """MaxText's non-Param gate bias of DeepSeek-V3 routers (kept in `nnx_aux` in training checkpoints)."""
+
+
+def _score(name: str, x: jax.Array) -> jax.Array:
+  if name == "sigmoid":
+    return jax.nn.sigmoid(x)
+  if name == "softmax":
+    return jax.nn.softmax(x)
+  return x
+
+
+class GateLogit(nnx.Module):
+  """Router: `score(x @ kernel)` (+ `bias`), all in the gate dtype; returns (scores, unbiased or None)."""
+
+  def __init__(self, cfg, make: inits.VariableFactory):
+    e, x = cfg.emb_dim, cfg.num_experts
+    self.dtype = jnp.dtype(jnp.float32 if cfg.float32_gate_logits else cfg.dtype)
+    self.precision = layers.precision(cfg)
+    self.score_func = cfg.routed_score_func
+    self.keep_unbiased = bool(cfg.deepseek_routing)
+    self.kernel = make.make((e, x), inits.dense((0,)))
+    if cfg.routed_bias:
+      self.bias = make.make((x,), inits.zeros, kind=MoEBiasVar if cfg.deepseek_routing else nnx.Param)
+    else:
+      self.bias = None
+
+  def __call__(self, x: jax.Array):
+    x = jnp.asarray(x, self.dtype)
+    kernel = layers.kernel_value(self.kernel, self.dtype)
+    out = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+    out = _score(self.score_func, out)
+    unbiased = out if self.keep_unbiased else None
+    if self.bias is not None:
+      out = out + jnp.asarray(self.bias[...], self.dtype)
+    return out, unbiased
+
+
+class RoutedMoE(nnx.Module):
+  """MaxText's `RoutedMoE` with expert weights `wi_0`, `wi_1` (X, E, Fm) and `wo` (X, Fm, E)."""
+
+  def __init__(self, cfg, make: inits.VariableFactory):
+    e, x, f = cfg.emb_dim, cfg.num_experts, cfg.moe_mlp_dim
+    self.dtype = layers.compute_dtype(cfg)
+    self.precision = layers.precision(cfg)
+    self.num_experts = x
+    self.top_k = cfg.num_experts_per_tok
+    self.deepseek_routing = bool(cfg.deepseek_routing)
+    self.score_func = cfg.routed_score_func
+    self.scaling_factor = float(cfg.routed_scaling_factor)
+    self.n_groups = cfg.n_routing_groups
+    self.top_groups = cfg.topk_routing_group
+    self.float32_weight_sum = bool(cfg.float32_weight_sum)
+    self.sparse_matmul = bool(cfg.sparse_matmul)
+    self.megablox = bool(cfg.megablox)
+    self.gate = GateLogit(cfg, make)
+    self.wi_0 = make.make((x, e, f), inits.dense((1,)))
+    self.wi_1 = make.make((x, e, f), inits.dense((1,)))
+    self.wo = make.make((x, f, e), inits.dense((1,)))
+
+  # Routing ---------------------------------------------------------------------------------------------
+  def _group_mask(self, scores: jax.Array) -> jax.Array:
+    grouped = jnp.reshape(scores, scores.shape[:-1] + (self.n_groups, -1))
+    top2, _ = jax.lax.top_k(grouped, k=2)
+    group_scores = jnp.sum(top2.astype(jnp.float32), axis=-1)
+    _, group_idx = jax.lax.top_k(group_scores, k=self.top_groups)
+    mask = jnp.sum(jax.nn.one_hot(group_idx, self.n_groups, dtype=jnp.float32), axis=-2)
+    mask = jnp.broadcast_to(mask[..., None], mask.shape + (self.num_experts // self.n_groups,))
+    return jnp.reshape(mask, mask.shape[:-2] + (self.num_experts,))
+
+  def route(self, scores: jax.Array, unbiased: jax.Array | None):
+    """(weights, expert indices), both [B, S, K]."""
+    if self.deepseek_routing:
+      if self.n_groups > 0:
+        scores = jnp.where(self._group_mask(scores) > 0, scores, -jnp.inf)
+      _, idx = jax.lax.top_k(scores, k=self.top_k)
+      weights = jnp.take_along_axis(unbiased, idx, axis=-1)
+    else:
+      weights, idx = jax.lax.top_k(scores, k=self.top_k)
+    if self.score_func == "sigmoid":
+      weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * self.scaling_factor
+    return weights, idx
+
+  # Experts ---------------------------------------------------------------------------------------------
+  def _grouped_matmul(self, lhs, rhs, group_sizes):
+    if self.megablox:
+      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
+
+  def _sparse(self, x, weights, idx, w0, w1, wo):
+    b, s, e = x.shape
+    tokens = jnp.reshape(x, (b * s, e))
+    flat = jnp.ravel(idx)
+    order = jnp.argsort(flat)
+    rows = jnp.take(jnp.repeat(tokens, self.top_k, axis=0), order, axis=0).astype(self.dtype)
+    group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    up0 = self._grouped_matmul(rows, w0, group_sizes)
+    up1 = self._grouped_matmul(rows, w1, group_sizes)
+    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    down = self._grouped_matmul(hidden, wo, group_sizes)
+    down = jnp.take(down, jnp.argsort(order), axis=0)
+    down = jnp.reshape(down, (b * s, self.top_k, e))
+    weights = jnp.reshape(weights, (b * s, self.top_k))
+    if self.float32_weight_sum:
+      down, weights = down.astype(jnp.float32), weights.astype(jnp.float32)
+    out = jnp.einsum("BKE,BK -> BE", down, weights, precision=self.precision)
+    return jnp.reshape(out, (b, s, e)).astype(self.dtype)
+
+  def _dense(self, x, weights, idx, w0, w1, wo):
+    combine = jnp.sum(jax.nn.one_hot(idx, self.num_experts, dtype=weights.dtype) * weights[..., None], axis=-2)
+    up0 = jnp.einsum("BSM,EMH->BSEH", x, w0, precision=self.precision)
+    up1 = jnp.einsum("BSM,EMH->BSEH", x, w1, precision=self.precision)
+    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    down = jnp.einsum("BSEH,EHM->BSEM", hidden, wo, precision=self.precision)
+    if self.float32_weight_sum:
+      down, combine = down.astype(jnp.float32), combine.astype(jnp.float32)
+    out = jnp.einsum("BSEM,BSE->BSM", down, combine, precision=self.precision)
+    return out.astype(self.dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype)
+    scores, unbiased = self.gate(x)
+    weights, idx = self.route(scores, unbiased)
+    w0 = jnp.asarray(self.wi_0[...], self.dtype)
+    w1 = jnp.asarray(self.wi_1[...], self.dtype)
+    wo = jnp.asarray(self.wo[...], self.dtype)
+    if self.sparse_matmul:
+      return self._sparse(x, weights, idx, w0, w1, wo)
+    return self._dense(x, weights, idx, w0, w1, wo)
+
+
+class RoutedAndSharedMoE(nnx.Module):
+  """MaxText's `DeepSeekMoeBlock_0`: routed experts plus one wide shared-expert MLP (S·Fm)."""
+
+  def __init__(self, cfg, make: inits.VariableFactory):
+    self.MoeBlock_0 = RoutedMoE(cfg, make)  # pylint: disable=invalid-name
+    width = cfg.shared_experts * cfg.moe_mlp_dim
+    self.shared_experts = layers.MlpBlock(cfg, cfg.emb_dim, width, make) if width else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    routed = self.MoeBlock_0(x)
+    if self.shared_experts is None:
+      return routed
+    return routed + self.shared_experts(x)

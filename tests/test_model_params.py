@@ -1,0 +1,224 @@
+"""The model's parameter tree against MaxText 0.2.5: names, shapes, dtypes, totals, variable kinds."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inspect_tool import config
+from inspect_tool import errors
+from inspect_tool import model as model_lib
+from inspect_tool import params
+from inspect_tool import tree
+from inspect_tool.model import moe
+
+DATA = pathlib.Path(__file__).parent / "data"
+L4 = ["override_model_config=true", "base_num_decoder_layers=4", "first_num_dense_layers=1", "vocab_size=1024"]
+LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
+
+
+def _cfg(*tokens):
+  return config.resolve_config(list(tokens))
+
+
+def _listing(name):
+  leaves = set()
+  for line in (DATA / "listings" / name).read_text().splitlines():
+    match = LINE.match(line)
+    if match:
+      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
+      leaves.add((match.group(1), shape, match.group(3)))
+  return leaves
+
+
+def _leaves(cfg, **kw):
+  return params.param_leaves(model_lib.build_model(cfg), **kw)
+
+
+def _as_set(leaves):
+  return {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves}
+
+
+def _by_key(leaves):
+  return {leaf.dotted: leaf.shape for leaf in leaves}
+
+
+@pytest.mark.parametrize("listing, tokens, total", [
+    ("deepseek3-671b_scan_mtp1.txt", ["model_name=deepseek3-671b", "mtp_num_layers=1"], 682636472320),
+    ("deepseek3-tiny_scan_mtp1.txt", ["model_name=deepseek3-tiny", "mtp_num_layers=1"], 34004896),
+    ("deepseek3-tiny-L4-V1024_scan_mtp1.txt", ["model_name=deepseek3-tiny", "mtp_num_layers=1"] + L4, 1396848),
+])
+def test_param_tree_equals_maxtext_listing(listing, tokens, total):
+  leaves = _leaves(_cfg(*tokens))
+  assert _as_set(leaves) == _listing(listing)
+  assert len(leaves) == len(_listing(listing))
+  assert sum(leaf.size for leaf in leaves) == total
+
+
+def test_671b_without_mtp_has_maxtexts_total_and_no_mtp_keys():
+  leaves = _leaves(_cfg("model_name=deepseek3-671b"))
+  assert sum(leaf.size for leaf in leaves) == 671026404352
+  assert not [leaf for leaf in leaves if "mtp_block" in leaf.key]
+
+
+def test_unscanned_tree_has_per_layer_modules_with_per_layer_shapes():
+  scanned = _by_key(_leaves(_cfg("model_name=deepseek3-671b", "mtp_num_layers=1")))
+  unscanned = _leaves(_cfg("model_name=deepseek3-671b", "mtp_num_layers=1", "scan_layers=false"))
+  keys = _by_key(unscanned)
+  stacks = {m.group(0) for k in keys for m in [re.search(r"(dense|moe)_layers_\d+", k)] if m}
+  assert stacks == {f"dense_layers_{i}" for i in range(3)} | {f"moe_layers_{j}" for j in range(58)}
+  for key, shape in keys.items():
+    match = re.search(r"decoder\.(dense|moe)_layers_\d+\.", key)
+    if match:
+      stacked = scanned[key.replace(match.group(0), f"decoder.{match.group(1)}_layers.")]
+      assert stacked[:1] + stacked[2:] == shape, key
+    else:
+      assert scanned[key] == shape, key
+  assert keys["params.params.decoder.moe_layers_57.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"] == (256, 7168, 2048)
+  assert sum(leaf.size for leaf in unscanned) == 682636472320
+
+
+def test_unscanned_gate_bias_is_per_layer_moebiasvar():
+  leaves = _leaves(_cfg("model_name=deepseek3-tiny", "scan_layers=false", *L4), include_non_params=True)
+  biases = {leaf.dotted: leaf.shape for leaf in leaves if leaf.key[-1] == "bias"}
+  assert biases == {f"nnx_aux.model.decoder.moe_layers_{j}.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias": (16,)
+                    for j in range(3)}
+
+
+def test_deepseek2_uses_query_projection_softmax_router_and_no_gate_bias():
+  leaves = _leaves(_cfg("model_name=deepseek2-16b"), include_non_params=True)
+  keys = _by_key(leaves)
+  assert keys["params.params.decoder.dense_layers.self_attention.query.kernel"] == (2048, 1, 16, 192)
+  assert keys["params.params.decoder.moe_layers.self_attention.query.kernel"] == (2048, 26, 16, 192)
+  assert keys["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"] == (64, 26, 2048, 1408)
+  assert keys["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.shared_experts.wi_0.kernel"] == (2048, 26, 2816)
+  assert keys["params.params.decoder.moe_layers.self_attention.wkv_b.kernel"] == (512, 26, 16, 256)
+  assert keys["params.params.token_embedder.embedding"] == (102400, 2048)
+  assert not [k for k in keys if "wq_a" in k or "q_norm" in k or k.endswith("bias")]
+  assert all(leaf.is_param for leaf in leaves)
+
+
+def test_deepseek3_test_shapes():
+  keys = _by_key(_leaves(_cfg("model_name=deepseek3-test", "mtp_num_layers=1")))
+  assert keys["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"] == (256, 58, 512, 512)
+  assert keys["params.params.decoder.dense_layers.mlp.wi_0.kernel"] == (512, 3, 18432)
+  assert keys["params.params.decoder.dense_layers.self_attention.wq_b.kernel"] == (1536, 3, 128, 192)
+  assert keys["params.params.decoder.moe_layers.self_attention.out.kernel"] == (128, 58, 128, 512)
+  assert keys["params.params.mtp_block.mtp_layer_1.mtp_1_projection.kernel"] == (1024, 512)
+
+
+def test_param_scan_axis_zero_puts_layer_axis_first():
+  keys = _by_key(_leaves(_cfg("model_name=deepseek3-tiny", "param_scan_axis=0", *L4), include_non_params=True))
+  assert keys["params.params.decoder.moe_layers.self_attention.wq_b.kernel"] == (3, 32, 4, 192)
+  assert keys["params.params.decoder.dense_layers.pre_self_attention_layer_norm.scale"] == (1, 64)
+  assert keys["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wo"] == (3, 16, 64, 64)
+  assert keys["nnx_aux.model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"] == (3, 16)
+
+
+def test_deepseek3_gate_bias_is_moebiasvar_at_layer_axis_zero_and_not_a_param():
+  cfg = _cfg("model_name=deepseek3-tiny", "mtp_num_layers=1")
+  model = model_lib.build_model(cfg)
+  gate = model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate
+  assert type(gate.bias) is moe.MoEBiasVar and not isinstance(gate.bias, nnx.Param)
+  keys = _by_key(params.param_leaves(model, include_non_params=True))
+  assert keys["nnx_aux.model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"] == (58, 16)
+  mtp_bias = "nnx_aux.model.mtp_block.mtp_layer_1.mtp_1_transformer_layer.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
+  assert keys[mtp_bias] == (16,)
+  assert not [k for k in _by_key(params.param_leaves(model)) if k.endswith("bias")]
+
+
+def test_other_model_names_with_routed_bias_keep_the_bias_as_a_param_at_axis_one():
+  cfg = _cfg("model_name=deepseek3-tiny", *L4).replace(model_name="my-deepseek")
+  keys = _by_key(_leaves(cfg, include_non_params=True))
+  assert keys["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"] == (16, 3)
+  assert not [k for k in keys if k.startswith("nnx_aux")]
+  no_bias = _by_key(_leaves(cfg.replace(routed_bias=False), include_non_params=True))
+  assert not [k for k in no_bias if k.endswith("bias")]
+
+
+def test_module_attributes_mirror_maxtext_and_mtp_shares_the_decoder():
+  model = model_lib.build_model(_cfg("model_name=deepseek3-tiny", "mtp_num_layers=1", *L4))
+  attention = model.decoder.moe_layers.self_attention
+  for name in ("wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wkv_b", "out", "attention_op", "rotary_embedding"):
+    assert isinstance(getattr(attention, name), nnx.Module), name
+  assert not nnx.state(attention.attention_op) and not nnx.state(attention.rotary_embedding)
+  assert model.mtp_block.decoder is model.decoder
+  paths = [tuple(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
+  assert not [p for p in paths if p[:2] == ("mtp_block", "decoder") or "rngs" in p]
+  assert not [v for _, v in nnx.to_flat_state(nnx.state(model)) if isinstance(v, nnx.RngState)]
+
+
+def test_abstract_build_allocates_nothing():
+  model = model_lib.build_model(_cfg("model_name=deepseek3-671b", "mtp_num_layers=1"))
+  values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
+  assert values and all(isinstance(v, jax.ShapeDtypeStruct) for v in values)
+
+
+def test_real_build_is_seeded_and_uses_maxtext_init_families():
+  cfg = _cfg("model_name=deepseek3-tiny", "mtp_num_layers=1", *L4)
+  model = model_lib.build_model(cfg, abstract=False, seed=3)
+  assert _as_set(params.param_leaves(model)) == _listing("deepseek3-tiny-L4-V1024_scan_mtp1.txt")
+  block = model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0
+  assert np.all(np.asarray(block.gate.bias[...]) == 0)
+  assert np.all(np.asarray(model.decoder.decoder_norm.scale[...]) == 1)
+  wi_0 = np.asarray(block.wi_0[...])
+  assert wi_0.dtype == np.float32 and abs(wi_0.std() - 1 / 8) < 0.01  # variance 1/fan_in (E=64)
+  assert np.abs(wi_0).max() <= 2 / 8 / 0.87962566103423978 + 1e-6  # truncated at two standard deviations
+  assert not np.array_equal(wi_0[:, 0], wi_0[:, 1])  # layers differ
+  again = model_lib.build_model(cfg, abstract=False, seed=3)
+  np.testing.assert_array_equal(np.asarray(again.token_embedder.embedding[...]),
+                                np.asarray(model.token_embedder.embedding[...]))
+
+
+def _arrays_for(model):
+  return {leaf.key: np.zeros(leaf.shape, leaf.dtype) for leaf in params.param_leaves(model, include_non_params=True)}
+
+
+def test_assign_arrays_fills_an_abstract_model_and_returns_unused_keys():
+  model = model_lib.build_model(_cfg("model_name=deepseek3-tiny", "mtp_num_layers=1", *L4))
+  arrays = _arrays_for(model)
+  bias_key = tree.aux_key(("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate", "bias"))
+  arrays[tree.param_key(bias_key[2:])] = np.full((3, 16), 0.5, np.float32)  # converter layout alias
+  del arrays[bias_key]
+  arrays[("nnx_aux", "model", "decoder", "rngs", "params", "key")] = np.zeros((), np.uint32)
+  unused = params.assign_arrays(model, arrays)
+  assert unused == [("nnx_aux", "model", "decoder", "rngs", "params", "key")]
+  bias = model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias[...]
+  assert isinstance(bias, jax.Array) and float(bias[0, 0]) == 0.5
+  assert all(isinstance(v.get_value(), jax.Array) for _, v in nnx.to_flat_state(nnx.state(model)))
+
+
+def test_assign_arrays_names_every_missing_and_misshaped_weight_and_writes_nothing():
+  model = model_lib.build_model(_cfg("model_name=deepseek3-tiny", "mtp_num_layers=1", *L4))
+  arrays = _arrays_for(model)
+  del arrays[("params", "params", "decoder", "decoder_norm", "scale")]
+  del arrays[tree.aux_key(("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate", "bias"))]
+  arrays[("params", "params", "token_embedder", "embedding")] = np.zeros((1000, 64), np.float32)
+  with pytest.raises(errors.MismatchError) as info:
+    params.assign_arrays(model, arrays)
+  message = str(info.value)
+  assert "\n" not in message and "missing 2" in message and "mis-shaped 1" in message
+  assert "params.params.decoder.decoder_norm.scale" in message
+  assert "nnx_aux.model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias" in message
+  assert "params.params.token_embedder.embedding (1000, 64) (model: (1024, 64))" in message
+  assert isinstance(model.token_embedder.embedding.get_value(), jax.ShapeDtypeStruct)
+
+
+def test_assign_arrays_casts_to_the_model_dtype():
+  cfg = _cfg("model_name=deepseek3-tiny", "weight_dtype=bfloat16", *L4)
+  model = model_lib.build_model(cfg)
+  arrays = {k: v.astype(np.float32) for k, v in _arrays_for(model).items()}
+  params.assign_arrays(model, arrays)
+  assert model.token_embedder.embedding[...].dtype == jnp.bfloat16
+
+
+def test_importing_the_model_package_params_and_forward_does_not_import_jax():
+  code = ("import sys, inspect_tool.model, inspect_tool.params, inspect_tool.forward; "
+          "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=str(pathlib.Path(__file__).parents[1]))
