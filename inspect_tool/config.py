@@ -14,9 +14,9 @@ import os
 from typing import Any, Iterable, Mapping
 
 from inspect_tool import errors, presets
+from quant import settings
 
-QUANTIZATION_MODES = ("", "int4", "int8", "fp4", "fp4_e2m1", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_full",
-                      "fp8_gpu", "fp8_nanoo")
+QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("sigmoid", "softmax")
 CALIBRATION_METHODS = ("absmax", "minmax", "fixed")  # "fixed,<lo>,<hi>" is accepted as well
@@ -40,7 +40,7 @@ IGNORED_KEYS = frozenset({
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(settings.QuantSettings):
   """A DeepSeek-family model as MaxText configures it; field names are MaxText's keys."""
 
   # Identity.
@@ -127,20 +127,7 @@ class ModelConfig:
   max_target_length: int = 2048
   per_device_batch_size: float = 12.0
 
-  # Quantization (Qwix).
-  quantization: str = ""
-  use_qwix_quantization: bool = False
-  quantize_mtp: bool = False
-  quantize_router_proj: bool = True
-  quantize_logits_proj: bool = False
-  logits_proj_quant_calibration_method: str = ""
-  weight_quantization_calibration_method: str = "absmax"
-  act_quantization_calibration_method: str = "absmax"
-  bwd_quantization_calibration_method: str = "absmax"
-  drhs_grad_quantization_calibration_method: str | None = None
-  quantization_local_shard_count: int = -1
-  weight_sparsity_n: int | None = None
-  weight_sparsity_m: int | None = None
+  # Quantization keys (quantization, quantize_mtp, ...) come from `quant.settings.QuantSettings`.
 
   def __post_init__(self):
     _validate(self)
@@ -199,10 +186,6 @@ class ModelConfig:
       m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
       scale *= m * m
     return scale
-
-  @property
-  def uses_qwix(self) -> bool:
-    return bool(self.quantization) and self.use_qwix_quantization
 
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -265,7 +248,7 @@ def _validate(c: ModelConfig) -> None:
     _check(not c.logits_via_embedding, "quantize_logits_proj=true needs logits_via_embedding=false")
     _check(c.num_vocab_tiling == 1, f"quantize_logits_proj=true needs num_vocab_tiling=1 (got {c.num_vocab_tiling})")
     _check(not c.logits_dot_in_fp32, "quantize_logits_proj=true needs logits_dot_in_fp32=false")
-  _check(not (c.quantization and c.use_qwix_quantization and c.quantize_router_proj and c.float32_gate_logits),
+  _check(not (c.quantization and c.quantize_router_proj and c.float32_gate_logits),
          "float32_gate_logits=true cannot be combined with a quantized router; set quantize_router_proj=false")
   _check(c.weight_sparsity_n is None or (c.weight_sparsity_m or 0) > (c.weight_sparsity_n or 0) > 0,
          f"weight_sparsity_n={c.weight_sparsity_n} weight_sparsity_m={c.weight_sparsity_m}: need 0 < n < m")

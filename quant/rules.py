@@ -26,6 +26,7 @@ import qwix
 from qwix._src.core import sparsity as qwix_sparsity
 
 from quant import errors
+from quant import settings
 
 DECODER_LAYERS_PATH = "decoder/.*layers.*"
 DECODER_AND_MTP_PATH = "(decoder/.*layers.*|mtp_block/.*)"
@@ -45,7 +46,8 @@ _SINGLE_RULE_QTYPES = {
     "fp8_gpu": jnp.float8_e4m3fn,
     "fp8_nanoo": jnp.float8_e4m3fn,
 }
-QUANTIZATION_MODES = ("",) + tuple(_SINGLE_RULE_QTYPES) + ("fp8_full",)
+QUANTIZATION_MODES = settings.QUANTIZATION_MODES
+QuantSettings = settings.QuantSettings
 # Which Qwix provider MaxText uses per mode; "qt" is `qwix.QtProvider`. The two vendor providers quantize
 # every op whose rule is not None (they ignore weight_qtype); `QtProvider` needs rule.weight_qtype.
 PROVIDERS = {mode: "qt" for mode in QUANTIZATION_MODES if mode}
@@ -59,32 +61,6 @@ ACCEPTED_QTYPES = DTYPE_QTYPES + STRING_QTYPES
 CALIBRATION_METHODS = ("absmax", "minmax", "rms", "fixed")
 STOCHASTIC_ROUNDING = ("uniform", "low_bit_uniform")
 _QTYPE_FIELDS = ("weight_qtype", "act_qtype", "bwd_qtype")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantSettings:
-  """The MaxText config keys that shape the Qwix rules (same names and defaults as MaxText's base.yml)."""
-
-  quantization: str = ""
-  quantize_mtp: bool = False
-  quantize_router_proj: bool = True
-  quantize_logits_proj: bool = False
-  logits_proj_quant_calibration_method: str = ""
-  weight_quantization_calibration_method: str = "absmax"
-  act_quantization_calibration_method: str = "absmax"
-  bwd_quantization_calibration_method: str = "absmax"
-  drhs_grad_quantization_calibration_method: str | None = None
-  quantization_local_shard_count: int = -1  # -1: number of slices, 1 on one host
-  weight_sparsity_n: int | None = None
-  weight_sparsity_m: int | None = None
-  weight_sparsity_start_step: int = 50
-  weight_sparsity_update_step: int = 10
-
-  @classmethod
-  def from_object(cls, obj: Any) -> "QuantSettings":
-    """Reads the fields by name from any object that has (some of) them, e.g. a model config."""
-    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)}
-    return cls(**values)
 
 
 def provider_name(quantization: str) -> str | None:

@@ -60,7 +60,7 @@ def test_global_parameter_scale_scales_sizes():
     (["quantize_mtp=true", "mtp_num_layers=1", "quantization=int8"], "needs quantization=fp8_full"),
     (["quantization=fp9"], "quantization='fp9'; accepted:"),
     (["quantize_logits_proj=true", "quantization=fp8"], "quantize_logits_proj=true needs quantization=fp8_full"),
-    (["quantization=fp8_full", "use_qwix_quantization=true", "float32_gate_logits=true"], "quantize_router_proj"),
+    (["quantization=fp8_full", "float32_gate_logits=true"], "quantize_router_proj"),
 ])
 def test_bad_input_is_one_clear_line(tokens, message):
   with pytest.raises(errors.ConfigError) as info:
