@@ -31,7 +31,7 @@ class ForwardResult:
   total_loss: Any | None = None  # () loss + mtp_loss
 
 
-def _pure_forward(graphdef, state, tokens, positions, segment_ids, targets, target_mask, mtp_scale):
+def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, target_mask, mtp_scale):
   """Merges the model, runs it, and returns the result arrays (the model's intermediates are dropped)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -63,7 +63,7 @@ def _pure_forward(graphdef, state, tokens, positions, segment_ids, targets, targ
 def _jitted():
   import jax  # pylint: disable=import-outside-toplevel
 
-  return jax.jit(_pure_forward, static_argnums=(0,), static_argnames=("mtp_scale",))
+  return jax.jit(pure_forward, static_argnums=(0,), static_argnames=("mtp_scale",))
 
 
 def run_forward(model, tokens, *, targets=None, target_mask=None, positions=None, segment_ids=None,
@@ -91,7 +91,7 @@ def run_forward(model, tokens, *, targets=None, target_mask=None, positions=None
   graphdef, state = nnx.split(model)
   cfg = getattr(model, "config", None)
   scale = float(getattr(cfg, "mtp_loss_scaling_factor", 0.1))
-  fn = _jitted() if jit else _pure_forward
+  fn = _jitted() if jit else pure_forward
   out = fn(graphdef, state, tokens, as_int(positions), as_int(segment_ids), as_int(targets), as_int(target_mask),
            mtp_scale=scale)
   return ForwardResult(**out)
