@@ -102,3 +102,19 @@ def test_rules_strict_exit_codes_and_explain(capsys, tmp_path):
 def test_rules_bad_settings(capsys, argv, message):
   code, _, err = run(capsys, *argv)
   assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+REF_TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+            "first_num_dense_layers=1", "vocab_size=1024"]
+
+
+def test_diff_agrees_with_matching_overrides_and_explains_mismatches(capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  code, out, _ = run(capsys, "diff", *REF_TINY, "--path", os.path.dirname(CKPT_ITEMS), "--format", "json")
+  data = json.loads(out)
+  assert code == 0 and data["agree"] and data["schema_version"] == 1 and data["matched"] == 53
+  code, out, _ = run(capsys, "diff", *REF_TINY, "scan_layers=false", "--path", CKPT_ITEMS)
+  assert code == 1 and "scan_layers=true" in out and out.strip().splitlines()[-1].startswith("DISAGREE")
+  code, out, _ = run(capsys, "diff", *REF_TINY[:1], "override_model_config=true", "base_num_decoder_layers=4",
+                     "first_num_dense_layers=1", "vocab_size=1024", "--path", CKPT_ITEMS)
+  assert code == 1 and "mtp_num_layers=1" in out
