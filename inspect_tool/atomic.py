@@ -19,6 +19,12 @@ def _os_error_message(path: str, e: OSError) -> str:
   return f"cannot write {path!r}: {reason}"
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes `data` to `path` through a temporary file in the same directory and a rename."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -27,6 +33,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
   except OSError as e:
     raise errors.InputError(_os_error_message(path, e)) from None
   try:
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the permissions open() would
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
@@ -61,6 +68,7 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     raise errors.InputError(f"cannot write {dst!r}: directory {parent!r} does not exist")
   try:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())
   except OSError as e:
     raise errors.InputError(_os_error_message(dst, e)) from None
   try:

@@ -7,11 +7,18 @@ import pytest
 from inspect_tool import atomic, errors
 
 
+def _umask():
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def test_write_text_replaces_whole_file(tmp_path):
   path = tmp_path / "out.txt"
   atomic.atomic_write_text(str(path), "one")
   atomic.atomic_write_text(str(path), "two")
   assert path.read_text() == "two" and os.listdir(tmp_path) == ["out.txt"]
+  assert os.stat(path).st_mode & 0o777 == 0o666 & ~_umask()
 
 
 def test_write_into_missing_directory_is_one_line_error(tmp_path):
