@@ -38,11 +38,15 @@ def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
   report = listings.orbax_listing(path, include_all=include_all)
   for note in report.notes:
     click.echo(note, err=True)
+  _emit_leaves(report, path, fmt, check_dtype, output_file, html_file, summary)
+  return 0
+
+
+def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summary):
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:
     from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
-    options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=path))
-  return 0
+    options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=title))
 
 
 @click.command()
@@ -52,9 +56,5 @@ def hf(path, fmt, check_dtype, output_file, html_file, summary):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""
   from inspect_tool import listings  # pylint: disable=import-outside-toplevel
 
-  report = listings.hf_listing(path)
-  options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
-  if html_file:
-    from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
-    options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=path))
+  _emit_leaves(listings.hf_listing(path), path, fmt, check_dtype, output_file, html_file, summary)
   return 0
