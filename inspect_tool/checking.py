@@ -1,4 +1,8 @@
-"""Does a checkpoint fit a model? The model's expected leaves (quantized ones included) against the metadata."""
+"""Does a checkpoint fit a model? The model's expected leaves (quantized ones included) against the metadata.
+
+An FP8 export (recognised by its `quantization_report.json`) is compared with the layout `export` writes for the
+config's quantization; without quantization keys the differences name the keys the export was made with.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,18 @@ from inspect_tool import config as config_lib
 from inspect_tool import listings
 
 
-def expected_leaves(cfg: config_lib.ModelConfig):
-  """The leaves a checkpoint of this config holds: Params and non-Param state, or their exported FP8 form."""
+def expected_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
+  """The leaves a checkpoint of this config holds: Params and non-Param state, or their exported FP8 form.
+
+  `quantized`: the layout `inspect_checkpoint export` writes for the config's quantization (every weight a
+  quantizing op consumes as `<key>/array/qvalue` + `<key>/array/scale`).
+  """
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool import params  # pylint: disable=import-outside-toplevel
 
+  if quantized:
+    from inspect_tool import export  # pylint: disable=import-outside-toplevel
+    return export.expected_leaves(cfg)
   return params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
 
 
@@ -18,7 +29,20 @@ def diff_config_checkpoint(tokens, path: str):
   """Returns (model description, `DiffResult`) for `key=value` tokens and an Orbax checkpoint path."""
   from inspect_tool.checkpoint import diff, locate, orbax_metadata  # pylint: disable=import-outside-toplevel
 
+  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+
   cfg = config_lib.resolve_config(tokens)
   resolved = locate.resolve_orbax_path(path)
   ckpt_leaves = orbax_metadata.read_leaves(resolved.items_dir)
-  return listings.model_source(tokens), diff.diff_leaves(expected_leaves(cfg), ckpt_leaves)
+  export = quantized_load.is_export(resolved.items_dir)  # quantization_report.json beside the steps
+  quantized = export and bool(cfg.quantization)
+  result = diff.diff_leaves(expected_leaves(cfg, quantized=quantized), ckpt_leaves)
+  if export and not result.agree:
+    hint = quantized_load.export_keys_hint(resolved.items_dir)
+    if not quantized:
+      result.causes.append(diff.Cause("quantization", "the checkpoint is an FP8 export but the model has no "
+                                      "quantization", hint or "quantization=fp8_full"))
+    elif hint and not set(hint.split()) <= set(tokens):
+      result.causes.append(diff.Cause("quantization", f"the checkpoint is an FP8 export made with {hint}", hint))
+  source = listings.model_source(tokens) + (" (FP8 export layout)" if quantized else "")
+  return source, result

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from inspect_tool import batch as batch_lib
 from inspect_tool import config as config_lib
+from inspect_tool import errors
 from inspect_tool import progress
 
 TRACE_SEQUENCE = 16
@@ -23,7 +24,10 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   import qwix  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
+  if quantized_load.is_quantized_model(model):
+    return model  # an FP8 export under Qwix PTQ: its quantization is in its weights
   rules = coverage.config_rules(cfg) if rules is None else list(rules)
   if not rules:
     return model
@@ -35,12 +39,20 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
 
 
 def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):
-  """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init."""
+  """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init.
+
+  An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`quantized_load`): Qwix PTQ for
+  dense ops, pre-quantized experts in our gmm.
+  """
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
   if checkpoint is None:
     with progress.step(f"initialising {cfg.model_name} (seed {cfg.init_weights_seed})"):
       return model_lib.build_model(cfg, abstract=False)
+  if quantized_load.is_export(checkpoint):
+    with progress.step(f"loading FP8 export {checkpoint}"):
+      return quantized_load.load_quantized_model(cfg, checkpoint, mesh=mesh)
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
 
   with progress.step(f"loading {checkpoint}"):
@@ -63,12 +75,15 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
+  if quantized_load.is_quantized_model(model):
+    raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p, r):
     r = jax.tree.map(lambda a: a, r)  # fresh Variables at this trace level (the model writes non-Param state)
-    out = forward_lib._pure_forward(  # pylint: disable=protected-access
+    out = forward_lib.pure_forward(
         graphdef, nnx.merge_state(p, r), jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
         jnp.asarray(batch.segment_ids), jnp.asarray(batch.targets), jnp.asarray(batch.target_mask),
         mtp_scale=model.config.mtp_loss_scaling_factor)
@@ -88,7 +103,12 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
 
   Returns (result, reference): with `compare`, `reference` is the same model and batch without quantization.
   """
+  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+
   model = load_model(cfg, checkpoint, mesh=mesh)
+  if compare and quantized_load.is_quantized_model(model):
+    raise errors.InputError(f"--compare needs float weights; {checkpoint} is an FP8 export (its "
+                            f"{quantized_load.REPORT_NAME} holds the comparison with its source)")
   result = forward(quantize_for_training(model, cfg), batch)
   reference = forward(model, batch) if compare else None
   return result, reference

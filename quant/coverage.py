@@ -12,6 +12,10 @@ Qwix's unique-shape fallback for dot_general and conv, not for einsum, whose act
 shape with a Param). For a gmm lookup the weight is looked for among the local variables of the frames
 between the lookup and the module's method.
 
+Each record also keeps the weight operand as the op consumes it: its shape (inside a scanned stack, the
+per-layer slice), its dtype (after the layer's cast), and the axes the op contracts (for a grouped op the
+[G, K, N] convention gives (1,)). Quantization granularity and numerics follow from these (`quant.export`).
+
 FLOPs per token are a property of the weight, not of the traced shapes: 2 × (weight parameters one token
 uses). A dense weight is used whole: 2 × params. A grouped (expert) weight of G groups is used for
 `experts_per_token` groups: 2 × params × experts_per_token / G. `params` counts the weight as stored in the
@@ -54,6 +58,10 @@ class OpRecord:
   matmul: bool = False  # a weight contraction (what quantization rules are about)
   lookup: bool = False  # a `get_current_rule` lookup, not an op Qwix intercepted itself
   lowering: bool = False  # a dot_general issued by JAX's own ragged_dot implementation, not by the model
+  # The weight operand as the op consumes it (after casts; a per-layer slice inside a scanned stack):
+  operand_shape: tuple[int, ...] | None = None
+  operand_dtype: str | None = None  # e.g. 'bfloat16' when the layer casts a float32 weight before the op
+  contracting: tuple[int, ...] | None = None  # axes of that operand the op contracts (grouped [G,K,N]: (1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +154,15 @@ class _Recorder(qwix.QtProvider):
     rule, op_id = self._get_current_rule_and_op_id("ragged_dot")
     module = flax_util.get_current_module()
     name = _find_param_name(module, rhs, by_shape=False)
-    self._append(module, "ragged_dot", op_id, rule, name, grouped=True)
+    self._append(module, "ragged_dot", op_id, rule, name, grouped=True, operand=rhs, contracting=(1,))
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
                               preferred_element_type=preferred_element_type, group_offset=group_offset)
 
   def conv_general_dilated(self, lhs, rhs, *args, **kwargs):
     rule, op_id = self._get_current_rule_and_op_id("conv_general_dilated")
     module = flax_util.get_current_module()
-    self._append(module, "conv_general_dilated", op_id, rule, _find_param_name(module, rhs, by_shape=True))
+    self._append(module, "conv_general_dilated", op_id, rule, _find_param_name(module, rhs, by_shape=True),
+                 operand=rhs)
     return jax.lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
   def _lookup(self, op_name: str):
@@ -163,8 +172,10 @@ class _Recorder(qwix.QtProvider):
     _, counts = self._lookup_counts.setdefault(id(module), (module, {}))
     count = counts.get(op_name, 0)
     counts[op_name] = count + 1
-    name = _find_lookup_weight(module, inspect.currentframe().f_back)
-    self._append(module, op_name, f"{op_name}{count}", rule, name, grouped=op_name in GROUPED_OPS, lookup=True)
+    name, value = _find_lookup_weight(module, inspect.currentframe().f_back)
+    grouped = op_name in GROUPED_OPS
+    self._append(module, op_name, f"{op_name}{count}", rule, name, grouped=grouped, lookup=True, operand=value,
+                 contracting=(1,) if grouped and value is not None else None)
     return None  # what a model sees outside Qwix: its plain (unquantized) path, like every op here
 
   # Recording -----------------------------------------------------------------------------------------
@@ -172,19 +183,21 @@ class _Recorder(qwix.QtProvider):
   def _record_op(self, op_name: str, op_id: str, rule, operands, lowering: bool = False,
                  by_shape: bool = True) -> None:
     module = flax_util.get_current_module()
-    name, contracted = None, False
+    name, contracted, found, found_contract = None, False, None, None
     for shape_match in (False, True) if by_shape else (False,):  # identity, then Qwix's unique-shape heuristic
       for operand, contract in operands:
         name = _find_param_name(module, operand, by_shape=shape_match)
         if name is not None:
-          contracted = bool(contract)
+          contracted, found, found_contract = bool(contract), operand, tuple(int(a) for a in contract)
           break
       if name is not None:
         break
-    self._append(module, op_name, op_id, rule, name, matmul=contracted, lowering=lowering)
+    self._append(module, op_name, op_id, rule, name, matmul=contracted, lowering=lowering, operand=found,
+                 contracting=found_contract)
 
   def _append(self, module, op_name: str, op_id: str, rule, param_name: str | None, *, grouped: bool = False,
-              lookup: bool = False, matmul: bool | None = None, lowering: bool = False) -> None:
+              lookup: bool = False, matmul: bool | None = None, lowering: bool = False, operand: Any = None,
+              contracting: tuple[int, ...] | None = None) -> None:
     module_path = "/".join(map(str, module.qwix_path))
     index = next((i for i, r in enumerate(self._rules) if r is rule), None)
     weight = shape = None
@@ -203,9 +216,16 @@ class _Recorder(qwix.QtProvider):
       matmul = weight is not None
     if not matmul:
       flops = 0
+    operand_shape = operand_dtype = None
+    if weight is not None and operand is not None and hasattr(operand, "shape"):
+      operand_shape = tuple(int(d) for d in operand.shape)
+      operand_dtype = jax.numpy.dtype(operand.dtype).name
+    else:
+      contracting = None
     self.records.append(OpRecord(module=module_path, op=op_id, op_name=op_name, rule=index, weight=weight,
                                  weight_shape=shape, params=params, flops_per_token=flops, matmul=matmul,
-                                 lookup=lookup, lowering=lowering))
+                                 lookup=lookup, lowering=lowering, operand_shape=operand_shape,
+                                 operand_dtype=operand_dtype, contracting=contracting))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -241,8 +261,11 @@ def _find_param_name(module, x: Any, *, by_shape: bool) -> str | None:
   return None
 
 
-def _find_lookup_weight(module, frame) -> str | None:
-  """For a rule lookup: the first local (innermost frame first, `rhs` first) that is one of the module's Params."""
+def _find_lookup_weight(module, frame) -> tuple[str | None, Any]:
+  """For a rule lookup: the first local (innermost frame first, `rhs` first) that is one of the module's Params.
+
+  Returns (Param name, that local value) or (None, None).
+  """
   while frame is not None:
     f_locals = frame.f_locals
     names = sorted(f_locals, key=lambda n: n != "rhs")
@@ -252,11 +275,11 @@ def _find_lookup_weight(module, frame) -> str | None:
         continue
       found = _find_param_name(module, value, by_shape=False)
       if found is not None:
-        return found
+        return found, value
     if f_locals.get("self") is module:
-      return None
+      return None, None
     frame = frame.f_back
-  return None
+  return None, None
 
 
 def _einsum_contractions(einsum_str: str, operands: Sequence[Any]) -> list[tuple[Any, tuple[int, ...]]]:

@@ -5,9 +5,13 @@
 while it intercepts a model call and never logs) and then either runs a plain grouped matmul or hands the
 work to the FP8 grouped matmul (`quant.gmm_fp8.quantized_gmm`).
 
-The plain path never shows up as an op of its own under Qwix: it is traced with Qwix's interception
-switched off, and it is built from `dot_general` primitives (never `lax.ragged_dot`, whose CPU lowering
-re-traces a Python `dot_general` that Qwix would see when the model runs eagerly).
+The weight may also come quantized ahead of time (an FP8 export loaded under Qwix PTQ): a `QArray`, or a PTQ
+`WithAux` of one, holding fp8 `qvalue` [G, K, N] and a per-column `scale`. With a quantizing rule the FP8 grouped
+matmul then uses the stored values (`quant.gmm_fp8.prequantized_gmm`); without one the weight is dequantized.
+
+Neither path shows up as an op of its own under Qwix: `quant.gmm_fp8` runs with Qwix's interception switched
+off and builds the grouped matmul from tiled `dot_general`s (never `lax.ragged_dot`, whose CPU lowering re-traces
+a Python `dot_general` that Qwix would see when the model runs eagerly).
 """
 
 from __future__ import annotations
@@ -17,49 +21,16 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from quant import gmm_fp8
 
-def current_rule():
-  """Qwix's rule for a "gmm" op of the calling module, or None outside a Qwix-intercepted call."""
+
+def current_rule(op_name: str = "gmm"):
+  """Qwix's rule for an `op_name` op of the calling module, or None outside a Qwix-intercepted call."""
   if "qwix" not in sys.modules:  # Qwix not loaded: nothing can be intercepting.
     return None
   from qwix._src import qconfig  # pylint: disable=import-outside-toplevel
 
-  return qconfig.get_current_rule("gmm")
-
-
-def _without_interception(fn):
-  """`fn` run with every Qwix interceptor of this thread disabled (a no-op when Qwix is not loaded)."""
-  if "qwix" not in sys.modules:
-    return fn
-  from qwix._src import interception  # pylint: disable=import-outside-toplevel
-
-  return interception.disable_interceptions(fn)
-
-
-def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-  """The group of each row (rows past `sum(group_sizes)` get `len(group_sizes)`, i.e. no group)."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  rows = jnp.arange(num_rows, dtype=jnp.int32)
-  return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
-
-
-def _plain_gmm(lhs, rhs, group_sizes, preferred_element_type):
-  """Grouped matmul: `out[r] = lhs[r] @ rhs[group(r)]`, rows outside every group are zero.
-
-  One masked dense matmul per group, accumulated in float32 (the work of XLA's own CPU `ragged_dot`).
-  """
-  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  gid = group_ids(group_sizes, lhs.shape[0])
-
-  def one_group(acc, g_and_w):
-    g, w = g_and_w
-    y = jax.lax.dot_general(lhs, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return jnp.where((gid == g)[:, None], y, acc), None
-
-  init = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
-  groups = jnp.arange(rhs.shape[0], dtype=jnp.int32)
-  out, _ = jax.lax.scan(one_group, init, (groups, rhs))
-  return out.astype(out_dtype)
+  return qconfig.get_current_rule(op_name)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
@@ -68,7 +39,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
 
   Args:
     lhs: rows sorted by group; the first `group_sizes[0]` rows belong to group 0, and so on.
-    rhs: one [K, N] matrix per group.
+    rhs: one [K, N] matrix per group, float or quantized ahead of time (see `prequantized`).
     group_sizes: [G] integer row counts.
     preferred_element_type: output dtype (default: the promoted input dtype).
     rule: a Qwix rule to use instead of asking Qwix for the calling module's "gmm" rule.
@@ -81,16 +52,55 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
                      f"{group_sizes.shape}")
   if rule is None:
     rule = current_rule()  # outside any custom_vjp, as MaxText does
-  if rule is not None and getattr(rule, "weight_qtype", None) is not None:
-    return _quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type)
-  return _without_interception(_plain_gmm)(lhs, rhs, group_sizes, preferred_element_type)
+  quantizing = rule is not None and getattr(rule, "weight_qtype", None) is not None
+  stored = prequantized(rhs)
+  if stored is not None:
+    qvalue, scale = stored
+    if quantizing:
+      return gmm_fp8.prequantized_gmm(lhs, qvalue, scale, group_sizes, rule, preferred_element_type)
+    rhs = (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(lhs.dtype)
+  # Both paths run in `gmm_fp8` with Qwix interception off; rule None is the plain grouped matmul.
+  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule if quantizing else None, preferred_element_type)
 
 
-def _quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type):
-  try:
-    from quant import gmm_fp8  # pylint: disable=import-outside-toplevel
-  except ModuleNotFoundError as e:
-    if e.name != "quant.gmm_fp8":
-      raise
-    raise NotImplementedError("a quantizing gmm rule needs quant.gmm_fp8, which is not available") from None
-  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type)
+def prequantized(rhs):
+  """(qvalue, scale) of a weight quantized ahead of time (a `QArray` or a Qwix PTQ `WithAux` of one), else None."""
+  array = getattr(rhs, "array", rhs)
+  qvalue, scale = getattr(array, "qvalue", None), getattr(array, "scale", None)
+  if qvalue is None or scale is None:
+    return None
+  if getattr(array, "zero_point", None) is not None:
+    raise ValueError("gmm supports symmetric pre-quantized weights only (zero_point None)")
+  return qvalue, scale
+
+
+def prequantized_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, rule=None):
+  """`jax.lax.ragged_dot` with a weight quantized ahead of time, as Qwix QT's quantized ragged_dot runs it.
+
+  For `megablox=false` models: the forward of Qwix's `ragged_dot_qt` (activations per row with the rule's
+  act_qtype, the stored fp8 weight with its per-column scale, Qwix's quantized ragged_dot), so an FP8 export
+  reproduces that path exactly. Without a quantizing rule (asked from Qwix as "ragged_dot") the weight is
+  dequantized and a plain ragged_dot runs. Interception is off inside (JAX's CPU ragged_dot issues dot_generals).
+  """
+  from qwix._src import interception  # pylint: disable=import-outside-toplevel
+  from qwix._src.core import qarray  # pylint: disable=import-outside-toplevel
+  from qwix._src.core import ragged_dot  # pylint: disable=import-outside-toplevel
+
+  stored = prequantized(rhs)
+  if stored is None:
+    raise ValueError("prequantized_ragged_dot needs a QArray weight (or a Qwix PTQ WithAux of one)")
+  qvalue, scale = stored
+  if rule is None:
+    rule = current_rule("ragged_dot")
+  if rule is None or getattr(rule, "weight_qtype", None) is None:
+    weight = (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(lhs.dtype)
+    return interception.disable_interceptions(jax.lax.ragged_dot)(
+        lhs, weight, group_sizes, preferred_element_type=preferred_element_type)
+
+  def run(lhs, qvalue, scale, group_sizes):
+    if rule.act_qtype is not None:
+      lhs = qarray.quantize(lhs, qarray.HowToQuantize(qtype=rule.act_qtype, channelwise_axes=[0]))
+    weight = qarray.QArray(qvalue, scale, None, qvalue.dtype)
+    return ragged_dot.ragged_dot(lhs, weight, group_sizes, None, preferred_element_type)
+
+  return interception.disable_interceptions(run)(lhs, qvalue, scale, group_sizes)

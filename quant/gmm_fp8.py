@@ -253,16 +253,23 @@ def _fwd(lhs, rhs, group_sizes, spec: _Spec):
   if cfg is None:
     out = _grouped_matmul(lhs, rhs, group_sizes, tile, how, jnp.result_type(lhs, rhs))
     return out.astype(spec.out_dtype), (lhs, None, rhs, None, group_sizes)
+  rhs, rhs_scale = _quantize(rhs, cfg.weight_qtype, 2, cfg.weight_calibration, cfg.channelwise)  # [1, 1, N|1]
+  out, lhs, lhs_scale = _fwd_quantized_rhs(lhs, rhs, rhs_scale, group_sizes, spec)
+  return out, (lhs, lhs_scale, rhs, rhs_scale, group_sizes)
+
+
+def _fwd_quantized_rhs(lhs, rhs, rhs_scale, group_sizes, spec: _Spec):
+  """Forward on an fp8 rhs with its float32 scale [1, 1, N|1]: (output, quantized lhs, lhs scale or None)."""
+  cfg, tile, how = spec.config, spec.tile_rows, spec.strategy
   lhs_scale = None
   if cfg.act_qtype is not None:
     lhs, lhs_scale = _quantize(lhs, cfg.act_qtype, 0, cfg.act_calibration, cfg.channelwise)  # scale [M|1, 1]
-  rhs, rhs_scale = _quantize(rhs, cfg.weight_qtype, 2, cfg.weight_calibration, cfg.channelwise)  # [1, 1, N|1]
   acc = _grouped_matmul(lhs, rhs, group_sizes, tile, how, jnp.float32)
   if lhs_scale is not None:
     acc = acc * lhs_scale
   acc = acc * rhs_scale.reshape(1, -1)
   acc = jnp.where(_rows_in_groups(group_sizes, acc.shape[0]), acc, 0.0)
-  return acc.astype(spec.out_dtype), (lhs, lhs_scale, rhs, rhs_scale, group_sizes)
+  return acc.astype(spec.out_dtype), lhs, lhs_scale
 
 
 def _bwd(spec: _Spec, residuals, grad):
@@ -303,3 +310,43 @@ def _gmm_vjp(lhs, rhs, group_sizes, spec):
 
 _gmm_vjp.defvjp(interception.disable_interceptions(_fwd), interception.disable_interceptions(_bwd))
 _gmm_jit = jax.jit(_gmm_vjp, static_argnums=(3,))  # one compilation per shape and spec when called eagerly
+
+
+def prequantized_gmm(lhs, rhs_qvalue, rhs_scale, group_sizes, rule, preferred_element_type=None, *, tile_rows=None,
+                     strategy=None):
+  """Forward-only FP8 grouped matmul with a weight quantized ahead of time (e.g. loaded from an FP8 export).
+
+  Computes what `quantized_gmm` computes when its on-the-fly weight quantization gives `rhs_qvalue` and
+  `rhs_scale`: activations are quantized per `rule` (act_qtype, per row), the weight is used as stored.
+
+  Args:
+    lhs: [M, K] floating rows sorted by group.
+    rhs_qvalue: [G, K, N] fp8 weight values.
+    rhs_scale: the weight's scale, one per output column shared by the groups ([1, 1, N]) or one in all.
+    group_sizes: [G] integer row counts.
+    rule: a `qwix.QtRule` that quantizes weights (its act_qtype and calibrations apply).
+    preferred_element_type: output dtype (default: lhs's dtype).
+    tile_rows, strategy: as for `quantized_gmm`.
+  """
+  lhs, rhs_qvalue, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs_qvalue), jnp.asarray(group_sizes)
+  _check_shapes(lhs, rhs_qvalue, group_sizes)
+  cfg = config_from_rule(rule)
+  if cfg is None:
+    raise errors.QuantError("a pre-quantized grouped-matmul weight needs a rule that quantizes weights; "
+                            "accepted: a qwix.QtRule with weight_qtype set")
+  scale = jnp.asarray(rhs_scale, jnp.float32)
+  if scale.size not in (1, rhs_qvalue.shape[2]):
+    raise errors.QuantError(f"grouped matmul weight scale of shape {scale.shape} does not fit a weight of shape "
+                            f"{rhs_qvalue.shape}; accepted: [1, 1, N] or one scale")
+  out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+  spec = _Spec(cfg, out_dtype.name, lhs.dtype.name, rhs_qvalue.dtype.name, _tile_rows(lhs.shape[0], tile_rows),
+               _strategy(strategy))
+  if lhs.shape[0] == 0 or rhs_qvalue.shape[0] == 0:
+    return jnp.zeros((lhs.shape[0], rhs_qvalue.shape[2]), out_dtype)
+  return interception.disable_interceptions(_prequantized_jit)(lhs, rhs_qvalue, scale.reshape(1, 1, -1),
+                                                               group_sizes.astype(jnp.int32), spec)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _prequantized_jit(lhs, rhs_qvalue, rhs_scale, group_sizes, spec):
+  return _fwd_quantized_rhs(lhs, rhs_qvalue, rhs_scale, group_sizes, spec)[0]

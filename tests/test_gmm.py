@@ -3,7 +3,6 @@
 import logging
 import subprocess
 import sys
-import types
 
 from absl import logging as absl_logging
 from flax import nnx
@@ -57,11 +56,6 @@ def test_plain_gmm_works_under_jit():
   np.testing.assert_allclose(np.asarray(out), _reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
 
 
-def test_group_ids_marks_rows_past_the_groups_with_the_group_count():
-  ids = gmm_lib.group_ids(jnp.asarray([2, 0, 1], jnp.int32), 5)
-  assert np.asarray(ids).tolist() == [0, 0, 2, 3, 3]
-
-
 def test_gmm_rejects_mismatched_shapes():
   with pytest.raises(ValueError, match="gmm expects"):
     gmm_lib.gmm(jnp.ones((4, 3)), jnp.ones((2, 5, 2)), jnp.asarray([2, 2]))
@@ -74,26 +68,24 @@ def test_rule_without_weight_qtype_runs_the_plain_path():
   np.testing.assert_allclose(np.asarray(out), _reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
 
 
-def test_quantizing_rule_is_handed_to_gmm_fp8(monkeypatch):
+def test_quantizing_rule_is_handed_to_gmm_fp8_and_no_rule_runs_it_plain(monkeypatch):
   calls = []
-  fake = types.ModuleType("quant.gmm_fp8")
-  fake.quantized_gmm = lambda *args: calls.append(args) or jnp.zeros((args[0].shape[0], args[1].shape[2]))
-  monkeypatch.setitem(sys.modules, "quant.gmm_fp8", fake)
+  real = gmm_lib.gmm_fp8.quantized_gmm
+
+  def spy(*args):
+    calls.append(args)
+    return real(*args)
+
+  monkeypatch.setattr(gmm_lib.gmm_fp8, "quantized_gmm", spy)
   lhs, rhs, sizes = _inputs()
   rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)
   out = gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), preferred_element_type=jnp.bfloat16,
                     rule=rule)
-  assert out.shape == (23, 5)
-  (args,) = calls
-  assert args[3] is rule and args[4] == jnp.bfloat16 and args[0].shape == (23, 8)
-
-
-def test_quantizing_rule_without_gmm_fp8_raises_not_implemented(monkeypatch):
-  monkeypatch.setitem(sys.modules, "quant.gmm_fp8", None)
-  rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn)
-  lhs, rhs, sizes = _inputs()
-  with pytest.raises(NotImplementedError, match="gmm_fp8"):
-    gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), rule=rule)
+  assert out.shape == (23, 5) and out.dtype == jnp.bfloat16
+  gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), rule=qwix.QtRule(module_path=".*"))
+  (quantized, plain) = calls
+  assert quantized[3] is rule and quantized[4] == jnp.bfloat16 and quantized[0].shape == (23, 8)
+  assert plain[3] is None  # a rule without weight_qtype means: not quantized
 
 
 def test_current_rule_is_none_outside_qwix():

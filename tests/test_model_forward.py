@@ -164,8 +164,9 @@ def _trace(cfg, rules, monkeypatch):
       return found
 
   # The FP8 grouped matmul is another module's job; this test is about which ops Qwix sees.
-  monkeypatch.setattr(gmm_lib, "_quantized_gmm", lambda lhs, rhs, sizes, rule, pet:
-                      gmm_lib._without_interception(gmm_lib._plain_gmm)(lhs, rhs, sizes, pet))
+  plain = gmm_lib.gmm_fp8.quantized_gmm
+  monkeypatch.setattr(gmm_lib.gmm_fp8, "quantized_gmm", lambda lhs, rhs, sizes, rule, pet: plain(lhs, rhs, sizes,
+                                                                                                  None, pet))
   handler = Handler()
   absl_logging.set_verbosity(absl_logging.DEBUG)
   logging.getLogger("absl").addHandler(handler)

@@ -110,6 +110,8 @@ class RoutedMoE(nnx.Module):
   def _grouped_matmul(self, lhs, rhs, group_sizes):
     if self.megablox:
       return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
+    if gmm_lib.prequantized(rhs) is not None:  # an FP8 export's experts: Qwix QT's quantized ragged_dot
+      return gmm_lib.prequantized_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
 
   def _sparse(self, x, weights, idx, w0, w1, wo):
@@ -146,9 +148,9 @@ class RoutedMoE(nnx.Module):
     x = x.astype(self.dtype)
     scores, unbiased = self.gate(x)
     weights, idx = self.route(scores, unbiased)
-    w0 = jnp.asarray(self.wi_0[...], self.dtype)
-    w1 = jnp.asarray(self.wi_1[...], self.dtype)
-    wo = jnp.asarray(self.wo[...], self.dtype)
+    w0 = layers.kernel_value(self.wi_0, self.dtype)  # a WithAux of fp8 values when loaded from an FP8 export
+    w1 = layers.kernel_value(self.wi_1, self.dtype)
+    wo = layers.kernel_value(self.wo, self.dtype)
     if self.sparse_matmul:
       return self._sparse(x, weights, idx, w0, w1, wo)
     return self._dense(x, weights, idx, w0, w1, wo)

@@ -1,0 +1,159 @@
+"""Loads an FP8 export (`inspect_checkpoint export`) into the quantized model: Qwix PTQ + pre-quantized experts.
+
+The model is built abstractly and wrapped by `qwix.quantize_model` with a `PtqProvider` over the config's
+rules (one abstract call under `nnx.eval_shape`), so every dense kernel a rule quantizes becomes
+`<kernel>/array/{qvalue,scale}` (a `WithAux` of a `QArray`), exactly the layout the export wrote. PTQ does not
+touch the routed experts (it never sees our grouped matmul as an op); every float Param that the checkpoint
+stores as `array/qvalue` + `array/scale` (the experts) is replaced the same way here, and the MoE block hands
+the pre-quantized weight to `quant.gmm.gmm`, which runs the FP8 grouped matmul on the stored values and scales
+(activations quantized on the fly by the rule, as in the quantized forward pass), or with megablox=false to
+`quant.gmm.prequantized_ragged_dot` (Qwix QT's quantized ragged_dot on the stored weight). Then the stored arrays are
+restored onto the mesh and assigned.
+
+An export is recognised by `quantization_report.json` beside its step directories; the loaded model's config
+must carry the quantization keys it was exported with (the error names them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from inspect_tool import config as config_lib
+from inspect_tool import errors
+
+REPORT_NAME = "quantization_report.json"
+MARK = "fp8_export"  # attribute set on a loaded model: the checkpoint it came from
+TRACE_SEQUENCE = 16
+
+
+def find_report(path: str | None) -> str | None:
+  """The `quantization_report.json` of the export `path` points into (DST, DST/0 or DST/0/items), or None."""
+  if not path:
+    return None
+  path = os.path.abspath(os.fspath(path))
+  candidates = [path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))]
+  for directory in candidates:
+    report = os.path.join(directory, REPORT_NAME)
+    if os.path.isfile(report):
+      return report
+  return None
+
+
+def is_export(path: str | None) -> bool:
+  return find_report(path) is not None
+
+
+def read_report(path: str) -> dict:
+  """The export's report as a dict ({} when unreadable: the checkpoint itself is what counts)."""
+  report = find_report(path)
+  if report is None:
+    return {}
+  try:
+    with open(report, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return data if isinstance(data, dict) else {}
+
+
+def is_quantized_model(model) -> bool:
+  """Whether `model` was loaded from an FP8 export (its quantization lives in its weights)."""
+  return bool(getattr(model, MARK, None))
+
+
+def export_keys_hint(path: str) -> str:
+  """The quantization key=value tokens the export was made with, from its report ('' if unknown)."""
+  overrides = read_report(path).get("config", {}).get("overrides", [])
+  keys = ("quantization", "quantize_mtp", "quantize_router_proj", "quantize_logits_proj")
+  return " ".join(t for t in overrides if isinstance(t, str) and t.split("=", 1)[0] in keys)
+
+
+def _ptq_template(cfg: config_lib.ModelConfig, rules):
+  """The abstract model under Qwix PTQ: quantized dense kernels as WithAux(QArray) of abstract arrays."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+
+  def quantize(model):
+    ones = jnp.ones((1, min(cfg.max_target_length, TRACE_SEQUENCE)), jnp.int32)
+    kwargs = {"enable_dropout": False}
+    if cfg.mtp_num_layers > 0:
+      kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
+    quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), ones, ones, ones, **kwargs)
+    nnx.pop(quantized, nnx.Intermediate)
+    return quantized
+
+  return nnx.eval_shape(quantize, model_lib.build_model(cfg, abstract=True))
+
+
+def _module_at(model, path: tuple[str, ...]):
+  node = model
+  for part in path:
+    node = getattr(node, part)
+  return node
+
+
+def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
+  """Replaces each float Param the checkpoint stores quantized by an abstract WithAux(QArray); returns their keys."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from qwix._src.core import qarray  # pylint: disable=import-outside-toplevel
+  from qwix._src.providers import ptq  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from quant import export as qexport  # pylint: disable=import-outside-toplevel
+
+  stored = {l.key: l for l in listing.leaves}
+  replaced = []
+  for leaf in params.param_leaves(model):
+    qkey, skey = qexport.quantized_keys(leaf.key)
+    if qkey not in stored or skey not in stored:
+      continue
+    qleaf, sleaf = stored[qkey], stored[skey]
+    if qleaf.shape != leaf.shape:
+      continue  # reported as a mismatch by the restore plan
+    module = _module_at(model, leaf.module_path[:-1])
+    qtype = jnp.dtype(qleaf.dtype)
+    channel = [i for i, (s, d) in enumerate(zip(sleaf.shape, qleaf.shape)) if s == d and d > 1]
+    how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=channel, tiled_axes={}, calibration_method="absmax")
+    array = qarray.QArray(qvalue=nnx.Param(jax.ShapeDtypeStruct(qleaf.shape, qtype)),
+                          scale=nnx.Param(jax.ShapeDtypeStruct(sleaf.shape, jnp.dtype(sleaf.dtype))),
+                          zero_point=None, qtype=qtype)
+    setattr(module, leaf.module_path[-1], ptq.WithAux(array, how))
+    replaced.append(leaf.key)
+  return replaced
+
+
+def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
+  """The quantized model with the export's FP8 weights (see the module docstring), on `mesh`'s devices.
+
+  Raises:
+    errors.InputError: the config has no quantization.
+    errors.MismatchError: the checkpoint does not fit the quantized model (e.g. other quantize_* keys).
+    errors.CheckpointError: the checkpoint cannot be read.
+  """
+  from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
+
+  rules = coverage.config_rules(cfg)
+  if not rules:
+    hint = export_keys_hint(path) or "the quantization keys it was exported with"
+    raise errors.InputError(f"checkpoint {path!r} is an FP8 export; load it into the quantized model: add {hint}")
+  listing = orbax_metadata.read_listing(path)
+  model = _ptq_template(cfg, rules)
+  _prequantize_params(model, listing)
+  leaves = params.param_leaves(model, include_non_params=True)
+  try:
+    pairs = restore.plan(listing, leaves)
+  except errors.MismatchError as e:
+    hint = export_keys_hint(path)
+    raise errors.MismatchError(f"{e}; the export was made with: {hint}" if hint else str(e)) from None
+  params.assign_arrays(model, restore.restore_pairs(listing, pairs, mesh=mesh))
+  setattr(model, MARK, os.path.abspath(path))
+  return model
+

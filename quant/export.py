@@ -1,0 +1,327 @@
+"""Post-training FP8 export, model-agnostic: which granularity a weight gets, its (qvalue, scale), the key layout,
+and a streaming Orbax writer.
+
+Granularity is what the quantized forward pass (Qwix QT) uses for the op that consumes the weight:
+
+* `dot_general` / `einsum` (dense kernels, routers, heads): one scale per index of every axis the op does not
+  contract (Qwix's channelwise default; `disable_channelwise_axes` makes it per-tensor);
+* grouped matmuls (`gmm`, `ragged_dot`; rhs [G, K, N]): one scale per output column N, shared by all G experts
+  (MaxText's Megablox granularity; `disable_channelwise_axes`: per-tensor).
+
+A weight stored with extra axes that the op never sees as one operand (the layer axis of a scanned stack:
+the op runs once per layer on a slice) keeps one scale per index of those axes too.
+
+Numerics reproduce the forward pass bit for bit: the stored weight is first cast to the dtype the op consumes
+(the layer's compute dtype, e.g. bfloat16 for a float32 kernel), then quantized with `quant.fp8.quantize`
+(calibrated in that dtype; scale = absmax / finfo(qtype).max). The scale is stored in that dtype too, which is
+what Qwix's PTQ produces for the same kernel and what the FP8 grouped matmul computes.
+
+Key layout (Qwix PTQ's, for dense and expert weights alike): the float leaf `<key>` becomes
+`<key>/array/qvalue` (the weight's shape, qtype) and `<key>/array/scale` (the weight's rank; 1 on every axis
+that shares a scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quant import errors
+from quant import fp8
+
+ARRAY, QVALUE, SCALE = "array", "qvalue", "scale"
+DENSE_OPS = ("dot_general", "einsum")
+GROUPED_OPS = ("gmm", "ragged_dot")
+DEFAULT_FLUSH_BYTES = 64 * 1024 * 1024
+QUANTIZE_CHUNK_BYTES = 32 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuant:
+  """How one stored weight is exported: its key, stored shape and the granularity of its scale."""
+
+  key: tuple[str, ...]  # leaf key of the float weight
+  shape: tuple[int, ...]  # stored shape (scanned stacks include the layer axis)
+  channel_axes: tuple[int, ...]  # stored axes that keep one scale per index
+  qtype: str  # numpy name, e.g. 'float8_e4m3fn'
+  calibration: str = "absmax"
+  compute_dtype: str = "bfloat16"  # dtype the forward pass quantizes in; also the scale's dtype
+  kind: str = "dense"  # 'dense' (dot_general/einsum) or 'grouped' (gmm/ragged_dot)
+  ops: tuple[str, ...] = ()  # the consuming ops, "module:op"
+
+  @property
+  def scale_shape(self) -> tuple[int, ...]:
+    return tuple(d if i in self.channel_axes else 1 for i, d in enumerate(self.shape))
+
+  @property
+  def qvalue_key(self) -> tuple[str, ...]:
+    return quantized_keys(self.key)[0]
+
+  @property
+  def scale_key(self) -> tuple[str, ...]:
+    return quantized_keys(self.key)[1]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"key": "/".join(self.key), "shape": list(self.shape), "qtype": self.qtype,
+            "scale_shape": list(self.scale_shape), "scale_dtype": self.compute_dtype,
+            "channel_axes": list(self.channel_axes), "calibration": self.calibration, "kind": self.kind,
+            "ops": list(self.ops)}
+
+
+def quantized_keys(key: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(qvalue key, scale key) of a float leaf key."""
+  key = tuple(key)
+  return key + (ARRAY, QVALUE), key + (ARRAY, SCALE)
+
+
+def split_quantized_key(key: Sequence[str]) -> tuple[tuple[str, ...], str] | None:
+  """(float leaf key, 'qvalue' | 'scale') for a quantized leaf key, else None."""
+  key = tuple(key)
+  if len(key) >= 3 and key[-2] == ARRAY and key[-1] in (QVALUE, SCALE):
+    return key[:-2], key[-1]
+  return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Granularity.
+
+
+def _check_rule(rule) -> None:
+  tile = getattr(rule, "tile_size", None)
+  if tile:
+    raise errors.QuantError(f"rule {rule.module_path!r} uses tile_size={tile!r}; export supports channelwise "
+                            "scales only (tile_size unset)")
+  extra = getattr(rule, "additional_qt_config", None) or {}
+  if extra.get("sparsity_rule") is not None:
+    raise errors.QuantError(f"rule {rule.module_path!r} has a sparsity_rule; export supports dense weights only "
+                            "(sparsity_rule None)")
+
+
+def op_channel_axes(op_name: str, operand_ndim: int, contracting: Sequence[int], rule) -> tuple[int, ...]:
+  """Axes of the weight operand (as the op consumes it) that keep their own scale under `rule` (Qwix QT)."""
+  _check_rule(rule)
+  if getattr(rule, "disable_channelwise_axes", False):
+    return ()
+  if op_name in GROUPED_OPS:
+    if operand_ndim != 3:
+      raise errors.QuantError(f"grouped op {op_name} has a weight of rank {operand_ndim}; accepted: [G, K, N]")
+    return (2,)
+  if op_name in DENSE_OPS:
+    contracted = {a % operand_ndim for a in contracting}
+    return tuple(a for a in range(operand_ndim) if a not in contracted)
+  raise errors.QuantError(f"cannot export a weight consumed by {op_name}; accepted ops: "
+                          f"{', '.join(DENSE_OPS + GROUPED_OPS)}")
+
+
+def stored_channel_axes(local_axes: Sequence[int], operand_shape: Sequence[int], stored_shape: Sequence[int],
+                        extra_axes: Sequence[int] = ()) -> tuple[int, ...]:
+  """Maps channel axes of the op's operand onto the stored weight, whose `extra_axes` the op never sees.
+
+  The stored shape without `extra_axes` must equal the operand's shape; each extra axis (e.g. a scanned
+  stack's layer axis) keeps one scale per index.
+  """
+  stored_shape, operand_shape = tuple(stored_shape), tuple(operand_shape)
+  extra = sorted({a % len(stored_shape) for a in extra_axes}) if stored_shape else []
+  remaining = [a for a in range(len(stored_shape)) if a not in extra]
+  if tuple(stored_shape[a] for a in remaining) != operand_shape:
+    raise errors.QuantError(f"stored weight shape {stored_shape} does not reduce to the op's operand shape "
+                            f"{operand_shape} by removing axes {tuple(extra)}; accepted: the op consumes the "
+                            "stored weight as is (per layer in a scanned stack)")
+  return tuple(sorted(set(extra) | {remaining[a] for a in local_axes}))
+
+
+def extra_axes(operand_shape: Sequence[int], stored_shape: Sequence[int], preferred: int | None = None) -> tuple:
+  """The single stored axis whose removal gives the operand's shape ((), if the shapes agree).
+
+  With several candidates (equal neighbouring sizes) `preferred` wins if it is one of them.
+  """
+  operand_shape, stored_shape = tuple(operand_shape), tuple(stored_shape)
+  if operand_shape == stored_shape:
+    return ()
+  if len(stored_shape) != len(operand_shape) + 1:
+    raise errors.QuantError(f"stored weight shape {stored_shape} does not fit the op's operand shape "
+                            f"{operand_shape}; accepted: equal, or one extra (layer) axis")
+  candidates = [a for a in range(len(stored_shape)) if stored_shape[:a] + stored_shape[a + 1:] == operand_shape]
+  if not candidates:
+    raise errors.QuantError(f"stored weight shape {stored_shape} does not fit the op's operand shape "
+                            f"{operand_shape}; accepted: equal, or one extra (layer) axis")
+  return ((preferred,) if preferred in candidates else (candidates[0],))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numerics.
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "axes", "calibration", "compute_dtype"))
+def _quantize(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute_dtype: str):
+  return fp8.quantize(x.astype(compute_dtype), qtype, axes, calibration)
+
+
+def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYTES):
+  """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 channelwise.
+
+  Works on sharded `jax.Array`s; bit-identical however `x` is sharded (absmax and the elementwise steps do not
+  depend on the order of reduction). A weight larger than `chunk_bytes` is quantized in slices along its
+  largest channel axis (channels are independent, so the result is the same) to bound temporary memory.
+  """
+  if tuple(x.shape) != tuple(wq.shape):
+    raise errors.QuantError(f"weight {'/'.join(wq.key)} has shape {tuple(x.shape)}; the plan expects {wq.shape}")
+  x = jnp.asarray(x)
+  kwargs = dict(qtype=fp8.resolve_qtype(wq.qtype).name, axes=tuple(wq.channel_axes), calibration=wq.calibration,
+                compute_dtype=jnp.dtype(wq.compute_dtype).name)
+  nbytes = x.size * x.dtype.itemsize
+  axes = [a for a in wq.channel_axes if x.shape[a] > 1]
+  if nbytes <= chunk_bytes or not axes:
+    return _quantize(x, **kwargs)
+  axis = max(axes, key=lambda a: x.shape[a])
+  bounds = np.linspace(0, x.shape[axis], min(x.shape[axis], -(-nbytes // chunk_bytes)) + 1).astype(int)
+  parts = [_quantize(jax.lax.slice_in_dim(x, int(lo), int(hi), axis=axis), **kwargs)
+           for lo, hi in zip(bounds[:-1], bounds[1:])]
+  return (jnp.concatenate([q for q, _ in parts], axis=axis), jnp.concatenate([s for _, s in parts], axis=axis))
+
+
+def dequantize_weight(qvalue, scale, dtype=None):
+  """The float weight an exported pair stands for (`qvalue * scale`, in `dtype` or the scale's dtype)."""
+  out = fp8.dequantize(qvalue, scale)
+  return out if dtype is None else out.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming Orbax writer.
+
+
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+                 errno.EROFS: "read-only file system"}
+_WRITE_TEXTS = (("no space left", "no space left on device"), ("quota exceeded", "disk quota exceeded"),
+                ("permission denied", "permission denied"), ("read-only file system", "read-only file system"))
+
+
+def write_error(path: str, e: BaseException) -> errors.QuantError:
+  """One-line error for a failed write of `path`, naming the OS reason when one is in the exception chain."""
+  seen, chain = set(), []
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for exc in chain:
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+      return errors.QuantError(f"cannot write {path!r}: {_WRITE_ERRNOS[exc.errno]}")
+  for exc in chain:
+    text = str(exc).lower()
+    for needle, reason in _WRITE_TEXTS:
+      if needle in text:
+        return errors.QuantError(f"cannot write {path!r}: {reason}")
+  first = (str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__])[0][:300]
+  return errors.QuantError(f"cannot write {path!r}: {first}")
+
+
+class OrbaxStreamWriter:
+  """Writes one Orbax pytree array by array: `<step_dir>/<item>/<key...>`, readable by Orbax and MaxText.
+
+  Arrays are buffered up to `flush_bytes` and then written with Orbax's partial save (each flush adds leaves
+  to the same checkpoint; one flush is written in the background while the caller prepares the next);
+  `finalize()` merges the partial saves into one checkpoint and names its pytree
+  `item`. Memory stays at about one flush worth of output plus what the caller holds. Nothing at `step_dir`
+  is complete before `finalize()` returns; write it inside a temporary directory.
+  """
+
+  def __init__(self, step_dir: str, *, item: str = "items", flush_bytes: int = DEFAULT_FLUSH_BYTES):
+    self.step_dir = os.path.abspath(step_dir)
+    self.item = item
+    self.flush_bytes = int(flush_bytes)
+    self._pending: dict[tuple[str, ...], Any] = {}
+    self._pending_bytes = 0
+    self._keys: set[tuple[str, ...]] = set()
+    self.written_bytes = 0
+    self.flushes = 0
+    self._in_flight = None  # the Orbax response of the last flush, until it is awaited
+
+  def add(self, key: Sequence[str], array) -> None:
+    """Queues one array under `key` (a tuple of dict keys); flushes when the buffer is full."""
+    key = tuple(str(k) for k in key)
+    if key in self._keys:
+      raise errors.QuantError(f"array {'/'.join(key)} was written twice")
+    self._keys.add(key)
+    self._pending[key] = array
+    nbytes = int(np.prod(array.shape, dtype=np.int64)) * np.dtype(array.dtype).itemsize
+    self._pending_bytes += nbytes
+    self.written_bytes += nbytes
+    if self._pending_bytes >= self.flush_bytes:
+      self.flush()
+
+  def flush(self) -> None:
+    """Writes the buffered arrays (one Orbax partial save)."""
+    if not self._pending:
+      return
+    from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+
+    tree: dict = {}
+    for key, array in self._pending.items():
+      node = tree
+      for part in key[:-1]:
+        node = node.setdefault(part, {})
+      node[key[-1]] = array
+    self.wait()  # at most one write in flight: it overlaps with reading and quantizing the next arrays
+    try:
+      self._in_flight = partial.save_async(self.step_dir, tree)
+    except Exception as e:  # orbax/tensorstore wrap OS errors in their own types
+      raise write_error(self.step_dir, e) from None
+    self._pending = {}
+    self._pending_bytes = 0
+    self.flushes += 1
+
+  def wait(self) -> None:
+    """Blocks until the background write (if any) is on disk."""
+    in_flight, self._in_flight = self._in_flight, None
+    if in_flight is not None:
+      try:
+        in_flight.result()
+      except Exception as e:  # pylint: disable=broad-except
+        raise write_error(self.step_dir, e) from None
+
+  def finalize(self) -> None:
+    """Flushes, merges the partial saves into `step_dir` and names the pytree directory `item`."""
+    from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+
+    self.flush()
+    self.wait()
+    if not self.flushes:
+      raise errors.QuantError(f"nothing to write to {self.step_dir!r}")
+    try:
+      partial.finalize(self.step_dir)
+      _rename_pytree(self.step_dir, self.item)
+    except errors.QuantError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise write_error(self.step_dir, e) from None
+
+
+_STATE = "state"  # the pytree name Orbax's partial save uses
+_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+
+
+def _rename_pytree(step_dir: str, item: str) -> None:
+  """Renames Orbax's partial-save pytree directory to `item` and records it in the step metadata."""
+  if item != _STATE:
+    os.replace(os.path.join(step_dir, _STATE), os.path.join(step_dir, item))
+  meta_path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  with open(meta_path, encoding="utf-8") as f:
+    meta = json.load(f)
+  handlers = meta.get("item_handlers") or {}
+  handlers.pop(_STATE, None)
+  handlers[item] = _PYTREE_HANDLER
+  meta["item_handlers"] = handlers
+  tmp = meta_path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(meta, f)
+  os.replace(tmp, meta_path)
+

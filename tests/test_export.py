@@ -1,0 +1,336 @@
+"""`export` on MaxText's tiny checkpoint: which weights become FP8 and how, the round trip through `orbax`, `diff`
+and `forward`, parity with MaxText's fp8_full golden outputs, the report, safe writes and sharding."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from inspect_tool import cli
+from inspect_tool import errors
+from inspect_tool import export
+from inspect_tool import export_report
+from inspect_tool import metrics
+from inspect_tool.checkpoint import orbax_metadata
+from quant import export as qexport
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "tests", "data")
+CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+        "first_num_dense_layers=1", "vocab_size=1024"]
+GOLDEN = {False: "b_fp8full_mtpfalse.npz", True: "c_fp8full_mtptrue.npz"}
+MOE = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0"
+MTP = "params.params.mtp_block.mtp_layer_1"
+MTP_MOE = MTP + ".mtp_1_transformer_layer.DeepSeekMoeBlock_0.MoeBlock_0"
+
+
+def _tokens(quantize_mtp):
+  return TINY + ["quantization=fp8_full", f"quantize_mtp={str(quantize_mtp).lower()}"]
+
+
+def _one_device_mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+  root = tmp_path_factory.mktemp("exports")
+  return {mtp: export.export(_tokens(mtp), str(root / f"mtp_{mtp}"), source=CKPT, command="pytest export",
+                             mesh=_one_device_mesh()) for mtp in (False, True)}
+
+
+def _leaves(path):
+  return {l.dotted: l for l in orbax_metadata.read_leaves(path)}
+
+
+def _read(path, dotted):
+  """An array of an Orbax checkpoint read with tensorstore alone (independent of our restore code)."""
+  listing = orbax_metadata.read_listing(path)
+  raw = listing.raw_keys[tuple(dotted.split("."))]
+  items = os.path.abspath(listing.resolved.items_dir)
+  spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{items}/"},
+          "path": ".".join(map(str, raw)) + "/"}
+  return ts.open(spec).result().read().result()
+
+
+def _golden(name):
+  return np.load(os.path.join(DATA, "golden", name))
+
+
+def _rel(x, y):
+  return float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(y))
+
+
+def _run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+# What becomes FP8 ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize_mtp", [False, True])
+def test_expected_weights_are_fp8_and_everything_else_is_copied(exports, quantize_mtp):
+  leaves = _leaves(exports[quantize_mtp].dst)
+  fp8 = {k for k, l in leaves.items() if l.dtype == "float8_e4m3fn"}
+  for name in ("wi_0", "wi_1", "wo", "gate.kernel"):  # decoder experts and router, always
+    assert f"{MOE}.{name}.array.qvalue" in fp8 and f"{MOE}.{name}.array.scale" in leaves
+  mtp_weights = [f"{MTP_MOE}.wi_0", f"{MTP_MOE}.wo", f"{MTP}.mtp_1_projection.kernel"]
+  for name in mtp_weights:
+    assert (f"{name}.array.qvalue" in fp8) == quantize_mtp
+    assert (name in leaves) == (not quantize_mtp)
+    if not quantize_mtp:
+      assert leaves[name].dtype == "float32"
+  for copied in ("params.params.decoder.logits_dense.kernel", "params.params.token_embedder.embedding",
+                 "params.params.decoder.decoder_norm.scale", f"{MOE}.gate.bias", f"{MTP}.mtp_1_final_norm.scale"):
+    assert leaves[copied].dtype == "float32"
+  assert len(fp8) == (33 if quantize_mtp else 20)
+  assert all(not k.endswith("qvalue") or l.dtype == "float8_e4m3fn" for k, l in leaves.items())
+
+
+def test_scales_have_the_forward_pass_granularity(exports):
+  leaves = _leaves(exports[True].dst)
+
+  def scale(name):
+    leaf = leaves[name + ".array.scale"]
+    return leaf.shape, leaf.dtype
+
+  assert scale(f"{MOE}.wi_0") == ((1, 3, 1, 64), "bfloat16")  # per output column, per layer, shared by experts
+  assert scale(f"{MTP_MOE}.wo") == ((1, 1, 64), "bfloat16")
+  assert scale("params.params.decoder.moe_layers.self_attention.wq_b.kernel") == ((1, 3, 4, 192), "bfloat16")
+  assert scale("params.params.decoder.moe_layers.self_attention.out.kernel") == ((1, 3, 1, 64), "bfloat16")
+  assert scale(f"{MTP}.mtp_1_projection.kernel") == ((1, 64), "bfloat16")
+  assert leaves[f"{MOE}.wi_0.array.qvalue"].shape == (16, 3, 64, 64)  # scanned stacks stay scanned
+
+
+def test_stored_values_are_the_qt_quantization_of_the_source_and_copies_are_exact(exports):
+  dst = exports[True].dst
+  for name, axes in ((f"{MOE}.wo", (1, 3)), ("params.params.decoder.dense_layers.self_attention.wkv_b.kernel",
+                                              (1, 2, 3))):
+    source = _read(CKPT, name)
+    wq = qexport.WeightQuant(key=tuple(name.split(".")), shape=source.shape, channel_axes=axes,
+                             qtype="float8_e4m3fn")
+    qvalue, scale = qexport.quantize_weight(source, wq)
+    np.testing.assert_array_equal(_read(dst, name + ".array.qvalue").view(np.uint8), np.asarray(qvalue).view(np.uint8))
+    np.testing.assert_array_equal(_read(dst, name + ".array.scale"), np.asarray(scale))
+  for name in ("params.params.token_embedder.embedding", f"{MOE}.gate.bias"):
+    np.testing.assert_array_equal(_read(dst, name), _read(CKPT, name))
+
+
+# Parity and the round trip -------------------------------------------------------------------------------------
+
+
+def test_exported_model_without_mtp_quantization_matches_maxtext_golden(exports):
+  result, golden, other = exports[False].validation.result, _golden(GOLDEN[False]), _golden(GOLDEN[True])
+  assert _rel(result.logits, golden["logits"]) <= 0.04
+  assert int((np.asarray(result.top1) == golden["top1"]).sum()) >= 29
+  mtp = np.asarray(result.mtp_logits[0])
+  assert _rel(mtp, golden["mtp_logits"]) <= 0.07 and int((mtp.argmax(-1) == golden["mtp_top1"]).sum()) >= 27
+  assert _rel(mtp, golden["mtp_logits"]) < _rel(mtp, other["mtp_logits"])
+
+
+def test_forward_loads_the_export_into_the_quantized_model_and_matches_maxtext_golden(exports, capsys, tmp_path):
+  logits = tmp_path / "logits.npz"
+  code, out, err = _run(capsys, "forward", *_tokens(True), "--checkpoint", exports[True].dst, "--save-logits",
+                        str(logits))
+  assert code == 0, err
+  assert "mtp depth 1" in out
+  saved, golden, other = np.load(logits), _golden(GOLDEN[True]), _golden(GOLDEN[False])
+  assert _rel(saved["logits"], golden["logits"]) <= 0.04
+  assert int((saved["logits"].argmax(-1) == golden["top1"]).sum()) >= 29
+  mtp = saved["mtp_logits"][0]
+  assert _rel(mtp, golden["mtp_logits"]) <= 0.07 and int((mtp.argmax(-1) == golden["mtp_top1"]).sum()) >= 27
+  assert _rel(mtp, golden["mtp_logits"]) < _rel(mtp, other["mtp_logits"])
+  code, _, err = _run(capsys, "forward", *TINY, "--checkpoint", exports[True].dst)
+  assert code == 2 and "quantization=fp8_full quantize_mtp=true" in err and len(err.splitlines()) == 1
+
+
+def test_megablox_false_export_reproduces_qwix_quantized_ragged_dot(tmp_path):
+  result = export.export(_tokens(True) + ["megablox=false"], str(tmp_path / "out"), source=CKPT)
+  assert len(result.report["weights"]) == 33
+  for row in result.validation.vs_quantized:
+    assert row.top1_agreement == 1.0 and row.rel_error == 0.0
+
+
+def test_orbax_listing_shows_fp8_and_diff_understands_the_export(exports, capsys):
+  dst = exports[True].dst
+  code, out, _ = _run(capsys, "orbax", "--path", dst, "--check_dtype=true")
+  assert code == 0
+  assert f"key: {MOE}.wi_0.array.qvalue | shape: (16, 3, 64, 64) | dtype: float8_e4m3fn" in out
+  code, out, _ = _run(capsys, "diff", *_tokens(True), "--path", dst)
+  assert code == 0 and "AGREE" in out
+  code, out, _ = _run(capsys, "diff", *_tokens(False), "--path", dst)
+  assert code == 1 and "quantize_mtp=true" in out
+  code, out, _ = _run(capsys, "diff", *TINY, "--path", dst)
+  assert code == 1 and "quantization=fp8_full quantize_mtp=true" in out
+
+
+# The report ----------------------------------------------------------------------------------------------------
+
+
+def test_report_records_rules_coverage_weights_validation_and_provenance(exports):
+  with open(os.path.join(exports[True].dst, "quantization_report.json"), encoding="utf-8") as f:
+    report = json.load(f)
+  assert report["producer"]["name"] == "inspect_checkpoint" and report["producer"]["version"]
+  assert report["source"]["checkpoint"] == os.path.abspath(CKPT) and report["command"] == "pytest export"
+  assert report["config"]["overrides"] == _tokens(True)
+  assert report["rules"][0]["module_path"] == "(decoder/.*layers.*|mtp_block/.*)"
+  assert {g["group"]: g["quantized_weights"] for g in report["coverage"]["groups"]} == {
+      "decoder": 20, "mtp": 13, "head": 0}
+  weights = {w["key"]: w for w in report["weights"]}
+  wi_0 = weights["params/params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0"]
+  assert wi_0["qtype"] == "float8_e4m3fn" and wi_0["scale_shape"] == [1, 3, 1, 64] and wi_0["kind"] == "grouped"
+  assert len(weights) == 33 and len(report["copied"]) == 20
+  validation = report["validation"]
+  assert validation["passed"] and validation["min_top1"] == 0.9 and validation["batch_shape"] == [2, 16]
+  assert [r["head"] for r in validation["vs_quantized_source"]] == ["main", "mtp_1"]
+  for row in validation["vs_quantized_source"]:  # the export reproduces the quantization-applied model
+    assert row["top1_agreement"] == 1.0 and row["rel_error"] <= 1e-6
+  for row in validation["vs_unquantized_source"]:
+    assert 0.98 < row["cosine"] < 1.0 and 0.01 < row["rel_error"] < 0.2
+
+
+def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys, monkeypatch):
+  def failing(cfg, source, exported, data, *, min_top1, mesh=None, tokens="fixed"):
+    del cfg, source, exported, mesh
+    row = metrics.HeadComparison("main", 0.9, 0.5, 0.1, 0.3, 32)
+    return export_report.Validation((row,), (row,), min_top1, tuple(data.tokens.shape), tokens)
+
+  monkeypatch.setattr(export_report, "validate", failing)
+  tokens = tmp_path / "tokens.npy"
+  np.save(tokens, (np.arange(24).reshape(2, 12) * 7 % 1024).astype(np.int32))
+  dst = tmp_path / "out"
+  code, out, _ = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst), "--tokens",
+                      str(tokens), "--min-top1", "0.6")
+  assert code == 1 and "FAILED" in out
+  report = json.loads((dst / "quantization_report.json").read_text())
+  assert report["validation"]["passed"] is False and report["validation"]["batch_shape"] == [2, 12]
+  assert report["validation"]["tokens"] == str(tokens)
+
+
+def test_export_without_checkpoint_exports_the_seeded_init(tmp_path, capsys):
+  from inspect_tool import config, model  # pylint: disable=import-outside-toplevel
+
+  dst = tmp_path / "init"
+  code, out, err = _run(capsys, "export", *_tokens(False), "--output", str(dst), "--no-validate")
+  assert code == 0, err
+  assert "validation skipped" in out
+  report = json.loads((dst / "quantization_report.json").read_text())
+  assert report["source"] == {"checkpoint": None, "init": "random (seed 0)"} and report["validation"] == {
+      "skipped": True}
+  init = model.build_model(config.resolve_config(_tokens(False)), abstract=False)
+  np.testing.assert_array_equal(_read(str(dst), "params.params.token_embedder.embedding"),
+                                np.asarray(init.token_embedder.embedding.get_value()))
+
+
+def test_layout_deepseek_fp8_writes_hugging_face_safetensors(tmp_path, capsys):
+  dst = tmp_path / "hf"
+  code, out, err = _run(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
+                        "deepseek-fp8")
+  assert code == 0, err
+  assert out.startswith(f"wrote {dst}") and "128x128 block scales" in out
+  assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(dst))
+  assert _leftovers(tmp_path) == []
+
+
+# Safe writes and errors ----------------------------------------------------------------------------------------
+
+
+def _previous(tmp_path):
+  dst = tmp_path / "dst"
+  dst.mkdir()
+  (dst / "marker").write_text("previous")
+  return dst
+
+
+def _leftovers(parent):
+  return [n for n in os.listdir(parent) if n.startswith(".")]
+
+
+def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, capsys):
+  dst = _previous(tmp_path)
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst))
+  assert code == 2 and "already exists; pass --overwrite" in err and len(err.splitlines()) == 1
+  assert (dst / "marker").read_text() == "previous"
+
+
+def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path, capsys, monkeypatch):
+  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(partial, "save_async", full)
+  dst = _previous(tmp_path)
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
+                      "--overwrite", "--no-validate")
+  assert code == 2 and err.startswith("error: cannot write") and "no space left on device" in err
+  assert len(err.splitlines()) == 1
+  assert sorted(os.listdir(dst)) == ["marker"] and _leftovers(tmp_path) == []
+
+
+def test_permission_denied_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+  def denied(*args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied")
+
+  monkeypatch.setattr(tempfile, "mkdtemp", denied)
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"),
+                      "--no-validate")
+  assert code == 2 and "permission denied" in err and len(err.splitlines()) == 1
+  assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_source_is_one_line_exit_2(tmp_path, capsys):
+  source = tmp_path / "ckpt"
+  shutil.copytree(CKPT, source)
+  data_dir = source / "0" / "items" / "d"
+  for name in os.listdir(data_dir):
+    (data_dir / name).write_bytes(b"\0garbage")
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", str(source), "--output",
+                      str(tmp_path / "out"), "--no-validate")
+  assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
+  assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_an_export_is_not_accepted_as_source_and_quantization_is_required(exports, tmp_path):
+  with pytest.raises(errors.InputError, match="already an FP8 export"):
+    export.export(_tokens(True), str(tmp_path / "again"), source=exports[True].dst)
+  with pytest.raises(errors.ConfigError, match="quantization=fp8_full"):
+    export.plan_export(export.config_lib.resolve_config(TINY))
+
+
+# Sharding ------------------------------------------------------------------------------------------------------
+
+_SHARDED = """
+import json, sys
+import jax
+from inspect_tool import export
+assert jax.device_count() == 4, jax.devices()
+result = export.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
+print(json.dumps(result.report["mesh"]))
+""" % CKPT
+
+
+def test_export_sharded_over_four_devices_writes_the_same_bytes(exports, tmp_path):
+  dst = tmp_path / "four"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _SHARDED, str(dst)] + _tokens(False), capture_output=True, text=True,
+                       env=env, cwd=REPO, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == {"devices": 4}
+  assert exports[False].report["mesh"] == {"devices": 1}
+  one, four = _leaves(exports[False].dst), _leaves(str(dst))
+  assert one == four
+  for name, leaf in one.items():
+    a, b = _read(exports[False].dst, name), _read(str(dst), name)
+    assert a.tobytes() == b.tobytes(), name

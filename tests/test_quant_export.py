@@ -1,0 +1,251 @@
+"""quant.export: granularity from ops, bit-exact quantization, key layout, the streaming Orbax writer; and the
+pre-quantized grouped matmul (quant.gmm / quant.gmm_fp8) an export's experts run in."""
+
+import errno
+import json
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import qwix
+from qwix._src.core import qarray
+from qwix._src.providers import ptq
+
+from quant import coverage
+from quant import errors
+from quant import export as qexport
+from quant import gmm as gmm_lib
+from quant import gmm_fp8
+
+E4M3 = "float8_e4m3fn"
+RULE = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)
+
+
+def _rng(seed=0):
+  return np.random.default_rng(seed)
+
+
+# Granularity ---------------------------------------------------------------------------------------------------
+
+
+def test_dense_ops_keep_a_scale_per_non_contracted_axis():
+  assert qexport.op_channel_axes("dot_general", 3, (0,), RULE) == (1, 2)  # wq_b (R, H, D)
+  assert qexport.op_channel_axes("dot_general", 3, (0, 1), RULE) == (2,)  # out (H, Dv, E)
+  assert qexport.op_channel_axes("einsum", 2, (-2,), RULE) == (1,)
+
+
+def test_grouped_ops_keep_one_scale_per_output_column_shared_by_experts():
+  assert qexport.op_channel_axes("gmm", 3, (1,), RULE) == (2,)
+  assert qexport.op_channel_axes("ragged_dot", 3, (1,), RULE) == (2,)
+  with pytest.raises(errors.QuantError, match="rank 2"):
+    qexport.op_channel_axes("gmm", 2, (1,), RULE)
+
+
+def test_disable_channelwise_axes_gives_one_scale_and_unsupported_rules_are_refused():
+  per_tensor = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, disable_channelwise_axes=True)
+  assert qexport.op_channel_axes("dot_general", 2, (0,), per_tensor) == ()
+  assert qexport.op_channel_axes("gmm", 3, (1,), per_tensor) == ()
+  with pytest.raises(errors.QuantError, match="tile_size"):
+    qexport.op_channel_axes("dot_general", 2, (0,), qwix.QtRule(module_path=".*", weight_qtype=jnp.int8,
+                                                                tile_size=128))
+  with pytest.raises(errors.QuantError, match="conv_general_dilated"):
+    qexport.op_channel_axes("conv_general_dilated", 4, (2,), RULE)
+
+
+def test_a_scanned_stacks_layer_axis_keeps_its_own_scales():
+  stored, operand = (16, 3, 64, 32), (16, 64, 32)  # experts (X, L, E, F) seen per layer as (X, E, F)
+  extra = qexport.extra_axes(operand, stored, preferred=1)
+  assert extra == (1,)
+  axes = qexport.stored_channel_axes((2,), operand, stored, extra)
+  assert axes == (1, 3)
+  wq = qexport.WeightQuant(key=("params", "params", "w"), shape=stored, channel_axes=axes, qtype=E4M3)
+  assert wq.scale_shape == (1, 3, 1, 32)
+  assert qexport.extra_axes((4, 4), (4, 4, 4), preferred=1) == (1,)  # ambiguous sizes: the preferred axis
+  assert qexport.extra_axes((8, 8), (8, 8)) == ()
+  with pytest.raises(errors.QuantError, match="does not fit"):
+    qexport.extra_axes((8, 8), (8, 3, 9))
+
+
+def test_quantized_keys_follow_qwix_ptq_layout():
+  key = ("params", "params", "decoder", "logits_dense", "kernel")
+  qkey, skey = qexport.quantized_keys(key)
+  assert qkey == key + ("array", "qvalue") and skey == key + ("array", "scale")
+  assert qexport.split_quantized_key(skey) == (key, "scale")
+  assert qexport.split_quantized_key(key) is None
+
+
+# Numerics ------------------------------------------------------------------------------------------------------
+
+
+def test_quantize_weight_is_bit_identical_to_qwix_on_the_bf16_cast_weight():
+  w = jnp.asarray(_rng().standard_normal((32, 3, 4, 24)).astype(np.float32))
+  wq = qexport.WeightQuant(key=("w",), shape=w.shape, channel_axes=(1, 2, 3), qtype=E4M3)
+  qvalue, scale = qexport.quantize_weight(w, wq)
+  how = qarray.HowToQuantize(qtype=jnp.float8_e4m3fn, channelwise_axes=[1, 2, 3], tiled_axes={},
+                             calibration_method="absmax")
+  expected = qarray.quantize(w.astype(jnp.bfloat16), how)
+  assert qvalue.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.bfloat16 and scale.shape == (1, 3, 4, 24)
+  np.testing.assert_array_equal(np.asarray(qvalue).view(np.uint8), np.asarray(expected.qvalue).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(scale), np.asarray(expected.scale))
+  err = np.abs(np.asarray(qexport.dequantize_weight(qvalue, scale, jnp.float32)) - np.asarray(w)).max()
+  assert 0 < err < 0.1 * np.abs(np.asarray(w)).max()
+
+
+def test_quantize_weight_refuses_a_weight_of_another_shape():
+  wq = qexport.WeightQuant(key=("params", "w"), shape=(4, 4), channel_axes=(1,), qtype=E4M3)
+  with pytest.raises(errors.QuantError, match="params/w"):
+    qexport.quantize_weight(jnp.ones((4, 5)), wq)
+
+
+# Streaming writer ----------------------------------------------------------------------------------------------
+
+
+def test_stream_writer_writes_one_orbax_pytree_over_several_flushes(tmp_path):
+  step = tmp_path / "0"
+  writer = qexport.OrbaxStreamWriter(str(step), flush_bytes=64)
+  qvalue = jnp.asarray(_rng().standard_normal((8, 8)), jnp.float8_e4m3fn)
+  arrays = {("params", "params", "a", "array", "qvalue"): qvalue,
+            ("params", "params", "a", "array", "scale"): jnp.ones((1, 8), jnp.bfloat16),
+            ("params", "params", "b"): jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
+  for key, value in arrays.items():
+    writer.add(key, value)
+  writer.finalize()
+  assert writer.flushes >= 2 and writer.written_bytes == 64 + 16 + 48
+  assert sorted(os.listdir(tmp_path)) == ["0"]  # Orbax's partial-save directories are gone
+  meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+  assert list(meta["item_handlers"]) == ["items"]
+  restored = ocp.StandardCheckpointer().restore(str(step / "items"))
+  for key, value in arrays.items():
+    node = restored
+    for part in key:
+      node = node[part]
+    assert node.dtype == value.dtype
+    np.testing.assert_array_equal(np.asarray(node).astype(np.float32), np.asarray(value).astype(np.float32))
+  with pytest.raises(errors.QuantError, match="twice"):
+    writer.add(("params", "params", "b"), jnp.ones(2))
+
+
+def test_stream_writer_reports_disk_full_in_one_line(tmp_path, monkeypatch):
+  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+
+  def full(*args, **kwargs):
+    raise ValueError("write failed") from OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(partial, "save_async", full)
+  writer = qexport.OrbaxStreamWriter(str(tmp_path / "0"))
+  writer.add(("params", "x"), jnp.ones(3))
+  with pytest.raises(errors.QuantError) as info:
+    writer.finalize()
+  assert str(info.value) == f"cannot write {str(tmp_path / '0')!r}: no space left on device"
+
+
+def test_stream_writer_reports_a_failure_of_a_background_write(tmp_path, monkeypatch):
+  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+
+  class Failed:
+    def result(self):
+      raise PermissionError(errno.EACCES, "Permission denied")
+
+  monkeypatch.setattr(partial, "save_async", lambda *args, **kwargs: Failed())
+  writer = qexport.OrbaxStreamWriter(str(tmp_path / "0"), flush_bytes=1)
+  writer.add(("params", "x"), jnp.ones(3))  # flushed in the background
+  with pytest.raises(errors.QuantError, match="permission denied"):
+    writer.add(("params", "y"), jnp.ones(3))  # the next flush waits for the first
+
+
+def test_write_errors_name_the_reason_from_messages_too():
+  assert qexport.write_error("/x", RuntimeError("PERMISSION_DENIED: Permission denied [/x/d]")).args[0] == (
+      "cannot write '/x': permission denied")
+  assert "boom" in str(qexport.write_error("/x", RuntimeError("boom\nmore")))
+
+
+# Pre-quantized grouped matmul ----------------------------------------------------------------------------------
+
+
+def _gmm_inputs(seed=0):
+  rng = _rng(seed)
+  lhs = jnp.asarray(rng.standard_normal((40, 16)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((4, 16, 12)), jnp.bfloat16)
+  sizes = jnp.asarray([10, 0, 17, 9], jnp.int32)  # 4 padding rows
+  return lhs, rhs, sizes
+
+
+def _stored(rhs, rule=RULE):
+  axes = () if rule.disable_channelwise_axes else (2,)
+  wq = qexport.WeightQuant(key=("w",), shape=rhs.shape, channel_axes=axes, qtype=E4M3)
+  return qexport.quantize_weight(rhs, wq)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_prequantized_gmm_equals_quantizing_on_the_fly(per_tensor):
+  rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn,
+                     disable_channelwise_axes=per_tensor)
+  lhs, rhs, sizes = _gmm_inputs()
+  qvalue, scale = _stored(rhs, rule)
+  expected = gmm_fp8.quantized_gmm(lhs, rhs, sizes, rule, jnp.bfloat16)
+  got = gmm_fp8.prequantized_gmm(lhs, qvalue, scale, sizes, rule, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+  assert np.all(np.asarray(got[36:], np.float32) == 0)
+
+
+def test_prequantized_gmm_refuses_a_mis_shaped_scale_or_no_rule():
+  lhs, rhs, sizes = _gmm_inputs()
+  qvalue, _ = _stored(rhs)
+  with pytest.raises(errors.QuantError, match="scale"):
+    gmm_fp8.prequantized_gmm(lhs, qvalue, jnp.ones((1, 1, 5)), sizes, RULE)
+  with pytest.raises(errors.QuantError, match="weight_qtype"):
+    gmm_fp8.prequantized_gmm(lhs, qvalue, jnp.ones((1, 1, 12)), sizes, None)
+
+
+def test_gmm_takes_a_qarray_or_ptq_withaux_weight():
+  lhs, rhs, sizes = _gmm_inputs(1)
+  qvalue, scale = _stored(rhs)
+  array = qarray.QArray(qvalue, scale, None, jnp.float8_e4m3fn)
+  expected = gmm_fp8.quantized_gmm(lhs, rhs, sizes, RULE, jnp.bfloat16)
+  how = qarray.HowToQuantize(qtype=jnp.float8_e4m3fn, channelwise_axes=[2], tiled_axes={}, calibration_method="absmax")
+  for weight in (array, ptq.WithAux(array, how)):
+    assert gmm_lib.prequantized(weight) is not None
+    got = gmm_lib.gmm(lhs, weight, sizes, preferred_element_type=jnp.bfloat16, rule=RULE)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+  assert gmm_lib.prequantized(rhs) is None
+  plain = gmm_lib.gmm(lhs, array, sizes, preferred_element_type=jnp.float32)  # no rule: dequantized weight
+  reference = gmm_lib.gmm(lhs, (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(jnp.bfloat16), sizes,
+                          preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(reference))
+
+
+def test_prequantized_ragged_dot_equals_qwix_quantized_ragged_dot():
+  from qwix._src.core import ragged_dot_qt  # pylint: disable=import-outside-toplevel
+
+  lhs, rhs, sizes = _gmm_inputs(2)
+  config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=jnp.float8_e4m3fn, rhs_qtype=jnp.float8_e4m3fn)
+  expected = ragged_dot_qt.ragged_dot_qt(lhs, rhs, sizes, config, None, jnp.bfloat16)
+  qvalue, scale = _stored(rhs)
+  weight = qarray.QArray(qvalue, scale, None, jnp.float8_e4m3fn)
+  got = gmm_lib.prequantized_ragged_dot(lhs, weight, sizes, preferred_element_type=jnp.bfloat16, rule=RULE)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+# Coverage records the weight operand ---------------------------------------------------------------------------
+
+
+class _Cast(nnx.Module):
+  """A layer that casts its float32 kernel to bf16 before dot_general, contracting axis 0."""
+
+  def __init__(self):
+    self.kernel = nnx.Param(jnp.ones((6, 2, 5), jnp.float32))
+
+  def __call__(self, x):
+    kernel = self.kernel[...].astype(jnp.bfloat16)
+    return jax.lax.dot_general(x.astype(jnp.bfloat16), kernel, (((1,), (0,)), ((), ())))
+
+
+def test_coverage_records_the_operand_shape_dtype_and_contracted_axes():
+  trace = coverage.trace_model(_Cast(), [RULE], jnp.ones((3, 6)))
+  (op,) = [o for o in trace.ops if o.op_name == "dot_general"]
+  assert op.weight == "kernel" and op.operand_shape == (6, 2, 5) and op.operand_dtype == "bfloat16"
+  assert op.contracting == (0,)
