@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from inspect_tool import errors, presets
 from quant import settings
+from quant import yaml_file
 
 QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")
@@ -353,16 +354,7 @@ def _typed(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_model_file(path: str) -> dict[str, Any]:
   """Reads a user YAML model file (MaxText model-yml keys) into a key → value mapping."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
-  if not os.path.isfile(path):
-    raise errors.ConfigError(f"model file {path!r} does not exist")
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = yaml.safe_load(f)
-  except yaml.YAMLError as e:
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise errors.ConfigError(f"model file {path!r} is not valid YAML: {first}") from None
+  data = yaml_file.load(path, f"model file {path!r}", errors.ConfigError)
   if data is None:
     data = {}
   if not isinstance(data, dict):

@@ -207,11 +207,7 @@ _WRITE_TEXTS = (("no space left", "no space left on device"), ("quota exceeded",
 
 def write_error(path: str, e: BaseException) -> errors.QuantError:
   """One-line error for a failed write of `path`, naming the OS reason when one is in the exception chain."""
-  seen, chain = set(), []
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    chain.append(e)
-    e = e.__cause__ or e.__context__
+  chain = errors.exception_chain(e)
   for exc in chain:
     if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
       return errors.QuantError(f"cannot write {path!r}: {_WRITE_ERRNOS[exc.errno]}")

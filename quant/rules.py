@@ -27,6 +27,7 @@ from qwix._src.core import sparsity as qwix_sparsity
 
 from quant import errors
 from quant import settings
+from quant import yaml_file
 
 DECODER_LAYERS_PATH = "decoder/.*layers.*"
 DECODER_AND_MTP_PATH = "(decoder/.*layers.*|mtp_block/.*)"
@@ -193,17 +194,8 @@ def load_rule_file(path: str | os.PathLike) -> list[qwix.QtRule]:
   `additional_qt_config.sparsity_rule` a mapping of `SparsityRule` fields. Every problem raises a one-line
   `QuantError` naming the file, the rule index and the field.
   """
-  import yaml  # pylint: disable=import-outside-toplevel
-
   where = f"rule file {os.fspath(path)!r}"
-  if not os.path.isfile(path):
-    raise errors.QuantError(f"{where} does not exist")
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = yaml.safe_load(f)
-  except yaml.YAMLError as e:
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise errors.QuantError(f"{where} is not valid YAML: {first}") from None
+  data = yaml_file.load(path, where, errors.QuantError)
   if not isinstance(data, list):
     raise errors.QuantError(f"{where} must hold a YAML list of rules (mappings of QtRule fields), "
                             f"got {type(data).__name__}")

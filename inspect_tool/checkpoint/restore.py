@@ -17,6 +17,7 @@ from inspect_tool import errors
 from inspect_tool import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
+from quant import errors as quant_errors
 
 _TS_STATUS = re.compile(r"\b(DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|OUT_OF_RANGE|UNKNOWN):")
 _PARAM_IN_MESSAGE = re.compile(r'"([^"/]+)/(?:c/|\d)')
@@ -63,11 +64,7 @@ def plan(listing: orbax_metadata.Listing, leaves: Iterable[tree.Leaf]) -> list[d
 
 def _error_text(e: BaseException) -> tuple[str, bool]:
   """The most specific line of an exception chain, and whether it is a tensorstore storage status."""
-  seen, chain = set(), []
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    chain.append(e)
-    e = e.__cause__ or e.__context__
+  chain = quant_errors.exception_chain(e)
   for exc in chain:
     text = str(exc)
     if _TS_STATUS.search(text):
