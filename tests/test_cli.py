@@ -118,3 +118,10 @@ def test_diff_agrees_with_matching_overrides_and_explains_mismatches(capsys):
   code, out, _ = run(capsys, "diff", *REF_TINY[:1], "override_model_config=true", "base_num_decoder_layers=4",
                      "first_num_dense_layers=1", "vocab_size=1024", "--path", CKPT_ITEMS)
   assert code == 1 and "mtp_num_layers=1" in out
+
+
+def test_rules_html_marks_modules_with_their_winning_rule(capsys):
+  code, out, _ = run(capsys, "rules", *TINY, "quantization=fp8_full", "quantize_mtp=false", "--format", "html")
+  assert code == 0 and "<html" in out[:500].lower()
+  assert "rule 0 (float8_e4m3fn)" in out and "unquantized" in out and "MoeBlock_0" in out
+  assert 'src="http' not in out and 'href="http' not in out
