@@ -388,6 +388,9 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   model_file = raw.pop("model_file", None) or (files[0] if files else None)
   cli = _typed(raw)
   cli.update(extra)
+  if "model_name" not in cli and not model_file:
+    raise errors.ConfigError(f"no model given: pass model_name=<one of {', '.join(sorted(presets.PRESETS))}>, "
+                             "model_file=<your.yml>, or model_name=default for MaxText's base defaults")
   model_name = cli.get("model_name", "default")
   base = model_keys(model_name, model_file)
   if not cli.get("override_model_config", False):

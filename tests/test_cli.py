@@ -48,7 +48,8 @@ def test_normalize_maxtext_boolean_spellings():
     (["maxtext", "model_name=deepseek3-tiny", "mtp_num_layer=1"], "did you mean 'mtp_num_layers'"),
     (["maxtext", "scan_layers=perhaps"], "not a boolean"),
     (["maxtext", "mtp_num_layers"], "not of the form key=value"),
-    (["maxtext", "base_emb_dim=-4"], "base_emb_dim=-4 must be a positive integer"),
+    (["maxtext", "model_name=default", "base_emb_dim=-4"], "base_emb_dim=-4 must be a positive integer"),
+    (["maxtext", "mtp_num_layers=1"], "no model given: pass model_name="),
     (["orbax", "--path", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

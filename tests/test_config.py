@@ -22,11 +22,11 @@ def test_deepseek2_is_not_deepseek_routing_and_has_its_own_softmax_scale():
 @pytest.mark.parametrize("text,expected", [("true", True), ("True", True), ("1", True), ("false", False),
                                            ("False", False), ("0", False)])
 def test_bool_spellings(text, expected):
-  assert config.resolve_config([f"scan_layers={text}"]).scan_layers is expected
+  assert config.resolve_config(["model_name=default", f"scan_layers={text}"]).scan_layers is expected
 
 
 def test_typed_values_ints_floats_lists():
-  cfg = config.resolve_config(["mtp_loss_scaling_factor=0.25", "max_target_length=1_024",
+  cfg = config.resolve_config(["model_name=default", "mtp_loss_scaling_factor=0.25", "max_target_length=1_024",
                                "mlp_activations=[silu,linear]", "weight_sparsity_n=2", "weight_sparsity_m=4"])
   assert cfg.mtp_loss_scaling_factor == 0.25 and cfg.max_target_length == 1024
   assert cfg.mlp_activations == ("silu", "linear") and (cfg.weight_sparsity_n, cfg.weight_sparsity_m) == (2, 4)
@@ -64,12 +64,18 @@ def test_global_parameter_scale_scales_sizes():
 ])
 def test_bad_input_is_one_clear_line(tokens, message):
   with pytest.raises(errors.ConfigError) as info:
-    config.resolve_config(tokens)
+    config.resolve_config(["model_name=default"] + tokens)
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_model_must_be_named():
+  with pytest.raises(errors.ConfigError, match="no model given: pass model_name=<one of deepseek2-16b"):
+    config.resolve_config(["mtp_num_layers=1"])
+  assert config.resolve_config(["model_name=default"]).model_name == "default"
+
+
 def test_enable_nnx_true_and_maxtext_run_keys_are_accepted():
-  cfg = config.resolve_config(["enable_nnx=true", "run_name=x", "attention=dot_product",
+  cfg = config.resolve_config(["model_name=deepseek3-tiny", "enable_nnx=true", "run_name=x", "attention=dot_product",
                                "skip_jax_distributed_system=true"])
   assert cfg.enable_nnx
 
