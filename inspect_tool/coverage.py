@@ -20,7 +20,6 @@ from typing import Sequence
 
 GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"))
 DEFAULT_GROUP = "decoder"
-TRACE_SEQUENCE = 16
 
 
 def quant_settings(cfg):
@@ -39,8 +38,6 @@ def config_rules(cfg) -> list:
 
 def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
   """The raw `quant.coverage.Trace` for the config (rules: None → MaxText's, a list, or a YAML rule file)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from quant import coverage, rules as rules_lib  # pylint: disable=import-outside-toplevel
 
@@ -51,14 +48,9 @@ def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
     rule_list, provider = rules_lib.load_rule_file(rules), "qt"
   else:
     rule_list, provider = list(rules), "qt"
-  model = model_lib.build_model(cfg, abstract=True)
-  shape = (1, min(cfg.max_target_length, TRACE_SEQUENCE))
-  ones = jnp.ones(shape, jnp.int32)
-  kwargs = {"enable_dropout": False}
-  if cfg.mtp_num_layers > 0:
-    kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
-  return coverage.trace_model(model, rule_list, ones, ones, ones, experts_per_token=cfg.num_experts_per_tok,
-                              provider=provider, **kwargs)
+  args, kwargs = model_lib.qwix_init_inputs(cfg)
+  return coverage.trace_model(model_lib.build_model(cfg, abstract=True), rule_list, *args,
+                              experts_per_token=cfg.num_experts_per_tok, provider=provider, **kwargs)
 
 
 def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):

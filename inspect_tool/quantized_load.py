@@ -24,7 +24,6 @@ from inspect_tool import errors
 
 REPORT_NAME = "quantization_report.json"
 MARK = "fp8_export"  # attribute set on a loaded model: the checkpoint it came from
-TRACE_SEQUENCE = 16
 
 
 def find_report(path: str | None) -> str | None:
@@ -72,17 +71,13 @@ def export_keys_hint(path: str) -> str:
 def _ptq_template(cfg: config_lib.ModelConfig, rules):
   """The abstract model under Qwix PTQ: quantized dense kernels as WithAux(QArray) of abstract arrays."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import qwix  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
 
   def quantize(model):
-    ones = jnp.ones((1, min(cfg.max_target_length, TRACE_SEQUENCE)), jnp.int32)
-    kwargs = {"enable_dropout": False}
-    if cfg.mtp_num_layers > 0:
-      kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
-    quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), ones, ones, ones, **kwargs)
+    args, kwargs = model_lib.qwix_init_inputs(cfg)
+    quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), *args, **kwargs)
     nnx.pop(quantized, nnx.Intermediate)
     return quantized
 

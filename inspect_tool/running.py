@@ -15,15 +15,13 @@ from inspect_tool import config as config_lib
 from inspect_tool import errors
 from inspect_tool import progress
 
-TRACE_SEQUENCE = 16
-
 
 def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | None = None):
   """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import qwix  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
   if quantized_load.is_quantized_model(model):
@@ -31,11 +29,8 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   rules = coverage.config_rules(cfg) if rules is None else list(rules)
   if not rules:
     return model
-  ones = jnp.ones((1, min(cfg.max_target_length, TRACE_SEQUENCE)), jnp.int32)
-  kwargs = {"enable_dropout": False, "skip_nnx_init": True}
-  if cfg.mtp_num_layers > 0:
-    kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
-  return qwix.quantize_model(model, qwix.QtProvider(rules), ones, ones, ones, **kwargs)
+  args, kwargs = model_lib.qwix_init_inputs(cfg)
+  return qwix.quantize_model(model, qwix.QtProvider(rules), *args, skip_nnx_init=True, **kwargs)
 
 
 def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):

@@ -2,6 +2,7 @@
 
 Public API (submodules import JAX/Flax; this package's import does not):
   - `build_model(cfg, *, abstract=True, seed=None)` → `transformer.Transformer`
+  - `qwix_init_inputs(cfg)` → (args, kwargs) of the call Qwix's `quantize_model` makes
   - `Transformer.__call__(tokens, positions, segment_ids=None, *, decoder_target_tokens=None,
     decoder_target_mask=None, enable_dropout=False)` → main logits; MTP outputs stay on `mtp_block`
     as intermediates (`mtp_block.logits`, `.losses`, `.weights`; see `mtp`), read by `inspect_tool.forward`.
@@ -17,3 +18,21 @@ def build_model(cfg, *, abstract: bool = True, seed: int | None = None):
   from inspect_tool.model import transformer  # pylint: disable=import-outside-toplevel
 
   return transformer.build_model(cfg, abstract=abstract, seed=seed)
+
+
+QWIX_INIT_SEQUENCE = 16
+
+
+def qwix_init_inputs(cfg) -> tuple[tuple, dict]:
+  """The model call `qwix.quantize_model` makes, as MaxText's `maybe_quantize_model` does: token, position and
+  segment arrays of ones, dropout off, and (with MTP) target tokens and mask so the MTP block is traced too.
+
+  The batch is (1, min(max_target_length, 16)): which ops run and which rule each gets does not depend on it.
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  ones = jnp.ones((1, min(cfg.max_target_length, QWIX_INIT_SEQUENCE)), jnp.int32)
+  kwargs = {"enable_dropout": False}
+  if cfg.mtp_num_layers > 0:
+    kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)
+  return (ones, ones, ones), kwargs
