@@ -43,7 +43,8 @@ def orbax_listing(path: str, *, include_all: bool = False, cfg: config_lib.Model
 
 def hf_listing(path: str):
   """Reads safetensors headers (never tensor data) and reports every tensor."""
-  from inspect_tool.checkpoint import safetensors_header  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import hf_layout, safetensors_header  # pylint: disable=import-outside-toplevel
 
   leaves = safetensors_header.read_leaves(path)
-  return listing.build_report(path, leaves, include_all=True, count_all=True)
+  return listing.build_report(path, leaves, include_all=True, count_all=True, classify=hf_layout.classifier(leaves),
+                              routed_fraction=hf_layout.routed_fraction(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Callable
 
 from inspect_tool import tree
 
@@ -27,6 +28,8 @@ _GROUPS = (
     ("mtp block", "attention, norms and projection", r"mtp_block/.*"),
 )
 _COMPILED = tuple((g, p, re.compile(pattern)) for g, p, pattern in _GROUPS)
+_GROUP_ORDER = tuple(dict.fromkeys(g for g, _, _ in _GROUPS)) + ("other",)
+_PART_ORDER = tuple(dict.fromkeys(p for _, p, _ in _GROUPS)) + ("embedding and head copies",)
 _BYTES = {"float64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4, "bfloat16": 2,
           "float16": 2, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
@@ -78,24 +81,24 @@ class Summary:
             "routed_expert_fraction": self.routed_fraction}
 
 
-def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, all_leaves: bool = False) -> Summary:
+def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, all_leaves: bool = False,
+              classify: Callable[[tree.Leaf], tuple[str, str]] = group_of) -> Summary:
   """Sums parameter leaves (`params.params.*`, or every leaf with `all_leaves`) by group; others are ignored.
 
   `routed_fraction` (experts per token / experts) turns routed-expert counts into active parameters per token:
-  every other parameter is counted as active.
+  every other parameter is counted as active. `classify` maps a leaf to its (group, part) (MaxText keys by
+  default; `checkpoint.hf_layout.classifier` for Hugging Face names).
   """
   sums: dict[tuple[str, str], list[float]] = {}
   for leaf in leaves:
     if not (leaf.is_param or all_leaves):
       continue
-    group, part = group_of(leaf)
+    group, part = classify(leaf)
     for key in ((group, ""), (group, part)) if part else ((group, ""),):
       acc = sums.setdefault(key, [0, 0.0])
       acc[0] += leaf.size
       acc[1] += leaf.size * dtype_bytes(leaf.dtype)
-  order = [g for g, _, _ in _GROUPS] + ["other"]
-  parts = [p for _, p, _ in _GROUPS]
-  keys = sorted(sums, key=lambda k: (order.index(k[0]), k[1] != "", parts.index(k[1]) if k[1] else 0))
+  keys = sorted(sums, key=lambda k: (_GROUP_ORDER.index(k[0]), k[1] != "", _PART_ORDER.index(k[1]) if k[1] else 0))
   rows = tuple(GroupRow(g, p, int(sums[(g, p)][0]), sums[(g, p)][1], int(sums[(g, p)][0]) * 2,
                         int(sums[(g, p)][0])) for g, p in keys)
   total = sum(r.params for r in rows if not r.part)

@@ -55,3 +55,30 @@ def test_active_parameters_scale_routed_experts_only():
 def test_human_units():
   assert summary.human(682636472320) == "682.64B" and summary.human(999) == "999"
   assert summary.human_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_hugging_face_names_are_grouped_by_layer_kind(tmp_path):
+  from inspect_tool.checkpoint import hf_layout  # pylint: disable=import-outside-toplevel
+
+  def hf(name, shape=(4, 4), dtype="bfloat16"):
+    return tree.Leaf(tuple(name.split(".")), shape, dtype)
+
+  leaves = [hf("model.embed_tokens.weight"), hf("lm_head.weight"), hf("model.norm.weight", (4,)),
+            hf("model.layers.0.mlp.gate_proj.weight"), hf("model.layers.0.self_attn.o_proj.weight"),
+            hf("model.layers.1.mlp.gate.weight"), hf("model.layers.1.mlp.experts.3.up_proj.weight", dtype="float8_e4m3fn"),
+            hf("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv", (1, 1), "float32"),
+            hf("model.layers.1.mlp.shared_experts.down_proj.weight"), hf("model.layers.1.self_attn.q_a_proj.weight"),
+            hf("model.layers.2.eh_proj.weight"), hf("model.layers.2.embed_tokens.weight"),
+            hf("model.layers.2.mlp.experts.0.gate_proj.weight"), hf("model.layers.2.input_layernorm.weight", (4,))]
+  classify = hf_layout.classifier(leaves)
+  assert [classify(l) for l in leaves] == [
+      ("embedding", ""), ("head", ""), ("head", ""), ("dense stack", ""), ("dense stack", ""),
+      ("moe stack", "router"), ("moe stack", "routed experts"), ("moe stack", "routed experts"),
+      ("moe stack", "shared experts"), ("moe stack", "attention and norms"),
+      ("mtp block", "attention, norms and projection"), ("mtp block", "embedding and head copies"),
+      ("mtp block", "routed experts"), ("mtp block", "attention, norms and projection")]
+  (tmp_path / "config.json").write_text('{"num_experts_per_tok": 8, "n_routed_experts": 256}')
+  assert hf_layout.routed_fraction(str(tmp_path)) == 8 / 256
+  assert hf_layout.routed_fraction(str(tmp_path / "missing")) is None
+  s = summary.summarize(leaves, all_leaves=True, classify=classify, routed_fraction=0.5)
+  assert s.total_params == sum(l.size for l in leaves) and s.active_params is not None

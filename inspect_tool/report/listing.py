@@ -35,7 +35,7 @@ class ParamReport:
 
 
 def build_report(source: str, leaves, *, include_all: bool, routed_fraction: float | None = None,
-                 notes=(), count_all: bool = False) -> ParamReport:
+                 notes=(), count_all: bool = False, classify=summary_lib.group_of) -> ParamReport:
   """Sorts and filters leaves (`params.*` only unless `include_all`) and computes the summary.
 
   The total counts `params.params.*` leaves (MaxText's convention), or every leaf with `count_all` (HF files).
@@ -46,7 +46,8 @@ def build_report(source: str, leaves, *, include_all: bool, routed_fraction: flo
   if grouped:  # group by item, params first, keeping natural order inside each item
     items = sorted({leaf.item for leaf in ordered}, key=lambda item: (item != "params", item))
     ordered = [leaf for item in items for leaf in ordered if leaf.item == item]
-  summary = summary_lib.summarize(list(leaves), routed_fraction=routed_fraction, all_leaves=count_all)
+  summary = summary_lib.summarize(list(leaves), routed_fraction=routed_fraction, all_leaves=count_all,
+                                  classify=classify)
   return ParamReport(source, tuple(ordered), summary, tuple(notes), grouped)
 
 
