@@ -79,6 +79,7 @@ def test_hugging_face_names_are_grouped_by_layer_kind(tmp_path):
       ("mtp block", "routed experts"), ("mtp block", "attention, norms and projection")]
   (tmp_path / "config.json").write_text('{"num_experts_per_tok": 8, "n_routed_experts": 256}')
   assert hf_layout.routed_fraction(str(tmp_path)) == 8 / 256
-  assert hf_layout.routed_fraction(str(tmp_path / "missing")) is None
+  (tmp_path / "no_config").mkdir()
+  assert hf_layout.routed_fraction(str(tmp_path / "no_config")) is None
   s = summary.summarize(leaves, all_leaves=True, classify=classify, routed_fraction=0.5)
   assert s.total_params == sum(l.size for l in leaves) and s.active_params is not None
