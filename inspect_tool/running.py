@@ -8,6 +8,8 @@ a rule matches, the routed experts' `gmm` asks for its rule (FP8 with one, plain
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 from inspect_tool import batch as batch_lib
@@ -92,18 +94,24 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
   return float(loss), norm, finite and bool(jnp.isfinite(loss))
 
 
-def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
-        compare: bool = False):
-  """Forward pass of the configured model (quantized when `quantization` is set).
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What `run` computed: the forward result, optionally the unquantized reference and the gradient check."""
 
-  Returns (result, reference): with `compare`, `reference` is the same model and batch without quantization.
-  """
+  result: object  # inspect_tool.forward.ForwardResult
+  reference: object | None = None  # the same model and batch without quantization (`compare`)
+  grad: tuple[float, float, bool] | None = None  # (loss, global gradient norm, all finite) (`grad`)
+
+
+def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
+        compare: bool = False, grad: bool = False) -> Run:
+  """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
   model = load_model(cfg, checkpoint, mesh=mesh)
-  if compare and quantized_load.is_quantized_model(model):
-    raise errors.InputError(f"--compare needs float weights; {checkpoint} is an FP8 export (its "
+  if (compare or grad) and quantized_load.is_quantized_model(model):
+    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
                             f"{quantized_load.REPORT_NAME} holds the comparison with its source)")
-  result = forward(quantize_for_training(model, cfg), batch)
-  reference = forward(model, batch) if compare else None
-  return result, reference
+  quantized = quantize_for_training(model, cfg)
+  return Run(result=forward(quantized, batch), reference=forward(model, batch) if compare else None,
+             grad=loss_and_grad_norm(quantized, batch) if grad else None)

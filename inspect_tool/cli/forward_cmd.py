@@ -26,15 +26,11 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   cfg = config.resolve_config(overrides)
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
-  result, reference = running.run(cfg, data, checkpoint=checkpoint, compare=compare)
-  comparisons = metrics.compare_heads(reference, result) if reference is not None else ()
-  grad_info = None
-  if grad:
-    grad_info = running.loss_and_grad_norm(running.quantize_for_training(running.load_model(cfg, checkpoint), cfg),
-                                           data)
+  outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
+  comparisons = metrics.compare_heads(outcome.reference, outcome.result) if outcome.reference is not None else ()
   if save_logits:
-    forward_format.save_logits(save_logits, result)
+    forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
-  click.echo(formatter(result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                       comparisons=comparisons, grad=grad_info), nl=False)
+  click.echo(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
+                       comparisons=comparisons, grad=outcome.grad), nl=False)
   return 0
