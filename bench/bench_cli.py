@@ -13,6 +13,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 BIN = os.path.join(os.path.dirname(sys.executable), "inspect_checkpoint")
@@ -21,6 +22,8 @@ CASES = {
     "help": [BIN, "--help"],
     "671b scanned + MTP": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=true", "mtp_num_layers=1"],
     "671b unscanned + MTP": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1"],
+    "671b unscanned --html": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1",
+                              "--html", os.path.join(tempfile.gettempdir(), "bench_cli_671b_unscanned.html")],
     "671b rules fp8_full MTP": [BIN, "rules", "model_name=deepseek3-671b", "mtp_num_layers=1", "quantization=fp8_full",
                                 "quantize_mtp=true"],
 }
