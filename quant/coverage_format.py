@@ -136,7 +136,7 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
 
 def to_markdown(report: coverage_report.CoverageReport) -> str:
   """A Markdown report (tables) for pull requests and docs."""
-  out = [f"# Qwix rule coverage", "", f"Provider `{report.provider or 'none'}`; first matching rule wins.", "",
+  out = ["# Qwix rule coverage", "", f"Provider `{report.provider or 'none'}`; first matching rule wins.", "",
          "## Rules", "", "| # | module_path | op_names | weight | act | bwd | matches |", "|---|---|---|---|---|---|---|"]
   for row in report.rules:
     r = row.rule
