@@ -27,6 +27,9 @@ class Batch:
 def load_array(path: str, what: str) -> np.ndarray:
   if not os.path.isfile(path):
     raise errors.InputError(f"{what} file {path!r} does not exist")
+  with open(path, "rb") as f:
+    if f.read(6) != b"\x93NUMPY":
+      raise errors.InputError(f"{what} file {path!r} is not a .npy array (no NumPy header); save it with numpy.save")
   try:
     return np.load(path, allow_pickle=False)
   except (ValueError, OSError) as e:

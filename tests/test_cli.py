@@ -126,3 +126,13 @@ def test_rules_html_marks_modules_with_their_winning_rule(capsys):
   assert code == 0 and "<html" in out[:500].lower()
   assert "rule 0 (float8_e4m3fn)" in out and "unquantized" in out and "MoeBlock_0" in out
   assert 'src="http' not in out and 'href="http' not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["maxtext", "model_name=deepseek3-tiny", "--format", "xml"], "'xml' is not one of"),
+    (["orbax"], "Missing option '--path'"),
+    (["bogus"], "No such command 'bogus'"),
+])
+def test_click_usage_errors_are_one_line_too(capsys, argv, message):
+  code, out, err = run(capsys, *argv)
+  assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

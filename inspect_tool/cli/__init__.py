@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     code = cli.main(args=argv, prog_name="inspect_checkpoint", standalone_mode=False)
   except click.exceptions.Exit as e:
     return e.exit_code
+  except click.UsageError as e:  # one line, like every other input error
+    where = e.ctx.command_path if e.ctx is not None else "inspect_checkpoint"
+    click.echo(f"error: {e.format_message()} (see '{where} --help')", err=True)
+    return e.exit_code
   except click.ClickException as e:
     e.show()
     return e.exit_code
