@@ -3,42 +3,28 @@
 `resolve_config(["model_name=deepseek3-671b", "mtp_num_layers=1"])` returns a frozen `ModelConfig`.
 Resolution order is MaxText's: defaults (base.yml) < preset or user YAML model file < command-line keys;
 a key set by the model file and again on the command line with another value is refused unless
-`override_model_config=true`.
+`override_model_config=true`. Every MaxText 0.2.5 key is accepted: the fields below are the keys this tool
+models; any other MaxText key is kept, typed, in `cfg.passthrough` and readable as an attribute
+(`cfg.ici_fsdp_parallelism`, `cfg.logical_axis_rules`: the value given, or MaxText's default).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 from typing import Any, Iterable, Mapping
 
-from inspect_tool import errors, presets
+from inspect_tool import errors, maxtext_keys, presets
 from quant import settings
 from quant import yaml_file
 
 QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("sigmoid", "softmax")
-CALIBRATION_METHODS = ("absmax", "minmax", "fixed")  # "fixed,<lo>,<hi>" is accepted as well
 # Model names whose gate bias is MaxText's non-Param `MoEBiasVar` and which use DeepSeek-V3 routing.
 DEEPSEEK_ROUTING_PREFIXES = ("deepseek3", "deepseek4", "kimi-k2")
-
-# MaxText keys that do not change the model, its parameter tree or its forward pass here: accepted so that
-# a MaxText command line works verbatim, and otherwise ignored.
-IGNORED_KEYS = frozenset({
-    "run_name", "base_output_directory", "skip_jax_distributed_system", "hardware", "steps",
-    "load_parameters_path", "load_full_state_path", "tokenizer_path", "tokenizer_type", "hf_access_token",
-    "dataset_type", "dataset_path", "async_checkpointing", "enable_checkpointing", "checkpoint_period",
-    "remat_policy", "log_period", "enable_goodput_recording", "monitor_goodput", "profiler",
-    "ici_fsdp_parallelism", "ici_data_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
-    "ici_sequence_parallelism", "ici_pipeline_parallelism", "dcn_fsdp_parallelism", "dcn_data_parallelism",
-    "dcn_pipeline_parallelism", "dcn_expert_parallelism", "learning_rate", "opt_type", "gradient_clipping_threshold",
-    "wi_tile_fwd_batch_seq", "wi_tile_fwd_embed_dim", "wi_tile_fwd_mlp_dim", "wo_tile_fwd_batch_seq",
-    "wo_tile_fwd_embed_dim", "wo_tile_fwd_mlp_dim", "sa_block_q", "sa_block_kv", "use_iota_embed",
-    "enable_single_controller", "allow_split_physical_axes", "compile_topology", "compile_topology_num_slices",
-})
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(settings.QuantSettings):
@@ -129,9 +115,33 @@ class ModelConfig(settings.QuantSettings):
   per_device_batch_size: float = 12.0
 
   # Quantization keys (quantization, quantize_mtp, ...) come from `quant.settings.QuantSettings`.
+  use_qwix_quantization: bool = True  # MaxText's default is false (its deprecated AQT path); this tool models Qwix
+
+  # Every other MaxText key set by the preset, the model file or the command line, typed (not compared or hashed:
+  # none of them changes the model).
+  passthrough: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def __post_init__(self):
     _validate(self)
+
+  def __getattr__(self, name: str) -> Any:
+    """Any MaxText key that is not a field: its value in `passthrough`, else MaxText's default."""
+    if name.startswith("_") or name == "passthrough":
+      raise AttributeError(name)
+    passthrough = self.__dict__.get("passthrough", {})
+    if name in passthrough:
+      return passthrough[name]
+    if maxtext_keys.is_key(name):
+      return copy.deepcopy(maxtext_keys.defaults()[name])
+    raise AttributeError(f"{type(self).__name__!r} has no MaxText key {name!r}")
+
+  def maxtext_config(self) -> dict[str, Any]:
+    """Every key: the fields, then the MaxText keys that are not fields (given or default), sorted."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "passthrough"}
+    for key in sorted(maxtext_keys.defaults()):
+      if key not in out:
+        out[key] = getattr(self, key)
+    return out
 
   # Derived sizes (MaxText's global_parameter_scale rule; all equal base_* at scale 1).
   @property
@@ -234,11 +244,11 @@ def _validate(c: ModelConfig) -> None:
          f"num_experts={c.num_experts} and 0 < topk_routing_group <= n_routing_groups (or both -1)")
   _check(c.quantization in QUANTIZATION_MODES,
          f"quantization={c.quantization!r}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
-  for name in ("weight_quantization_calibration_method", "act_quantization_calibration_method",
-               "bwd_quantization_calibration_method"):
-    value = getattr(c, name)
-    _check(value.split(",")[0] in CALIBRATION_METHODS,
-           f"{name}={value!r}; accepted: {', '.join(CALIBRATION_METHODS)} (fixed as 'fixed,<lo>,<hi>')")
+  _check(not c.quantization or c.use_qwix_quantization,
+         f"use_qwix_quantization=false with quantization={c.quantization!r} selects MaxText's AQT path, which this "
+         "tool does not model; accepted: use_qwix_quantization=true (Qwix, this tool's default)")
+  if c.quantization:
+    _validate_calibrations(c)
   if c.quantize_mtp:
     _check(c.mtp_num_layers > 0, "quantize_mtp=true needs mtp_num_layers > 0 (got mtp_num_layers=0)")
     _check(c.quantization == "fp8_full",
@@ -255,6 +265,25 @@ def _validate(c: ModelConfig) -> None:
          f"weight_sparsity_n={c.weight_sparsity_n} weight_sparsity_m={c.weight_sparsity_m}: need 0 < n < m")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
+
+
+def _validate_calibrations(c: ModelConfig) -> None:
+  """The calibration methods the quantized run accepts (symmetric: absmax, rms,<f>, fixed,<hi>), checked up front."""
+  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
+  from quant import fp8  # pylint: disable=import-outside-toplevel
+
+  for name in ("weight_quantization_calibration_method", "act_quantization_calibration_method",
+               "bwd_quantization_calibration_method", "logits_proj_quant_calibration_method",
+               "drhs_grad_quantization_calibration_method"):
+    value = getattr(c, name)
+    if not value:
+      continue
+    try:
+      fp8.parse_calibration(value)
+    except quant_errors.QuantError:
+      raise errors.ConfigError(
+          f"{name}={value!r} is not supported with quantization={c.quantization!r}: the run quantizes "
+          f"symmetrically; accepted: {', '.join(fp8.CALIBRATIONS)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,17 +367,19 @@ def parse_overrides(tokens: Iterable[str]) -> dict[str, str]:
 
 
 def known_keys() -> list[str]:
-  return sorted(set(FIELDS) | IGNORED_KEYS)
+  return sorted(set(FIELDS) | set(maxtext_keys.defaults()))
 
 
 def _typed(raw: Mapping[str, Any]) -> dict[str, Any]:
+  """Types every value: a field by its type, another MaxText key like its MaxText default."""
   typed = {}
   for key, value in raw.items():
-    if key in IGNORED_KEYS:
-      continue
-    if key not in FIELDS:
+    if key in FIELDS and key != "passthrough":
+      typed[key] = parse_value(key, value)
+    elif maxtext_keys.is_key(key):
+      typed[key] = maxtext_keys.parse(key, value)
+    else:
       raise errors.UnknownKeyError(key, known_keys())
-    typed[key] = parse_value(key, value)
   return typed
 
 
@@ -371,10 +402,11 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
     return _typed(data)
   if model_name == "default":
     return {}
-  if model_name not in presets.PRESETS:
-    raise errors.ConfigError(f"unknown model_name {model_name!r}; known: {', '.join(sorted(presets.PRESETS))} "
-                             "(or pass model_file=<your.yml>)")
-  return dict(presets.PRESETS[model_name], model_name=model_name)
+  try:
+    data = presets.load(model_name)
+  except KeyError as e:
+    raise errors.ConfigError(e.args[0]) from None
+  return dict(_typed(data), model_name=model_name)
 
 
 def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
@@ -389,7 +421,7 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   cli = _typed(raw)
   cli.update(extra)
   if "model_name" not in cli and not model_file:
-    raise errors.ConfigError(f"no model given: pass model_name=<one of {', '.join(sorted(presets.PRESETS))}>, "
+    raise errors.ConfigError(f"no model given: pass model_name=<one of {', '.join(presets.names())}>, "
                              "model_file=<your.yml>, or model_name=default for MaxText's base defaults")
   model_name = cli.get("model_name", "default")
   base = model_keys(model_name, model_file)
@@ -399,4 +431,14 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
         raise errors.ConfigError(
             f"{key}={value!r} is set by model {base.get('model_name', model_name)!r} to {base[key]!r}; "
             "add override_model_config=true to override model keys")
-  return ModelConfig(**{**base, **cli})
+  merged = {**base, **cli}
+  other = {key: merged.pop(key) for key in list(merged) if key not in FIELDS}
+  maxtext_keys.check_modelled(other)
+  return ModelConfig(**merged, passthrough=other)
+
+
+def echo(cfg: ModelConfig) -> dict[str, Any]:
+  """The config for `--format json`: every field, then every other MaxText key that was set."""
+  out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}
+  out.update(sorted(cfg.passthrough.items()))
+  return {key: list(value) if isinstance(value, tuple) else value for key, value in out.items()}

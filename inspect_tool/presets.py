@@ -1,96 +1,62 @@
-"""Model presets as data: the keys each MaxText model file sets, by `model_name`.
+"""Model presets as data: `maxtext_data/models/<model_name>.yml` holds the keys MaxText 0.2.5's model file sets.
 
-Values are those of MaxText 0.2.5's `configs/models/<name>.yml`. A preset sets only the keys listed here;
-everything else keeps `ModelConfig`'s defaults (MaxText's `base.yml`).
+Adding a preset is adding a file there. MaxText model names outside the DeepSeek family, and DeepSeek-family names
+whose architecture is not built yet (no file), are refused with one line that says so.
 """
 
 from __future__ import annotations
 
-_DEEPSEEK3_COMMON = dict(
-    base_num_decoder_layers=61,
-    first_num_dense_layers=3,
-    mlp_activations=("silu", "linear"),
-    vocab_size=129280,
-    enable_dropout=False,
-    logits_via_embedding=False,
-    normalization_layer_epsilon=1.0e-6,
-    num_experts_per_tok=8,
-    shared_experts=1,
-    routed_scaling_factor=2.5,
-    routed_score_func="sigmoid",
-    routed_bias=True,
-    decoder_block="deepseek",
-    attention_type="mla",
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    mscale=1.0,
-    rope_type="yarn",
-    rope_max_timescale=10_000,
-    max_position_embeddings=163840,
-    original_max_position_embeddings=4096,
-    rope_factor=40,
-    beta_fast=32,
-)
+import functools
+import os
 
-PRESETS: dict[str, dict] = {
-    "deepseek3-671b": dict(
-        _DEEPSEEK3_COMMON,
-        base_emb_dim=7168,
-        base_num_query_heads=128,
-        base_num_kv_heads=128,
-        base_mlp_dim=18432,
-        base_moe_mlp_dim=2048,
-        num_experts=256,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        rope_interleave=True,
-        rope_truncate=True,
-        rope_attention_scaling=False,
-    ),
-    "deepseek3-test": dict(
-        _DEEPSEEK3_COMMON,
-        base_emb_dim=512,
-        base_num_query_heads=128,
-        base_num_kv_heads=128,
-        base_mlp_dim=18432,
-        base_moe_mlp_dim=512,
-        num_experts=256,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-    ),
-    "deepseek3-tiny": dict(
-        _DEEPSEEK3_COMMON,
-        base_emb_dim=64,
-        base_num_query_heads=4,
-        base_num_kv_heads=4,
-        base_mlp_dim=64,
-        base_moe_mlp_dim=64,
-        num_experts=16,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-    ),
-    "deepseek2-16b": dict(
-        _DEEPSEEK3_COMMON,
-        base_emb_dim=2048,
-        base_num_query_heads=16,
-        base_num_kv_heads=16,
-        base_mlp_dim=10944,
-        base_moe_mlp_dim=1408,
-        base_num_decoder_layers=27,
-        first_num_dense_layers=1,
-        vocab_size=102400,
-        num_experts=64,
-        num_experts_per_tok=6,
-        shared_experts=2,
-        routed_scaling_factor=1.0,
-        routed_score_func="softmax",
-        routed_bias=False,
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        mscale=0.707,
-        rope_interleave=True,
-        rope_truncate=True,
-        rope_attention_scaling=False,
-    ),
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data")
+MODELS_DIR = os.path.join(DATA_DIR, "models")
+FAMILY_PREFIXES = ("deepseek", "kimi")
+
+# DeepSeek-family names MaxText 0.2.5 accepts whose architecture this tool does not build yet (until a preset file
+# for the name exists, which then takes precedence).
+NOT_BUILT = {
+    "deepseek3.2-671b": "DeepSeek-V3.2 (sparse attention indexer)",
+    "deepseek4-284b": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
+    "deepseek4-tiny": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
+    "deepseek-custom": "deepseek-custom (sparse attention indexer, Engram, mHC)",
 }
+
+
+def _yaml_load(text: str):
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=None)
+def names() -> tuple[str, ...]:
+  """Every preset this tool builds, sorted."""
+  return tuple(sorted(f[:-4] for f in os.listdir(MODELS_DIR) if f.endswith(".yml")))
+
+
+@functools.lru_cache(maxsize=None)
+def maxtext_model_names() -> tuple[str, ...]:
+  """Every `model_name` MaxText 0.2.5 accepts."""
+  with open(os.path.join(DATA_DIR, "maxtext_models.txt"), encoding="utf-8") as f:
+    return tuple(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
+def load(name: str) -> dict:
+  """The keys preset `name` sets (raw YAML values), or a `KeyError` naming why it is not available."""
+  if name not in names():
+    raise KeyError(refusal(name))
+  with open(os.path.join(MODELS_DIR, f"{name}.yml"), encoding="utf-8") as f:
+    return dict(_yaml_load(f.read()) or {})
+
+
+def refusal(name: str) -> str:
+  """One line: why `model_name=name` is not built, and which names are."""
+  known = ", ".join(names())
+  if name in NOT_BUILT:
+    return (f"model_name={name!r}: support for the {NOT_BUILT[name]} architecture is not built yet; "
+            f"built: {known}")
+  if name in maxtext_model_names() and not name.startswith(FAMILY_PREFIXES):
+    return (f"model_name={name!r} is a MaxText model outside the DeepSeek family; this tool builds "
+            f"DeepSeek-family models: {known} (or model_file=<your.yml> with decoder_block=deepseek)")
+  return f"unknown model_name {name!r}; known: {known} (or pass model_file=<your.yml>)"
