@@ -437,6 +437,18 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   return ModelConfig(**merged, passthrough=other)
 
 
+def describe_keys(tokens: Iterable[str]) -> list[str]:
+  """`--verbose`: which of the given keys (and of the model's other MaxText keys) shape the tree, which do not."""
+  tokens = list(tokens)
+  given = [key for key in parse_overrides(t for t in tokens if "=" in t)]
+  cfg = resolve_config(tokens)
+  lines = maxtext_keys.describe(given, FIELDS)
+  from_model = sorted(set(cfg.passthrough) - set(given))
+  if from_model:
+    lines += [f"set by model {cfg.model_name!r}, ignored for structure: {', '.join(from_model)}"]
+  return lines
+
+
 def echo(cfg: ModelConfig) -> dict[str, Any]:
   """The config for `--format json`: every field, then every other MaxText key that was set."""
   out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}

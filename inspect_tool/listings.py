@@ -27,7 +27,7 @@ def model_listing(cfg: config_lib.ModelConfig, *, include_all: bool = False, sou
     model = model_lib.build_model(cfg, abstract=True)
   leaves = params.param_leaves(model, include_non_params=include_all)
   return listing.build_report(source or cfg.model_name, leaves, include_all=include_all,
-                              routed_fraction=routed_fraction(cfg)), model
+                              routed_fraction=routed_fraction(cfg), config=config_lib.echo(cfg)), model
 
 
 def orbax_listing(path: str, *, include_all: bool = False, cfg: config_lib.ModelConfig | None = None):

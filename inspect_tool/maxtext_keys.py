@@ -30,8 +30,8 @@ NO_EFFECT_FIELDS = {
     "head_dim": "MLA's shapes come from qk_nope/qk_rope/v_head_dim (MaxText ignores head_dim for MLA too)",
     "mtp_eval_target_module": "an evaluation metric (MTP acceptance rate), not the model",
     "num_vocab_tiling": "a memory tiling of the loss; the logits are the same",
-    "dropout_rate": "no parameters; every pass here is deterministic (dropout off, as MaxText's eval)",
-    "enable_dropout": "no parameters; every pass here is deterministic (dropout off, as MaxText's eval)",
+    "dropout_rate": "no parameters; the forward pass here is deterministic, dropout off",
+    "enable_dropout": "no parameters; the forward pass here is deterministic, dropout off",
     "per_device_batch_size": "batch size; the batch comes from --tokens",
     "mtp_loss_scaling_factor": "only scales the reported total loss",
 }
@@ -151,8 +151,8 @@ def describe(keys: Iterable[str], fields: Iterable[str]) -> list[str]:
   if forward:
     lines.append("accepted, ignored for structure (used by forward, rules and export): " + ", ".join(forward))
   if none:
-    lines.append("accepted, ignored by every command: " + "; ".join(none))
+    lines.append("accepted, ignored for structure and by the forward pass: " + "; ".join(none))
   if ignored:
-    lines.append("accepted, ignored by every command (MaxText training, sharding, schedule, path or logging keys; "
+    lines.append("accepted, ignored for structure (MaxText training, sharding, schedule, path or logging keys; "
                  "kept in --format json's config): " + ", ".join(ignored))
   return lines

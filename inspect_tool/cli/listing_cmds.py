@@ -10,8 +10,9 @@ from inspect_tool.cli import options
 @click.command()
 @click.argument("overrides", nargs=-1)
 @click.option("--all", "include_all", is_flag=True, help="Also list non-Param state (the DeepSeek-V3 gate bias).")
+@click.option("--verbose", is_flag=True, help="Say on stderr which given keys shape the tree and which are ignored.")
 @options.output_options
-def maxtext(overrides, include_all, fmt, check_dtype, output_file, html_file, summary):
+def maxtext(overrides, include_all, verbose, fmt, check_dtype, output_file, html_file, summary):
   """List the parameters of a MaxText model given as key=value overrides.
 
   Example: inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
@@ -19,6 +20,8 @@ def maxtext(overrides, include_all, fmt, check_dtype, output_file, html_file, su
   from inspect_tool import config, listings  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(overrides)
+  if verbose:
+    click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides))
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:

@@ -24,6 +24,7 @@ class ParamReport:
   summary: summary_lib.Summary
   notes: tuple[str, ...] = ()
   grouped: bool = False  # `--all`: arrays grouped by checkpoint item, each group headed by a comment line
+  config: dict | None = None  # the model config (`maxtext`): echoed by the JSON format
 
   @property
   def items(self) -> list[str]:
@@ -35,7 +36,7 @@ class ParamReport:
 
 
 def build_report(source: str, leaves, *, include_all: bool, routed_fraction: float | None = None,
-                 notes=(), count_all: bool = False, classify=summary_lib.group_of) -> ParamReport:
+                 notes=(), count_all: bool = False, classify=summary_lib.group_of, config=None) -> ParamReport:
   """Sorts and filters leaves (`params.*` only unless `include_all`) and computes the summary.
 
   The total counts `params.params.*` leaves (MaxText's convention), or every leaf with `count_all` (HF files).
@@ -48,7 +49,7 @@ def build_report(source: str, leaves, *, include_all: bool, routed_fraction: flo
     ordered = [leaf for item in items for leaf in ordered if leaf.item == item]
   summary = summary_lib.summarize(list(leaves), routed_fraction=routed_fraction, all_leaves=count_all,
                                   classify=classify)
-  return ParamReport(source, tuple(ordered), summary, tuple(notes), grouped)
+  return ParamReport(source, tuple(ordered), summary, tuple(notes), grouped, config)
 
 
 def _shape(shape) -> str:
@@ -118,6 +119,7 @@ def to_dict(report: ParamReport) -> dict:
                       "size": leaf.size} for leaf in report.leaves],
       "total_parameters": report.summary.total_params,
       "summary": report.summary.to_dict(),
+      **({"config": report.config} if report.config is not None else {}),
   }
 
 
