@@ -1,7 +1,8 @@
 """Multi-head Latent Attention (MLA) with MaxText's projections and its dot-product `attention_op`.
 
 `MLA` owns the projections (`wq_a`, `q_norm`, `wq_b` or `query`; `wkv_a`, `kv_norm`, `wkv_b`; `out`), the
-parameter-free `rotary_embedding` and `attention_op`. The softmax scale is folded into the query;
+parameter-free `rotary_embedding` and `attention_op`, and with `use_indexer` (DeepSeek-V3.2) the `indexer`
+whose top-k selection further masks the attention logits (see `indexer`). The softmax scale is folded into the query;
 `attention_op` makes exactly two `jnp.einsum` calls (qk and wv) in the compute dtype, masks with
 -0.7·float32.max (causal, plus segments when given) and normalises after the value product, as
 MaxText's `apply_attention_dot` does.
@@ -14,11 +15,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inspect_tool.model import indexer as indexer_lib
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import rope
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
+
+
+def allowed_keys(t: int, s: int, segment_ids=None) -> jax.Array:
+  """Boolean [b or 1, t, s]: causal, and within the same (non-negative) segment when segment ids are given."""
+  allowed = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+  if segment_ids is not None:
+    allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] >= 0)
+  return allowed
 
 
 class AttentionOp(nnx.Module):
@@ -28,7 +38,8 @@ class AttentionOp(nnx.Module):
     self.float32_qk_product = bool(cfg.float32_qk_product)
     self.precision = layers.precision(cfg)
 
-  def __call__(self, query, key, value, segment_ids=None):
+  def __call__(self, query, key, value, segment_ids=None, keep=None):
+    """`keep` [b, t, s] (the indexer's selection) further restricts the causal / segment mask."""
     b, t, n, d = query.shape
     n_kv = key.shape[-2]
     if self.float32_qk_product:
@@ -36,10 +47,9 @@ class AttentionOp(nnx.Module):
     query = jnp.reshape(query, (b, t, n_kv, n // n_kv, d))
     logits = jnp.einsum("btkgd,bskd->bkgts", query, key, precision=self.precision)
     s = key.shape[1]
-    allowed = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None, None]
-    if segment_ids is not None:
-      same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] >= 0)
-      allowed = allowed & same[:, None, None]
+    allowed = allowed_keys(t, s, segment_ids)[:, None, None]
+    if keep is not None:
+      allowed = allowed & keep[:, None, None]
     logits = jnp.where(allowed, logits, DEFAULT_MASK_VALUE)
     logits = jnp.reshape(logits, (b, n, t, s))
     local_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -75,12 +85,20 @@ class MLA(nnx.Module):
     self.wkv_b = layers.DenseGeneral(cfg, cfg.kv_lora_rank, (h, cfg.qk_nope_head_dim + cfg.v_head_dim), make,
                                      **normal)
     self.out = layers.DenseGeneral(cfg, (h, cfg.v_head_dim), e, make, **normal)
+    if getattr(cfg, "use_indexer", False):  # DeepSeek-V3.2: its own RoPE reads halves, not pairs
+      indexer_rope = rope.YarnRotaryEmbedding(cfg)
+      indexer_rope.interleave = False
+      self.indexer = indexer_lib.Indexer(cfg, indexer_rope, make)
+    else:
+      self.indexer = None
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    q_latent = None
     if self.q_lora_rank == 0:
       q = self.query(x)
     else:
-      q = self.wq_b(self.q_norm(self.wq_a(x)))
+      q_latent = self.q_norm(self.wq_a(x))
+      q = self.wq_b(q_latent)
     q_nope, q_pe = jnp.split(q, [self.nope_dim], axis=-1)
     q_pe = self.rotary_embedding(q_pe, positions)
     query = jnp.concatenate([q_nope, q_pe], axis=-1) * self.softmax_scale
@@ -93,5 +111,8 @@ class MLA(nnx.Module):
     k_pe = jnp.broadcast_to(k_pe, (k_nope.shape[0], k_nope.shape[1], self.num_heads, k_pe.shape[3]))
     key = jnp.concatenate([k_nope, k_pe], axis=-1)
 
-    out = self.attention_op(query, key, value, segment_ids)
+    keep = None
+    if self.indexer is not None:
+      keep = self.indexer(x, q_latent, positions, allowed_keys(x.shape[1], x.shape[1], segment_ids))
+    out = self.attention_op(query, key, value, segment_ids, keep)
     return self.out(out)

@@ -60,13 +60,14 @@ class DenseGeneral(nnx.Module):
   """`x @ kernel` contracting the last `len(in_features)` axes of x; kernel shape `in_features + out_features`."""
 
   def __init__(self, cfg, in_features: int | Sequence[int], out_features: int | Sequence[int],
-               make: inits.VariableFactory, *, distribution: str = "truncated_normal", dtype=None):
+               make: inits.VariableFactory, *, distribution: str = "truncated_normal", dtype=None,
+               weight_dtype=None):
     self.in_features = _tuple(in_features)
     self.out_features = _tuple(out_features)
     self.dtype = jnp.dtype(dtype) if dtype is not None else compute_dtype(cfg)
     self.precision = precision(cfg)
     self.kernel = make.make(self.in_features + self.out_features,
-                            inits.dense(range(len(self.in_features)), distribution))
+                            inits.dense(range(len(self.in_features)), distribution), dtype=weight_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = jnp.asarray(x, self.dtype)
