@@ -25,6 +25,7 @@ def rules(overrides, rules_file, fmt, strict, explain_path):
   cfg = config.resolve_config(overrides)
   report = coverage.trace_coverage(cfg, rules_file)
   if explain_path:
+    _check_traced(report, explain_path)
     click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)
   elif fmt == "html":
     click.echo(coverage.coverage_html(cfg, report), nl=False)
@@ -38,3 +39,19 @@ def rules(overrides, rules_file, fmt, strict, explain_path):
       click.echo(f"strict: {finding}", err=True)
     return 1
   return 0
+
+
+def _check_traced(report, module_path: str) -> None:
+  """Refuses (exit 2, closest traced module paths named) a path at which the trace recorded no op."""
+  import difflib  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
+  modules = list(dict.fromkeys(op.module for op in report.ops))
+  if module_path in modules:
+    return
+  close = (difflib.get_close_matches(module_path, modules, n=3, cutoff=0.6)
+           or difflib.get_close_matches(module_path, modules, n=1, cutoff=0.0))
+  hint = f"; closest: {' or '.join(repr(c) for c in close)}" if close else "; the trace recorded no op at all"
+  raise errors.InputError(f"--explain {module_path!r}: no traced op has this module path{hint} "
+                          "(all of them: rules ... --format json)")
