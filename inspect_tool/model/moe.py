@@ -4,7 +4,10 @@
 `RoutedMoE` (`MoeBlock_0`) routes each token to K experts and runs MaxText's dropless sorted path:
 tokens repeated K times, sorted by expert, three grouped matmuls (`quant.gmm.gmm`, asked from a method
 of this module so that Qwix attributes its rule lookup to `.../MoeBlock_0`; or `jax.lax.ragged_dot`
-with `megablox=false`), unsorted, and combined with one float32 `jnp.einsum`.
+with `megablox=false`), unsorted, and combined with one float32 `jnp.einsum`. With `sparse_matmul=false` every
+expert runs on every token (dense einsums); `capacity_factor > 0` then drops tokens as MaxText does: each expert
+takes at most C = max(ceil(S·K/X)·capacity_factor, capacity_factor) of a sequence's S·K assignments, in
+(position, k) order, and the rest are dropped (MaxText's dispatch/combine masks).
 
 Routing (facts §4.6): DeepSeek-V3 names (`cfg.deepseek_routing`) select experts on sigmoid scores plus
 the gate bias and weight them with the unbiased scores; other names take top-k of the (biased) scores.
@@ -12,6 +15,8 @@ DeepSeek blocks then renormalise sigmoid weights and multiply by `routed_scaling
 """
 
 from __future__ import annotations
+
+import math
 
 from flax import nnx
 import jax
@@ -76,6 +81,7 @@ class RoutedMoE(nnx.Module):
     self.top_groups = cfg.topk_routing_group
     self.float32_weight_sum = bool(cfg.float32_weight_sum)
     self.sparse_matmul = bool(cfg.sparse_matmul)
+    self.capacity_factor = float(cfg.capacity_factor)
     self.megablox = bool(cfg.megablox)
     self.gate = GateLogit(cfg, make)
     self.wi_0 = make.make((x, e, f), inits.dense((1,)))
@@ -135,6 +141,8 @@ class RoutedMoE(nnx.Module):
 
   def _dense(self, x, weights, idx, w0, w1, wo):
     combine = jnp.sum(jax.nn.one_hot(idx, self.num_experts, dtype=weights.dtype) * weights[..., None], axis=-2)
+    if self.capacity_factor > 0:
+      return self._dense_dropping(x, combine, idx, w0, w1, wo)
     up0 = jnp.einsum("BSM,EMH->BSEH", x, w0, precision=self.precision)
     up1 = jnp.einsum("BSM,EMH->BSEH", x, w1, precision=self.precision)
     hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
@@ -143,6 +151,27 @@ class RoutedMoE(nnx.Module):
       down, combine = down.astype(jnp.float32), combine.astype(jnp.float32)
     out = jnp.einsum("BSEM,BSE->BSM", down, combine, precision=self.precision)
     return out.astype(self.dtype)
+
+  def capacity_masks(self, combine: jax.Array, idx: jax.Array):
+    """MaxText's token dropping: (dispatch [B,S,X,C] bool, combine [B,S,X,C] weights) from the routing."""
+    b, s, k = idx.shape
+    capacity = int(max(math.ceil(s * k / self.num_experts) * self.capacity_factor, self.capacity_factor))
+    chosen = jax.nn.one_hot(idx, self.num_experts, dtype=jnp.int32)  # [B, S, K, X]
+    count = jnp.reshape(jnp.cumsum(jnp.reshape(chosen, (b, s * k, -1)), axis=1), chosen.shape)  # arrival order
+    kept = jnp.sum(chosen * (count <= capacity), axis=2)  # [B, S, X]: 1 where the expert still had room
+    slot = jnp.sum(chosen * count, axis=2) * kept  # 1-based slot in the expert's capacity, 0 when dropped
+    masks = (combine * kept)[..., None] * jax.nn.one_hot(slot, capacity + 1, dtype=jnp.int32)
+    masks = masks[..., 1:]
+    return masks.astype(bool), masks
+
+  def _dense_dropping(self, x, combine, idx, w0, w1, wo):
+    dispatch, combine = self.capacity_masks(combine, idx)
+    routed = jnp.einsum("BSM,BSEC->EBCM", x, dispatch, precision=self.precision)
+    up0 = jnp.einsum("EBCM,EMH->EBCH", routed, w0, precision=self.precision)
+    up1 = jnp.einsum("EBCM,EMH->EBCH", routed, w1, precision=self.precision)
+    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    down = jnp.einsum("EBCH,EHM->EBCM", hidden, wo, precision=self.precision)
+    return jnp.einsum("EBCM,BSEC->BSM", down, combine, precision=self.precision).astype(self.dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
