@@ -21,9 +21,9 @@ $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	touch $@
 
 stack: $(BIN)/.installed
-	@$(BIN)/python -c 'import sys, jax, flax, qwix, importlib.metadata as m; \
-	print(f"stack: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, " \
-	      f"qwix {m.version(\"qwix\")}, orbax-checkpoint {m.version(\"orbax-checkpoint\")} ($(VENV))")'
+	@$(BIN)/python -c "import sys, importlib.metadata as m; \
+	print('stack: Python', sys.version.split()[0], *(p + ' ' + m.version(p) for p in \
+	('jax', 'flax', 'qwix', 'orbax-checkpoint', 'numpy')), '($(VENV))')"
 
 demo: stack
 	$(BIN)/inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
