@@ -72,6 +72,15 @@ class ModelConfig(settings.QuantSettings):
   megablox: bool = True
   capacity_factor: float = -1.0
 
+  # DeepSeek-V3.2 sparse attention indexer (MLA's `self_attention/indexer`; MaxText's defaults; issue 10).
+  use_indexer: bool = False
+  indexer_n_heads: int = 64
+  indexer_head_dim: int = 128  # its first qk_rope_head_dim dims get RoPE
+  indexer_topk: int = 2048  # keys kept per query; with this many keys or fewer every key is kept
+  indexer_mask_exact_topk: bool = True  # ties at the cut-off: earliest positions first, exactly topk kept
+  indexer_use_approx_top_k: bool = False
+  indexer_approx_top_k_recall: float = 0.95
+
   # Multi-token prediction.
   mtp_num_layers: int = 0
   mtp_loss_scaling_factor: float = 0.1
@@ -263,6 +272,12 @@ def _validate(c: ModelConfig) -> None:
          "float32_gate_logits=true cannot be combined with a quantized router; set quantize_router_proj=false")
   _check(c.weight_sparsity_n is None or (c.weight_sparsity_m or 0) > (c.weight_sparsity_n or 0) > 0,
          f"weight_sparsity_n={c.weight_sparsity_n} weight_sparsity_m={c.weight_sparsity_m}: need 0 < n < m")
+  if c.use_indexer:  # DeepSeek-V3.2 (issue 10)
+    _check(c.q_lora_rank > 0, "use_indexer=true needs q_lora_rank > 0 (the indexer's query reads MLA's query latent)")
+    for name in ("indexer_n_heads", "indexer_topk"):
+      _check(getattr(c, name) > 0, f"{name}={getattr(c, name)} must be a positive integer")
+    _check(c.indexer_head_dim >= c.qk_rope_head_dim,
+           f"indexer_head_dim={c.indexer_head_dim} must be >= qk_rope_head_dim={c.qk_rope_head_dim}")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
 

@@ -27,11 +27,16 @@ def qwix_init_inputs(cfg) -> tuple[tuple, dict]:
   """The model call `qwix.quantize_model` makes, as MaxText's `maybe_quantize_model` does: token, position and
   segment arrays of ones, dropout off, and (with MTP) target tokens and mask so the MTP block is traced too.
 
-  The batch is (1, min(max_target_length, 16)): which ops run and which rule each gets does not depend on it.
+  The batch is (1, min(max_target_length, 16)): which ops run and which rule each gets does not depend on it,
+  except with DeepSeek-V3.2's indexer, whose scoring ops run only on more keys than `indexer_topk`; the
+  sequence then grows to `indexer_topk + 1` exactly when MaxText's (max_target_length) exceeds `indexer_topk`.
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  ones = jnp.ones((1, min(cfg.max_target_length, QWIX_INIT_SEQUENCE)), jnp.int32)
+  length = min(cfg.max_target_length, QWIX_INIT_SEQUENCE)
+  if cfg.use_indexer and cfg.max_target_length > cfg.indexer_topk >= length:
+    length = cfg.indexer_topk + 1
+  ones = jnp.ones((1, length), jnp.int32)
   kwargs = {"enable_dropout": False}
   if cfg.mtp_num_layers > 0:
     kwargs.update(decoder_target_tokens=ones, decoder_target_mask=ones)

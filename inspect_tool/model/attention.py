@@ -85,7 +85,7 @@ class MLA(nnx.Module):
     self.wkv_b = layers.DenseGeneral(cfg, cfg.kv_lora_rank, (h, cfg.qk_nope_head_dim + cfg.v_head_dim), make,
                                      **normal)
     self.out = layers.DenseGeneral(cfg, (h, cfg.v_head_dim), e, make, **normal)
-    if getattr(cfg, "use_indexer", False):  # DeepSeek-V3.2: its own RoPE reads halves, not pairs
+    if cfg.use_indexer:  # DeepSeek-V3.2: its own RoPE reads halves, not pairs
       indexer_rope = rope.YarnRotaryEmbedding(cfg)
       indexer_rope.interleave = False
       self.indexer = indexer_lib.Indexer(cfg, indexer_rope, make)
