@@ -60,7 +60,7 @@ class ModelConfig(settings.QuantSettings):
   # Mixture of experts.
   num_experts: int = 1
   num_experts_per_tok: int = 1
-  shared_experts: int = 1
+  shared_experts: int = 0
   routed_scaling_factor: float = 1.0
   routed_score_func: str = ""
   routed_bias: bool = False
@@ -238,6 +238,9 @@ def _validate(c: ModelConfig) -> None:
   _check(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
   _check(c.first_num_dense_layers <= c.num_decoder_layers,
          f"first_num_dense_layers={c.first_num_dense_layers} exceeds num_decoder_layers={c.num_decoder_layers}")
+  _check(c.num_experts == 1 or c.first_num_dense_layers > 0 or c.base_mlp_dim == c.base_moe_mlp_dim,
+         f"a fully MoE model (first_num_dense_layers=0) needs base_mlp_dim == base_moe_mlp_dim "
+         f"(got {c.base_mlp_dim} and {c.base_moe_mlp_dim})")
   _check(c.num_experts_per_tok <= c.num_experts,
          f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}")
   _check(c.param_scan_axis in (0, 1), f"param_scan_axis={c.param_scan_axis}; accepted: 0, 1")

@@ -33,7 +33,8 @@ NO_EFFECT_FIELDS = {
     "dropout_rate": "no parameters; the forward pass here is deterministic, dropout off",
     "enable_dropout": "no parameters; the forward pass here is deterministic, dropout off",
     "per_device_batch_size": "batch size; the batch comes from --tokens",
-    "mtp_loss_scaling_factor": "only scales the reported total loss",
+    "mtp_reuse_input_embedding": "MaxText shifts the main token embeddings instead of looking the shifted tokens up "
+                                 "again: one lookup, the same values",
 }
 
 # Keys MaxText's DeepSeek model reads that change its tree or math, which this tool does not model.
@@ -68,6 +69,7 @@ UNMODELLED = {
     "rope_linear_scaling_factor": "scales RoPE positions",
     "use_mrope": "uses multimodal RoPE",
     "weight_block_size": "stores fp8 weights with block scales",
+    "model_call_mode": "selects the inference paths (e.g. softmax-probability token dropping)",
 }
 
 
