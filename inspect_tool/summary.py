@@ -30,6 +30,7 @@ _GROUPS = (
 _COMPILED = tuple((g, p, re.compile(pattern)) for g, p, pattern in _GROUPS)
 _GROUP_ORDER = tuple(dict.fromkeys(g for g, _, _ in _GROUPS)) + ("other",)
 _PART_ORDER = tuple(dict.fromkeys(p for _, p, _ in _GROUPS)) + ("embedding and head copies",)
+GROUP_ORDER, PART_ORDER = _GROUP_ORDER, _PART_ORDER  # the order other per-group tables follow
 _BYTES = {"float64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4, "bfloat16": 2,
           "float16": 2, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 

@@ -11,8 +11,17 @@ from inspect_tool.cli import options
 @click.argument("overrides", nargs=-1)
 @click.option("--all", "include_all", is_flag=True, help="Also list non-Param state (the DeepSeek-V3 gate bias).")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys shape the tree and which are ignored.")
+@click.option("--devices", type=click.IntRange(min=1), help="Shard on an abstract mesh of N devices: spec and "
+              "shard shape per parameter, as MaxText does from the ici_*/dcn_* keys and logical_axis_rules.")
+@click.option("--topology", help="A MaxText slice name (v5p-256, v6e-64, a3, ...) giving the device count.")
+@click.option("--train", type=click.Choice(["adamw", "adam_pax", "sgd"]),
+              help="With --summary: add optimizer state and gradients per device (default: MaxText's opt_type "
+              "when the config sets it).")
+@click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB): exit 1 when the "
+              "largest device does not fit, naming the largest contributors.")
 @options.output_options
-def maxtext(overrides, include_all, verbose, fmt, check_dtype, output_file, html_file, summary):
+def maxtext(overrides, include_all, verbose, devices, topology, train, device_memory, fmt, check_dtype, output_file,
+            html_file, summary):
   """List the parameters of a MaxText model given as key=value overrides.
 
   Example: inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
@@ -22,11 +31,22 @@ def maxtext(overrides, include_all, verbose, fmt, check_dtype, output_file, html
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
+  from inspect_tool import sharding  # pylint: disable=import-outside-toplevel
+
+  devices = sharding.devices_for(cfg, devices, topology)
+  if devices is None and (train or device_memory):
+    raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
   report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides))
+  if devices is not None:
+    report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:
     from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
-    options.write_html(html_file, html.render_model_html(model, title=report.source))
+    options.write_html(html_file, html.render_model_html(model, title=report.source, sharding=report.sharding))
+  if report.memory is not None and report.memory.fits is False:
+    from inspect_tool.sharding import memory  # pylint: disable=import-outside-toplevel
+    click.echo(memory.overflow_message(report.memory), err=True)
+    return 1
   return 0
 
 

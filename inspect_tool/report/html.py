@@ -34,6 +34,7 @@ class _Array:
   dtype: str
   is_param: bool = True
   kind: str = ""
+  spec: str = ""  # with `--devices`: MaxText's PartitionSpec and the per-device shard type
 
   @property
   def size(self) -> int:
@@ -44,6 +45,8 @@ class _Array:
     parts = [rendering_parts.text(short_type(self.shape, self.dtype))]
     if self.kind:
       parts.insert(0, rendering_parts.custom_text_color(rendering_parts.text(f"{self.kind} "), "#6a1b9a"))
+    if self.spec:
+      parts.append(rendering_parts.custom_text_color(rendering_parts.text(f"  {self.spec}"), "#00695c"))
     return rendering_parts.build_one_line_tree_node(rendering_parts.siblings(*parts))
 
 
@@ -153,7 +156,12 @@ def human_count(count: int) -> str:
   return str(count)
 
 
-def _model_tree(model, annotations) -> _Node:
+def _spec_label(sharding, names, is_param: bool, dtype: str) -> str:
+  placement = sharding.placements.get(".".join(tree.param_key(names) if is_param else tree.aux_key(names)))
+  return f"{placement.spec_text()} → {short_type(placement.shard_shape, dtype)}" if placement else ""
+
+
+def _model_tree(model, annotations, sharding=None) -> _Node:
   """Modules and non-RNG variables of an NNX model, each at its first (canonical) path."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
@@ -167,7 +175,8 @@ def _model_tree(model, annotations) -> _Node:
       is_param = isinstance(node, nnx.Param)
       shape, dtype, wrapper = _describe(node.get_value())
       kind = " ".join(k for k in ("" if is_param else type(node).__name__, wrapper) if k)
-      _walk(root, names[:-1]).children[names[-1]] = _Array(shape, dtype, is_param, kind)
+      spec = _spec_label(sharding, names, is_param, dtype) if sharding is not None else ""
+      _walk(root, names[:-1]).children[names[-1]] = _Array(shape, dtype, is_param, kind, spec)
     elif isinstance(node, nnx.Module) and names:
       modules[names] = type(node).__name__
   _label(root, annotations)
@@ -240,7 +249,7 @@ def _page(root: _Node, title: str) -> str:
       f"{body}\n</body>\n</html>\n")
 
 
-def render_model_html(model, *, title: str, annotations: dict[str, str] | None = None) -> str:
+def render_model_html(model, *, title: str, annotations: dict[str, str] | None = None, sharding=None) -> str:
   """The module tree of an NNX model (abstract or real) as one self-contained HTML page.
 
   Args:
@@ -248,8 +257,9 @@ def render_model_html(model, *, title: str, annotations: dict[str, str] | None =
     title: page title and heading.
     annotations: module path (`decoder/moe_layers/DeepSeekMoeBlock_0`, `""` for the root) to a short
       label shown on that module's node, e.g. the quantization rule that won its ops.
+    sharding: a `sharding.placement.ShardingPlan`: each leaf shows its spec and shard type beside it.
   """
-  return _page(_model_tree(model, annotations), title)
+  return _page(_model_tree(model, annotations, sharding), title)
 
 
 def render_leaves_html(leaves: list[tree.Leaf], *, title: str) -> str:

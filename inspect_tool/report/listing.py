@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from inspect_tool import summary as summary_lib
 from inspect_tool import tree
+from inspect_tool.report import sharding_format
 
 SCHEMA_VERSION = 1
 
@@ -25,6 +27,8 @@ class ParamReport:
   notes: tuple[str, ...] = ()
   grouped: bool = False  # `--all`: arrays grouped by checkpoint item, each group headed by a comment line
   config: dict | None = None  # the model config (`maxtext`): echoed by the JSON format
+  sharding: Any = None  # `sharding.placement.ShardingPlan` (`--devices`): spec and shard shape per leaf
+  memory: Any = None  # `sharding.memory.DeviceMemory`: bytes per device by group
 
   @property
   def items(self) -> list[str]:
@@ -56,9 +60,14 @@ def _shape(shape) -> str:
   return str(tuple(int(d) for d in shape))
 
 
-def leaf_line(leaf: tree.Leaf, check_dtype: bool) -> str:
+def leaf_line(leaf: tree.Leaf, check_dtype: bool, placement=None) -> str:
   line = f"key: {leaf.dotted} | shape: {_shape(leaf.shape)}"
-  return f"{line} | dtype: {leaf.dtype}" if check_dtype else line
+  line = f"{line} | dtype: {leaf.dtype}" if check_dtype else line
+  return f"{line} | spec: {placement.spec_text()} | shard: {_shape(placement.shard_shape)}" if placement else line
+
+
+def _placement(report: ParamReport, leaf: tree.Leaf):
+  return report.sharding.of(leaf) if report.sharding is not None else None
 
 
 def total_line(total: int) -> str:
@@ -72,7 +81,7 @@ def listing_lines(report: ParamReport, check_dtype: bool) -> list[str]:
     if report.grouped and (leaf_index == 0 or report.leaves[leaf_index - 1].item != leaf.item):
       count = sum(1 for other in report.leaves if other.item == leaf.item)
       lines.append(f"# item: {leaf.item} ({count} arrays)")
-    lines.append(leaf_line(leaf, check_dtype))
+    lines.append(leaf_line(leaf, check_dtype, _placement(report, leaf)))
   return lines
 
 
@@ -102,6 +111,8 @@ def format_text(report: ParamReport, *, check_dtype: bool = False, with_summary:
   lines.append(total_line(report.summary.total_params))
   if with_summary:
     lines.extend(summary_lines(report.summary))
+    if report.memory is not None:
+      lines.extend(sharding_format.memory_lines(report.memory, report.sharding))
   return "\n".join(lines) + "\n"
 
 
@@ -116,11 +127,19 @@ def to_dict(report: ParamReport) -> dict:
       "source": report.source,
       "notes": list(report.notes),
       "parameters": [{"key": leaf.dotted, "item": leaf.item, "shape": list(leaf.shape), "dtype": leaf.dtype,
-                      "size": leaf.size} for leaf in report.leaves],
+                      "size": leaf.size, **_placement_dict(_placement(report, leaf))} for leaf in report.leaves],
       "total_parameters": report.summary.total_params,
       "summary": report.summary.to_dict(),
       **({"config": report.config} if report.config is not None else {}),
+      **({"sharding": report.sharding.to_dict()} if report.sharding is not None else {}),
+      **({"device_memory": report.memory.to_dict()} if report.memory is not None else {}),
   }
+
+
+def _placement_dict(placement) -> dict:
+  if placement is None:
+    return {}
+  return {"spec": placement.spec_per_dim(), "shard_shape": list(placement.shard_shape)}
 
 
 def format_json(report: ParamReport) -> str:
@@ -139,10 +158,14 @@ def format_markdown(report: ParamReport, *, check_dtype: bool = True) -> str:
   out += ["## Summary by group", "", "| group | part | params | stored | bf16 | fp8 |", "|---|---|---:|---:|---:|---:|"]
   out += [f"| {r.group} | {r.part or '(all)'} | {r.params} | {hb(r.bytes)} | {hb(r.bytes_bf16)} | {hb(r.bytes_fp8)} |"
           for r in s.rows]
-  out += ["", "## Arrays", "", "| key | shape | dtype |" if check_dtype else "| key | shape |",
-          "|---|---|---|" if check_dtype else "|---|---|"]
+  if report.memory is not None:
+    out += sharding_format.memory_markdown(report.memory, report.sharding)
+  columns = ["key", "shape"] + (["dtype"] if check_dtype else []) + (["spec", "shard"] if report.sharding else [])
+  out += ["", "## Arrays", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for leaf in report.leaves:
     cells = [f"`{leaf.dotted}`", _shape(leaf.shape)] + ([leaf.dtype] if check_dtype else [])
+    placement = _placement(report, leaf)
+    cells += [f"`{placement.spec_text()}`", _shape(placement.shard_shape)] if placement else []
     out.append("| " + " | ".join(cells) + " |")
   return "\n".join(out) + "\n"
 

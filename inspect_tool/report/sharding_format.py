@@ -1,0 +1,46 @@
+"""Per-device memory (`sharding.memory.DeviceMemory`) as text and Markdown tables beside the group summary."""
+
+from __future__ import annotations
+
+from inspect_tool import summary as summary_lib
+
+
+def _cells(row) -> list[str]:
+  hb = summary_lib.human_bytes
+  return [hb(row.params), hb(row.optimizer), hb(row.gradients), hb(row.total)]
+
+
+def _heading(memory, plan) -> str:
+  train = (f"training with {memory.optimizer}" + (f", mu in {memory.mu_dtype}" if memory.mu_dtype else "")
+           if memory.optimizer else "parameters only (add --train adamw for optimizer state and gradients)")
+  return f"Per-device memory on {plan.mesh.devices} devices ({plan.mesh.describe()}), {train}:"
+
+
+def _verdict(memory) -> list[str]:
+  hb = summary_lib.human_bytes
+  out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B); every device holds the same "
+         "(shards divide evenly). Not counted: activations, XLA temporaries."]
+  if memory.limit is not None:
+    out.append(f"--device-memory {hb(memory.limit)}: " + ("fits" if memory.fits else "DOES NOT FIT"))
+  return out
+
+
+def memory_lines(memory, plan) -> list[str]:
+  """Text table: one row per group and part, bytes per device for parameters, optimizer state, gradients."""
+  rows = [("group", "params", "optimizer", "gradients", "total")]
+  for r in memory.rows:
+    rows.append((f"  {r.part}" if r.part else r.group, *_cells(r)))
+  rows.append(("total", *_cells(memory.total)))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  out = ["", _heading(memory, plan)]
+  for row in rows:
+    out.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+  return out + _verdict(memory)
+
+
+def memory_markdown(memory, plan) -> list[str]:
+  out = ["", "## Per-device memory", "", _heading(memory, plan), "",
+         "| group | part | params | optimizer | gradients | total |", "|---|---|---:|---:|---:|---:|"]
+  out += [f"| {r.group} | {r.part or '(all)'} | " + " | ".join(_cells(r)) + " |" for r in memory.rows]
+  out += ["| total | | " + " | ".join(_cells(memory.total)) + " |", ""]
+  return out + _verdict(memory)

@@ -1,0 +1,133 @@
+"""Bytes one device holds for a sharded MaxText tree: parameters, and for training optimizer state and gradients.
+
+Every dimension is divided evenly (uneven shardings are refused upstream), so every device holds the same bytes:
+the largest device is any device. Counted exactly, from shard shapes and dtypes:
+
+- parameters (`nnx.Param`) at their stored dtype;
+- with an optimizer (`--train` or MaxText's `opt_type`), sharded like the parameters as MaxText shards them:
+  `adamw` (optax.adamw): mu at `mu_dtype` (MaxText: the weight dtype when unset), nu at the parameter's dtype;
+  `adam_pax`: mu and nu at the parameter's dtype; `sgd` (optax.sgd, no momentum): none. Gradients: one
+  parameter-dtype copy per parameter.
+
+Not counted (MaxText allocates them too): activations, the optimizer's step counter, the non-Param gate bias,
+XLA's temporary buffers; `opt_type=muon` is refused rather than guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from inspect_tool import summary as summary_lib
+from inspect_tool.sharding import mesh as mesh_lib
+
+OPTIMIZERS = ("adamw", "adam_pax", "sgd")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+  """`95GiB`, `80GB`, `1.5TiB`, `1024` → bytes; `ShardingError` naming the accepted units otherwise."""
+  m = _SIZE.fullmatch(str(text))
+  if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+    raise mesh_lib.ShardingError(f"--device-memory {text!r}: expected a positive size such as 95GiB, 80GB or "
+                                 "16384MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def optimizer_of(cfg, train: str | None) -> str | None:
+  """`--train X`, else MaxText's `opt_type` when the config sets it, else None (parameters only)."""
+  name = train or (cfg.passthrough.get("opt_type") if hasattr(cfg, "passthrough") else None)
+  if name is None:
+    return None
+  if name not in OPTIMIZERS:
+    raise mesh_lib.ShardingError(f"optimizer {name!r}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
+                                 + (" (muon's state layout is not modelled)" if name == "muon" else ""))
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+  group: str
+  part: str  # "" for a group's total row
+  params: float  # bytes per device
+  optimizer: float
+  gradients: float
+
+  @property
+  def total(self) -> float:
+    return self.params + self.optimizer + self.gradients
+
+  def to_dict(self) -> dict:
+    return {"group": self.group, "part": self.part, "params_bytes": self.params,
+            "optimizer_bytes": self.optimizer, "gradient_bytes": self.gradients, "total_bytes": self.total}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+  """Per-device bytes by summary group, the total, and each parameter's share (largest first)."""
+
+  rows: tuple[MemoryRow, ...]
+  total: MemoryRow
+  optimizer: str | None
+  mu_dtype: str | None
+  contributors: tuple[tuple[str, float], ...]  # (key, bytes per device), largest first
+  limit: int | None = None
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.limit is None else self.total.total <= self.limit
+
+  def to_dict(self) -> dict:
+    return {"optimizer": self.optimizer, "mu_dtype": self.mu_dtype, "groups": [r.to_dict() for r in self.rows],
+            "total": self.total.to_dict(), "largest_device_bytes": self.total.total, "device_memory_bytes":
+            self.limit, "fits": self.fits,
+            "largest_contributors": [{"key": k, "bytes": b} for k, b in self.contributors[:10]]}
+
+
+def _per_leaf(leaf, placement, optimizer: str | None, mu_dtype: str) -> tuple[float, float, float]:
+  size = placement.shard_size
+  params = size * summary_lib.dtype_bytes(leaf.dtype)
+  if optimizer is None:
+    return params, 0.0, 0.0
+  if optimizer == "sgd":
+    return params, 0.0, params
+  mu = size * summary_lib.dtype_bytes(mu_dtype if optimizer == "adamw" else leaf.dtype)
+  return params, mu + params, params
+
+
+def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int | None = None,
+                  classify=summary_lib.group_of) -> DeviceMemory:
+  """Sums one device's bytes over the Param `leaves` of `plan`, by the summary's groups."""
+  mu_dtype = str(cfg.mu_dtype or cfg.weight_dtype)
+  sums: dict[tuple[str, str], list[float]] = {}
+  contributors = []
+  for leaf in leaves:
+    if not leaf.is_param:
+      continue
+    parts = _per_leaf(leaf, plan.of(leaf), optimizer, mu_dtype)
+    contributors.append((leaf.dotted, sum(parts)))
+    group, part = classify(leaf)
+    for key in ((group, ""), (group, part)) if part else ((group, ""),):
+      acc = sums.setdefault(key, [0.0, 0.0, 0.0])
+      for i, value in enumerate(parts):
+        acc[i] += value
+  groups, parts = summary_lib.GROUP_ORDER, summary_lib.PART_ORDER
+  keys = sorted(sums, key=lambda k: (groups.index(k[0]) if k[0] in groups else len(groups), k[1] != "",
+                                     parts.index(k[1]) if k[1] in parts else len(parts)))
+  rows = tuple(MemoryRow(g, p, *sums[(g, p)]) for g, p in keys)
+  top = [r for r in rows if not r.part]
+  total = MemoryRow("total", "", sum(r.params for r in top), sum(r.optimizer for r in top),
+                    sum(r.gradients for r in top))
+  contributors.sort(key=lambda kv: -kv[1])
+  return DeviceMemory(rows, total, optimizer, mu_dtype if optimizer == "adamw" else None, tuple(contributors),
+                      limit)
+
+
+def overflow_message(mem: DeviceMemory, n: int = 3) -> str:
+  """One line: needed vs available, and the largest contributors."""
+  hb = summary_lib.human_bytes
+  top = ", ".join(f"{key} {hb(b)}" for key, b in mem.contributors[:n])
+  return (f"does not fit: each device needs {hb(mem.total.total)} ({int(mem.total.total)} B), --device-memory is "
+          f"{hb(mem.limit)} ({mem.limit} B); largest contributors per device: {top}")
