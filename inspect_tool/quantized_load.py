@@ -96,10 +96,10 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from qwix._src.core import qarray  # pylint: disable=import-outside-toplevel
-  from qwix._src.providers import ptq  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from quant import compat  # pylint: disable=import-outside-toplevel
   from quant import export as qexport  # pylint: disable=import-outside-toplevel
 
   stored = {l.key: l for l in listing.leaves}
@@ -114,11 +114,10 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
     module = _module_at(model, leaf.module_path[:-1])
     qtype = jnp.dtype(qleaf.dtype)
     channel = [i for i, (s, d) in enumerate(zip(sleaf.shape, qleaf.shape)) if s == d and d > 1]
-    how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=channel, tiled_axes={}, calibration_method="absmax")
-    array = qarray.QArray(qvalue=nnx.Param(jax.ShapeDtypeStruct(qleaf.shape, qtype)),
-                          scale=nnx.Param(jax.ShapeDtypeStruct(sleaf.shape, jnp.dtype(sleaf.dtype))),
-                          zero_point=None, qtype=qtype)
-    setattr(module, leaf.module_path[-1], ptq.WithAux(array, how))
+    array = qwix.QArray(qvalue=nnx.Param(jax.ShapeDtypeStruct(qleaf.shape, qtype)),
+                        scale=nnx.Param(jax.ShapeDtypeStruct(sleaf.shape, jnp.dtype(sleaf.dtype))),
+                        zero_point=None, qtype=qtype)
+    setattr(module, leaf.module_path[-1], compat.ptq_weight(array, qtype, channel))
     replaced.append(leaf.key)
   return replaced
 

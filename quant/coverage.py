@@ -38,7 +38,8 @@ from typing import Any, Sequence
 import jax
 from flax import nnx
 import qwix
-from qwix._src.utils import flax_util
+
+from quant import compat
 
 GROUPED_OPS = ("ragged_dot", "gmm")
 
@@ -130,7 +131,7 @@ class _Recorder(qwix.QtProvider):
 
   def get_intercept_map(self):
     intercepts = super().get_intercept_map()
-    intercepts["qwix._src.qconfig.get_current_rule"] = self._lookup
+    intercepts[compat.get_current_rule_intercept_key()] = self._lookup
     return intercepts
 
   def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
@@ -152,7 +153,7 @@ class _Recorder(qwix.QtProvider):
 
   def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
     rule, op_id = self._get_current_rule_and_op_id("ragged_dot")
-    module = flax_util.get_current_module()
+    module = compat.current_module()
     name = _find_param_name(module, rhs, by_shape=False)
     self._append(module, "ragged_dot", op_id, rule, name, grouped=True, operand=rhs, contracting=(1,))
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
@@ -160,7 +161,7 @@ class _Recorder(qwix.QtProvider):
 
   def conv_general_dilated(self, lhs, rhs, *args, **kwargs):
     rule, op_id = self._get_current_rule_and_op_id("conv_general_dilated")
-    module = flax_util.get_current_module()
+    module = compat.current_module()
     self._append(module, "conv_general_dilated", op_id, rule, _find_param_name(module, rhs, by_shape=True),
                  operand=rhs)
     return jax.lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
@@ -168,7 +169,7 @@ class _Recorder(qwix.QtProvider):
   def _lookup(self, op_name: str):
     """`get_current_rule(op_name)`: Qwix's only_rule match (counted, not numbered), recorded with an id."""
     rule, _ = self._get_current_rule_and_op_id(op_name, only_rule=True)
-    module = flax_util.get_current_module()
+    module = compat.current_module()
     _, counts = self._lookup_counts.setdefault(id(module), (module, {}))
     count = counts.get(op_name, 0)
     counts[op_name] = count + 1
@@ -182,7 +183,7 @@ class _Recorder(qwix.QtProvider):
 
   def _record_op(self, op_name: str, op_id: str, rule, operands, lowering: bool = False,
                  by_shape: bool = True) -> None:
-    module = flax_util.get_current_module()
+    module = compat.current_module()
     name, contracted, found, found_contract = None, False, None, None
     for shape_match in (False, True) if by_shape else (False,):  # identity, then Qwix's unique-shape heuristic
       for operand, contract in operands:
@@ -246,11 +247,11 @@ def _find_param_name(module, x: Any, *, by_shape: bool) -> str | None:
     seen += 1
     if id(x) in by_id:
       return by_id[id(x)]
-    parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
-    if parent is not None and len(parent.in_tracers) == 1:
-      x = parent.in_tracers[0]
+    source = compat.tracer_single_input(x)
+    if source is not None:
+      x = source
       continue
-    const = x.get_const() if isinstance(x, jax.core.Tracer) and hasattr(x, "get_const") else None
+    const = compat.tracer_constant(x)
     if const is not None and id(const) in by_id:
       return by_id[id(const)]
     break

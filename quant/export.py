@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quant import compat
 from quant import errors
 from quant import fp8
 
@@ -302,7 +303,7 @@ class OrbaxStreamWriter:
 
 
 _STATE = "state"  # the pytree name Orbax's partial save uses
-_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+_PYTREE_HANDLER = compat.ORBAX_PYTREE_HANDLER
 
 
 def _rename_pytree(step_dir: str, item: str) -> None:

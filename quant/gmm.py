@@ -1,17 +1,18 @@
 """The grouped matmul of routed experts: rows sorted by expert, rows of group g use `rhs[g]`.
 
 `gmm` is the op the MoE block calls for each expert matmul (wi_0, wi_1, wo). Like MaxText's Megablox
-`gmm`, it asks Qwix for the rule of the calling module (`get_current_rule("gmm")`, which Qwix answers only
-while it intercepts a model call and never logs) and then either runs a plain grouped matmul or hands the
-work to the FP8 grouped matmul (`quant.gmm_fp8.quantized_gmm`).
+`gmm`, it asks Qwix for the rule of the calling module (`qwix.pallas.get_current_rule("gmm")`, which Qwix
+answers only while it intercepts a model call and never logs) and hands the work to the grouped matmul of
+`quant.gmm_fp8`: FP8 for what the rule quantizes (weights, activations, gradients: each on its own, as in
+Megablox), plain without a rule. `backend` picks the kernel (`quant.gmm_backends`: "auto" is Pallas Megablox
+on TPU, ragged_dot on GPU, the tiled reference on CPU).
 
 The weight may also come quantized ahead of time (an FP8 export loaded under Qwix PTQ): a `QArray`, or a PTQ
 `WithAux` of one, holding fp8 `qvalue` [G, K, N] and a per-column `scale`. With a quantizing rule the FP8 grouped
 matmul then uses the stored values (`quant.gmm_fp8.prequantized_gmm`); without one the weight is dequantized.
 
 Neither path shows up as an op of its own under Qwix: `quant.gmm_fp8` runs with Qwix's interception switched
-off and builds the grouped matmul from tiled `dot_general`s (never `lax.ragged_dot`, whose CPU lowering re-traces
-a Python `dot_general` that Qwix would see when the model runs eagerly).
+off, so no kernel's inner ops (e.g. the `dot_general` that XLA's CPU ragged_dot re-traces) are seen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from quant import compat
+from quant import gmm_backends
 from quant import gmm_fp8
 
 
@@ -28,13 +31,13 @@ def current_rule(op_name: str = "gmm"):
   """Qwix's rule for an `op_name` op of the calling module, or None outside a Qwix-intercepted call."""
   if "qwix" not in sys.modules:  # Qwix not loaded: nothing can be intercepting.
     return None
-  from qwix._src import qconfig  # pylint: disable=import-outside-toplevel
+  import qwix.pallas  # pylint: disable=import-outside-toplevel
 
-  return qconfig.get_current_rule(op_name)
+  return qwix.pallas.get_current_rule(op_name)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
-        rule=None) -> jax.Array:
+        rule=None, backend: str = "auto") -> jax.Array:
   """Grouped matmul of row-sorted tokens `lhs` [M, K] with expert weights `rhs` [G, K, N] → [M, N].
 
   Args:
@@ -43,24 +46,28 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
     group_sizes: [G] integer row counts.
     preferred_element_type: output dtype (default: the promoted input dtype).
     rule: a Qwix rule to use instead of asking Qwix for the calling module's "gmm" rule.
+    backend: a `quant.gmm_backends.BACKENDS` name; "auto" by JAX's default backend.
 
   Returns:
-    [M, N]; with a rule that quantizes weights, the FP8 grouped matmul's result.
+    [M, N]; with a rule that quantizes anything, the FP8 grouped matmul's result.
+
+  Raises:
+    quant.errors.QuantError: an unknown or unavailable backend.
   """
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"gmm expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got {lhs.shape}, {rhs.shape}, "
                      f"{group_sizes.shape}")
+  kernel = gmm_backends.resolve(backend)
   if rule is None:
     rule = current_rule()  # outside any custom_vjp, as MaxText does
-  quantizing = rule is not None and getattr(rule, "weight_qtype", None) is not None
   stored = prequantized(rhs)
   if stored is not None:
     qvalue, scale = stored
-    if quantizing:
-      return gmm_fp8.prequantized_gmm(lhs, qvalue, scale, group_sizes, rule, preferred_element_type)
+    if getattr(rule, "weight_qtype", None) is not None:
+      return gmm_fp8.prequantized_gmm(lhs, qvalue, scale, group_sizes, rule, preferred_element_type, backend=kernel)
     rhs = (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(lhs.dtype)
-  # Both paths run in `gmm_fp8` with Qwix interception off; rule None is the plain grouped matmul.
-  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule if quantizing else None, preferred_element_type)
+  # Every path runs in `gmm_fp8` with Qwix interception off; a rule that quantizes nothing is the plain one.
+  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type, backend=kernel)
 
 
 def prequantized(rhs):
@@ -82,9 +89,7 @@ def prequantized_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=Non
   reproduces that path exactly. Without a quantizing rule (asked from Qwix as "ragged_dot") the weight is
   dequantized and a plain ragged_dot runs. Interception is off inside (JAX's CPU ragged_dot issues dot_generals).
   """
-  from qwix._src import interception  # pylint: disable=import-outside-toplevel
-  from qwix._src.core import qarray  # pylint: disable=import-outside-toplevel
-  from qwix._src.core import ragged_dot  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
 
   stored = prequantized(rhs)
   if stored is None:
@@ -94,13 +99,13 @@ def prequantized_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=Non
     rule = current_rule("ragged_dot")
   if rule is None or getattr(rule, "weight_qtype", None) is None:
     weight = (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(lhs.dtype)
-    return interception.disable_interceptions(jax.lax.ragged_dot)(
+    return compat.disable_interceptions(jax.lax.ragged_dot)(
         lhs, weight, group_sizes, preferred_element_type=preferred_element_type)
 
   def run(lhs, qvalue, scale, group_sizes):
     if rule.act_qtype is not None:
-      lhs = qarray.quantize(lhs, qarray.HowToQuantize(qtype=rule.act_qtype, channelwise_axes=[0]))
-    weight = qarray.QArray(qvalue, scale, None, qvalue.dtype)
-    return ragged_dot.ragged_dot(lhs, weight, group_sizes, None, preferred_element_type)
+      lhs = qwix.quantize(lhs, rule.act_qtype, channelwise_axes=[0])
+    weight = qwix.QArray(qvalue, scale, None, qvalue.dtype)
+    return qwix.ragged_dot(lhs, weight, group_sizes, None, preferred_element_type)
 
-  return interception.disable_interceptions(run)(lhs, qvalue, scale, group_sizes)
+  return compat.disable_interceptions(run)(lhs, qvalue, scale, group_sizes)

@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import qwix
-from qwix._src.core import sparsity as qwix_sparsity
 
+from quant import compat
 from quant import errors
 from quant import settings
 from quant import yaml_file
@@ -129,7 +129,7 @@ def _logits_rule(s: QuantSettings) -> qwix.QtRule:
 def _fp8_full_main_rule(s: QuantSettings) -> qwix.QtRule:
   sparsity_rule = None
   if s.weight_sparsity_n and s.weight_sparsity_m:
-    sparsity_rule = qwix_sparsity.SparsityRule(
+    sparsity_rule = compat.sparsity_rule_class()(
         weight_sparsity_n=s.weight_sparsity_n,
         weight_sparsity_m=s.weight_sparsity_m,
         weight_sparsity_update_step=s.weight_sparsity_update_step,
@@ -292,9 +292,7 @@ def _parse_additional(value: Any, where: str) -> dict[str, Any] | None:
     return None
   if not isinstance(value, Mapping):
     raise errors.QuantError(f"{where}: expected a mapping of DotGeneralQtConfig fields, got {value!r}")
-  from qwix._src.core import dot_general_qt  # pylint: disable=import-outside-toplevel
-
-  accepted = tuple(f.name for f in dataclasses.fields(dot_general_qt.DotGeneralQtConfig))
+  accepted = tuple(f.name for f in dataclasses.fields(compat.dot_general_qt_config_class()))
   out: dict[str, Any] = {}
   for key, item in value.items():
     if key not in accepted:
@@ -312,7 +310,7 @@ def _parse_additional(value: Any, where: str) -> dict[str, Any] | None:
 
 
 def _parse_sparsity(value: Any, where: str) -> Any:
-  accepted = tuple(f.name for f in dataclasses.fields(qwix_sparsity.SparsityRule))
+  accepted = tuple(f.name for f in dataclasses.fields(compat.sparsity_rule_class()))
   if not isinstance(value, Mapping):
     raise errors.QuantError(f"{where}: expected a mapping of SparsityRule fields ({', '.join(accepted)})")
   unknown = [k for k in value if k not in accepted]
@@ -320,4 +318,4 @@ def _parse_sparsity(value: Any, where: str) -> Any:
     close = difflib.get_close_matches(str(unknown[0]), accepted, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else f"; accepted: {', '.join(accepted)}"
     raise errors.QuantError(f"{where}: unknown field {unknown[0]!r}{hint}")
-  return qwix_sparsity.SparsityRule(**value)
+  return compat.sparsity_rule_class()(**value)

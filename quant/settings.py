@@ -8,9 +8,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# `gmm_backend` values (`quant.gmm_backends` runs them; kept here so that config parsing needs no JAX).
+GMM_BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
+
 # MaxText's `quantization` values whose Qwix rules `quant.rules` builds ("" = off).
 QUANTIZATION_MODES = ("", "int4", "int8", "fp4", "fp4_e2m1", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_gpu", "fp8_nanoo",
                       "fp8_full")
+
+
+class _Checked:
+  """A dataclass field whose value is checked when set (also in subclasses that define their own __post_init__)."""
+
+  def __init__(self, default, accepted: tuple):
+    self._default, self._accepted = default, accepted
+
+  def __set_name__(self, owner, name):
+    self._name = name
+
+  def __get__(self, obj, objtype=None):
+    if obj is None:
+      return self._default
+    return obj.__dict__.get(self._name, self._default)
+
+  def __set__(self, obj, value):
+    if value not in self._accepted:
+      from quant import errors  # pylint: disable=import-outside-toplevel
+
+      raise errors.QuantError(f"{self._name}={value!r}; accepted: {', '.join(repr(a) for a in self._accepted)}")
+    obj.__dict__[self._name] = value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,6 +57,9 @@ class QuantSettings:
   weight_sparsity_m: int | None = None
   weight_sparsity_start_step: int = 50
   weight_sparsity_update_step: int = 10
+  # The grouped matmul of the routed experts (with megablox=true): which kernel runs it (`quant.gmm_backends`).
+  gmm_backend: str = _Checked("auto", GMM_BACKENDS)  # auto: Pallas Megablox on TPU, ragged_dot on GPU, tiled on CPU
+  use_tokamax_backend: bool = False  # MaxText's key: Tokamax's kernel (gmm_backend must then be auto or tokamax)
 
   @classmethod
   def from_object(cls, obj: Any) -> "QuantSettings":

@@ -61,31 +61,32 @@ def test_gmm_rejects_mismatched_shapes():
     gmm_lib.gmm(jnp.ones((4, 3)), jnp.ones((2, 5, 2)), jnp.asarray([2, 2]))
 
 
-def test_rule_without_weight_qtype_runs_the_plain_path():
+def test_rule_that_quantizes_nothing_runs_the_plain_path():
   lhs, rhs, sizes = _inputs()
-  rule = qwix.QtRule(module_path=".*", weight_qtype=None)
+  rule = qwix.QtRule(module_path=".*", weight_qtype=None, act_qtype=None, bwd_qtype=None)
   out = gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), rule=rule)
   np.testing.assert_allclose(np.asarray(out), _reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
 
 
-def test_quantizing_rule_is_handed_to_gmm_fp8_and_no_rule_runs_it_plain(monkeypatch):
+def test_rule_is_handed_to_gmm_fp8_with_the_resolved_backend(monkeypatch):
   calls = []
   real = gmm_lib.gmm_fp8.quantized_gmm
 
-  def spy(*args):
-    calls.append(args)
-    return real(*args)
+  def spy(*args, **kwargs):
+    calls.append((args, kwargs))
+    return real(*args, **kwargs)
 
   monkeypatch.setattr(gmm_lib.gmm_fp8, "quantized_gmm", spy)
   lhs, rhs, sizes = _inputs()
-  rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)
+  rule = qwix.QtRule(module_path=".*", weight_qtype=None, act_qtype=jnp.float8_e4m3fn)  # act-only quantizes too
   out = gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), preferred_element_type=jnp.bfloat16,
                     rule=rule)
   assert out.shape == (23, 5) and out.dtype == jnp.bfloat16
-  gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), rule=qwix.QtRule(module_path=".*"))
-  (quantized, plain) = calls
+  gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), backend="xla")
+  (quantized, quantized_kw), (plain, plain_kw) = calls
   assert quantized[3] is rule and quantized[4] == jnp.bfloat16 and quantized[0].shape == (23, 8)
-  assert plain[3] is None  # a rule without weight_qtype means: not quantized
+  assert quantized_kw == {"backend": "reference"}  # auto on CPU
+  assert plain[3] is None and plain_kw == {"backend": "xla"}
 
 
 def test_current_rule_is_none_outside_qwix():

@@ -68,20 +68,58 @@ def _grads(rule, lhs, rhs, cot, groups=GROUPS, **kw):
   return [np.asarray(g, np.float64) for g in jax.jit(jax.grad(loss, (0, 1)))(lhs, rhs)]
 
 
+def _float_grads(lhs, rhs, cot, groups=GROUPS):
+  dlhs = np.zeros_like(lhs, np.float64)
+  for g, rows in _segments(groups, lhs.shape[0]):
+    dlhs[rows] = np.asarray(cot, np.float64)[rows] @ rhs[g].T.astype(np.float64)
+  return dlhs, _ref_outer(lhs, cot, groups, len(groups))
+
+
 @pytest.mark.parametrize("strategy", gmm_fp8.STRATEGIES)
-def test_plain_path_equals_float_grouped_matmul_for_no_rule_and_no_weight_qtype(strategy):
+def test_plain_path_equals_float_grouped_matmul_for_no_rule_and_a_rule_that_quantizes_nothing(strategy):
   lhs, rhs, cot = _data()
   expected = _ref_gmm(lhs, rhs, GROUPS)
-  for rule in (None, qwix.QtRule(weight_qtype=None, act_qtype=E4M3, bwd_qtype=E5M2)):
+  dlhs_ref, drhs_ref = _float_grads(lhs, rhs, cot)
+  for rule in (None, qwix.QtRule(weight_qtype=None, act_qtype=None, bwd_qtype=None)):
     out = gmm_fp8.quantized_gmm(lhs, rhs, GROUPS, rule, tile_rows=16, strategy=strategy)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     dlhs, drhs = _grads(rule, lhs, rhs, cot, tile_rows=16, strategy=strategy)
-    dlhs_ref = np.zeros_like(lhs, np.float64)
-    for g, rows in _segments(GROUPS, M):
-      dlhs_ref[rows] = cot[rows] @ rhs[g].T.astype(np.float64)
     np.testing.assert_allclose(dlhs, dlhs_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(drhs, _ref_outer(lhs, cot, GROUPS, len(GROUPS)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(drhs, drhs_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_act_only_rule_quantizes_the_activations_as_megablox_does():
+  """MaxText's Megablox gmm quantizes each operand its rule names; an act-only rule used to run unquantized here."""
+  lhs, rhs, cot = _data(7)
+  rule = qwix.QtRule(weight_qtype=None, act_qtype=E4M3, bwd_qtype=None)
+  q_lhs, s_lhs = _fake_quant(lhs, E4M3, [0])
+  expected = _ref_gmm(q_lhs, rhs, GROUPS) * s_lhs
+  out = gmm_fp8.quantized_gmm(lhs, rhs, GROUPS, rule, tile_rows=16)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+  assert _rel(out, _ref_gmm(lhs, rhs, GROUPS)) > 0.01  # visibly quantized
+  dlhs, drhs = _grads(rule, lhs, rhs, cot, tile_rows=16)
+  dlhs_ref, _ = _float_grads(lhs, rhs, cot)
+  np.testing.assert_allclose(dlhs, dlhs_ref, rtol=1e-5, atol=1e-5)  # straight-through, float weight
+  drhs_ref = _ref_outer(q_lhs, np.where(np.arange(M)[:, None] < GROUPS.sum(), cot * s_lhs, 0), GROUPS, len(GROUPS))
+  np.testing.assert_allclose(drhs, drhs_ref, rtol=1e-5, atol=1e-5 * np.abs(drhs_ref).max())  # the fp8 residual
+
+
+def test_bwd_only_rule_quantizes_only_the_gradients_as_megablox_does():
+  """A bwd-only rule: exact forward, e5m2 gradients (per row for dlhs, per column for drhs), as in Megablox."""
+  lhs, rhs, cot = _data(8)
+  rule = qwix.QtRule(weight_qtype=None, act_qtype=None, bwd_qtype=E5M2)
+  out = gmm_fp8.quantized_gmm(lhs, rhs, GROUPS, rule, tile_rows=16)
+  np.testing.assert_allclose(out, _ref_gmm(lhs, rhs, GROUPS), rtol=1e-5, atol=1e-5)
+  dlhs, drhs = _grads(rule, lhs, rhs, cot, tile_rows=16)
+  cot_in = np.where(np.arange(M)[:, None] < GROUPS.sum(), cot, 0).astype(np.float32)
+  q_row, s_row = _fake_quant(cot_in, E5M2, [0])
+  q_col, s_col = _fake_quant(cot_in, E5M2, [1])
+  dlhs_ref, _ = _float_grads(lhs, rhs, q_row * s_row)
+  drhs_ref = _ref_outer(lhs, q_col, GROUPS, len(GROUPS)) * s_col[None]
+  np.testing.assert_allclose(dlhs, dlhs_ref, rtol=1e-5, atol=1e-5 * np.abs(dlhs_ref).max())
+  np.testing.assert_allclose(drhs, drhs_ref, rtol=1e-5, atol=1e-5 * np.abs(drhs_ref).max())
+  assert _rel(dlhs, _float_grads(lhs, rhs, cot)[0]) > 0.02  # e5m2 visibly rounds
 
 
 @pytest.mark.parametrize("strategy", gmm_fp8.STRATEGIES)

@@ -165,8 +165,8 @@ def _trace(cfg, rules, monkeypatch):
 
   # The FP8 grouped matmul is another module's job; this test is about which ops Qwix sees.
   plain = gmm_lib.gmm_fp8.quantized_gmm
-  monkeypatch.setattr(gmm_lib.gmm_fp8, "quantized_gmm", lambda lhs, rhs, sizes, rule, pet: plain(lhs, rhs, sizes,
-                                                                                                  None, pet))
+  monkeypatch.setattr(gmm_lib.gmm_fp8, "quantized_gmm", lambda lhs, rhs, sizes, rule, pet, **kw: plain(
+      lhs, rhs, sizes, None, pet, **kw))
   handler = Handler()
   absl_logging.set_verbosity(absl_logging.DEBUG)
   logging.getLogger("absl").addHandler(handler)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from quant import gmm as gmm_lib
+from quant import gmm_backends
 
 
 class MoEBiasVar(nnx.Variable):
@@ -83,6 +84,7 @@ class RoutedMoE(nnx.Module):
     self.sparse_matmul = bool(cfg.sparse_matmul)
     self.capacity_factor = float(cfg.capacity_factor)
     self.megablox = bool(cfg.megablox)
+    self.gmm_backend = gmm_backends.requested(cfg.gmm_backend, use_tokamax_backend=cfg.use_tokamax_backend)
     self.gate = GateLogit(cfg, make)
     self.wi_0 = make.make((x, e, f), inits.dense((1,)))
     self.wi_1 = make.make((x, e, f), inits.dense((1,)))
@@ -115,7 +117,7 @@ class RoutedMoE(nnx.Module):
   # Experts ---------------------------------------------------------------------------------------------
   def _grouped_matmul(self, lhs, rhs, group_sizes):
     if self.megablox:
-      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
+      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype, backend=self.gmm_backend)
     if gmm_lib.prequantized(rhs) is not None:  # an FP8 export's experts: Qwix QT's quantized ragged_dot
       return gmm_lib.prequantized_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)

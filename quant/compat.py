@@ -1,0 +1,119 @@
+"""The one module that reaches into private APIs of Qwix, Orbax and JAX (everything else uses public APIs).
+
+Each accessor imports what it needs when first called and, when the installed version does not have it,
+raises `CompatError`: one line naming the package, its installed version, the missing name and the versions
+this project was tested with. Nothing here is imported at start-up beyond the standard library.
+
+Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8, JAX 0.10.2 / 0.12.0.1):
+* `qwix._src.interception.disable_interceptions`: runs our kernels without Qwix intercepting their inner ops
+  (Qwix's own handlers use it).
+* `qwix._src.qconfig.get_current_rule`: the name under which a provider intercepts rule lookups (coverage).
+* `qwix._src.utils.flax_util.get_current_module`: the module whose op a provider is handling (coverage).
+* `qwix._src.core.sparsity.SparsityRule`, `qwix._src.core.dot_general_qt.DotGeneralQtConfig`: the fields a
+  rule file may set.
+* `qwix._src.core.qarray.HowToQuantize`, `qwix._src.providers.ptq.WithAux`: an abstract PTQ weight (loading
+  an FP8 export).
+* Orbax's v1 PyTree handler class name, written into a step's metadata (export).
+* JAX tracer internals (`parent.in_tracers`, `get_const`): which Param a traced value came from (coverage).
+* `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
+  custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+from quant import errors
+
+TESTED = {"qwix": "0.1.8", "orbax-checkpoint": "0.12.8", "jax": "0.10.2, 0.12.0.1"}
+
+GET_CURRENT_RULE = "qwix._src.qconfig.get_current_rule"  # Qwix's intercept-map key for rule lookups
+ORBAX_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+MEGABLOX_KERNELS = "jax.experimental.pallas.ops.tpu.megablox.gmm"
+
+
+class CompatError(errors.QuantError):
+  """The installed version of a dependency lacks a private API this project uses."""
+
+
+def installed_version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "(not installed)"
+
+
+def private(module_name: str, attr: str | None = None, *, package: str):
+  """`module_name.attr` (or the module), else CompatError naming the installed and tested versions."""
+  try:
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)
+  except (ImportError, AttributeError):
+    name = module_name if attr is None else f"{module_name}.{attr}"
+    raise CompatError(f"{package} {installed_version(package)} has no {name}, which this tool needs; accepted: "
+                      f"{package} {TESTED[package]} (tested)") from None
+
+
+# Qwix ------------------------------------------------------------------------------------------------------
+
+
+def disable_interceptions(fn):
+  """`fn` run with Qwix's interception switched off (Qwix's own handlers do the same)."""
+  return private("qwix._src.interception", "disable_interceptions", package="qwix")(fn)
+
+
+def get_current_rule_intercept_key() -> str:
+  """The intercept-map key under which a provider answers rule lookups (checked to exist)."""
+  module_name, attr = GET_CURRENT_RULE.rsplit(".", 1)
+  private(module_name, attr, package="qwix")
+  return GET_CURRENT_RULE
+
+
+def current_module():
+  """The Flax module whose op the running Qwix provider is handling."""
+  return private("qwix._src.utils.flax_util", "get_current_module", package="qwix")()
+
+
+def sparsity_rule_class():
+  return private("qwix._src.core.sparsity", "SparsityRule", package="qwix")
+
+
+def dot_general_qt_config_class():
+  return private("qwix._src.core.dot_general_qt", "DotGeneralQtConfig", package="qwix")
+
+
+def ptq_weight(array, qtype, channelwise_axes):
+  """A Qwix PTQ weight (`WithAux`) holding the QArray `array`, quantized per `channelwise_axes` with absmax."""
+  how_class = private("qwix._src.core.qarray", "HowToQuantize", package="qwix")
+  with_aux = private("qwix._src.providers.ptq", "WithAux", package="qwix")
+  how = how_class(qtype=qtype, channelwise_axes=channelwise_axes, tiled_axes={}, calibration_method="absmax")
+  return with_aux(array, how)
+
+
+# JAX -------------------------------------------------------------------------------------------------------
+
+
+def tracer_single_input(x):
+  """The one input of the op that made tracer `x` (JAX tracer internals), or None."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
+  inputs = getattr(parent, "in_tracers", None)
+  return inputs[0] if inputs is not None and len(inputs) == 1 else None
+
+
+def tracer_constant(x):
+  """The constant a tracer stands for, when JAX knows it, else None."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  get_const = getattr(x, "get_const", None) if isinstance(x, jax.core.Tracer) else None
+  return get_const() if get_const is not None else None
+
+
+def megablox_kernels():
+  """JAX's Megablox kernel module (`gmm`, `tgmm`, both with `interpret=`)."""
+  module = private(MEGABLOX_KERNELS, package="jax")
+  for attr in ("gmm", "tgmm"):
+    private(MEGABLOX_KERNELS, attr, package="jax")
+  return module

@@ -1,0 +1,57 @@
+"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled on TPU, Pallas interpret mode elsewhere.
+
+Megablox multiplies bfloat16 or float32 tiles with float32 accumulation. FP8 operands enter as bfloat16, which
+holds every float8_e4m3fn and float8_e5m2 value exactly, so each tile product is the exact product of the fp8
+values, as on an FP8 matrix unit; the caller applies the scales to the float32 result. Shapes: the row count is
+padded to a multiple of the row tile (Megablox requires it); K and N may be ragged against their tiles (`tile`).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from quant import compat
+
+DEFAULT_TILE = 128  # Megablox's default tile on each of M, K, N
+
+
+def interpret() -> bool:
+  """Interpret mode anywhere but on TPU (where the kernel is compiled by Mosaic)."""
+  return jax.default_backend() != "tpu"
+
+
+def _operand(x, other):
+  """bfloat16 when both operands are bfloat16 or fp8 (fp8 is exact in bfloat16), else float32."""
+  narrow = (jnp.dtype(jnp.bfloat16),)
+  small = lambda d: jnp.dtype(d) in narrow or jnp.dtype(d).itemsize == 1
+  return x.astype(jnp.bfloat16 if small(x.dtype) and small(other.dtype) else jnp.float32)
+
+
+def _tiling(m: int, k: int, n: int, tile_rows: int, tile: int) -> tuple[int, int, int]:
+  tm = min(tile_rows, -(-m // 16) * 16)
+  return tm, min(tile, k), min(tile, n)
+
+
+def _pad_rows(x, tm: int):
+  pad = -x.shape[0] % tm
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def matmul(lhs, rhs, group_sizes, *, tile_rows: int, transpose_rhs: bool = False, tile: int = DEFAULT_TILE):
+  """float32 `lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs); rows past the groups are undefined (mask them)."""
+  kernels = compat.megablox_kernels()
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tiling = _tiling(m, k, n, tile_rows, tile)
+  out = kernels.gmm(_pad_rows(_operand(lhs, rhs), tiling[0]), _operand(rhs, lhs), group_sizes, jnp.float32, tiling,
+                    transpose_rhs=transpose_rhs, interpret=interpret())
+  return out[:m]
+
+
+def outer(lhs, grad, group_sizes, *, tile_rows: int, tile: int = DEFAULT_TILE):
+  """float32 `sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N]; empty groups give 0."""
+  kernels = compat.megablox_kernels()
+  m, k = lhs.shape
+  tiling = _tiling(m, k, grad.shape[1], tile_rows, tile)
+  lhs_t = _pad_rows(_operand(lhs, grad), tiling[0]).swapaxes(0, 1)
+  return kernels.tgmm(lhs_t, _pad_rows(_operand(grad, lhs), tiling[0]), group_sizes, jnp.float32, tiling,
+                      num_actual_groups=group_sizes.shape[0], interpret=interpret())
