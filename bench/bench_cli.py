@@ -1,8 +1,10 @@
 """Benchmark: whole-process wall time and peak RSS of CLI commands (median of N runs).
 
-Run: .venv/bin/python bench/bench_cli.py [--runs 5] [--only CASE]
-Targets: 671B scanned listing ≤ 1.5 s and ≤ 250 MB; unscanned ≤ 2.5 s; --help ≤ 0.3 s;
+Run: .venv-py3.12/bin/python bench/bench_cli.py [--runs 5] [--only CASE] [--peer MAXTEXT_PYTHON]
+Targets: 671B and Kimi K2 1T scanned listings ≤ 1.5 s and ≤ 250 MB; unscanned ≤ 2.5 s; --help ≤ 0.3 s;
 rules report for 671B fp8_full with quantize_mtp ≤ 3 s and ≤ 400 MB.
+`--peer` names the Python of a MaxText 0.2.5 venv: the listing cases then also run MaxText's own
+`inspect_checkpoint` (JAX_PLATFORMS=cpu) and print its figures and ours as ratios.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ CASES = {
     "671b unscanned + MTP": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1"],
     "671b unscanned --html": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1",
                               "--html", os.path.join(tempfile.gettempdir(), "bench_cli_671b_unscanned.html")],
+    "kimi-k2-1t scanned + MTP": [BIN, "maxtext", "model_name=kimi-k2-1t", "mtp_num_layers=1"],
     "671b rules fp8_full MTP": [BIN, "rules", "model_name=deepseek3-671b", "mtp_num_layers=1", "quantization=fp8_full",
                                 "quantize_mtp=true"],
 }
+
+
+def peer_command(python: str, cmd: list[str]) -> list[str] | None:
+  """MaxText's own command for a `maxtext` listing case (same keys), or None."""
+  if len(cmd) < 2 or cmd[1] != "maxtext" or "--html" in cmd:
+    return None
+  return [python, "-m", "maxtext.checkpoint_conversion.inspect_checkpoint", *cmd[1:]]
 
 
 def measure(cmd: list[str]) -> tuple[float, float]:
@@ -35,7 +45,7 @@ def measure(cmd: list[str]) -> tuple[float, float]:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, {**os.environ, "JAX_PLATFORMS": "cpu"})
   _, status, usage = os.wait4(pid, 0)
   wall = time.perf_counter() - start
   if os.waitstatus_to_exitcode(status) != 0:
@@ -47,15 +57,28 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--only", choices=list(CASES))
+  parser.add_argument("--peer", help="Python of a MaxText 0.2.5 venv, to compare the listing cases with")
   args = parser.parse_args()
-  print(f"{'case':26s} {'median s':>9s} {'min s':>7s} {'peak RSS MB':>12s}")
+  print(f"{'case':26s} {'median s':>9s} {'min s':>7s} {'peak RSS MB':>12s}"
+        + (f" {'MaxText s':>10s} {'MaxText MB':>11s} {'time ratio':>10s} {'RSS ratio':>10s}" if args.peer else ""))
   for name, cmd in CASES.items():
     if args.only and name != args.only:
       continue
-    measure(cmd)  # warm the page cache
-    runs = [measure(cmd) for _ in range(args.runs)]
-    walls = [w for w, _ in runs]
-    print(f"{name:26s} {statistics.median(walls):9.3f} {min(walls):7.3f} {max(r for _, r in runs):12.1f}")
+    wall, fastest, rss = _median(cmd, args.runs)
+    line = f"{name:26s} {wall:9.3f} {fastest:7.3f} {rss:12.1f}"
+    peer = peer_command(args.peer, cmd) if args.peer else None
+    if peer:
+      peer_wall, _, peer_rss = _median(peer, max(1, args.runs // 2))
+      line += f" {peer_wall:10.3f} {peer_rss:11.1f} {wall / peer_wall:10.3f} {rss / peer_rss:10.3f}"
+    print(line)
+
+
+def _median(cmd: list[str], runs: int) -> tuple[float, float, float]:
+  """Median and fastest wall seconds, and peak RSS MB, over `runs` runs after one that warms the page cache."""
+  measure(cmd)
+  results = [measure(cmd) for _ in range(runs)]
+  walls = [w for w, _ in results]
+  return statistics.median(walls), min(walls), max(r for _, r in results)
 
 
 if __name__ == "__main__":

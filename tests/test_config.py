@@ -101,3 +101,94 @@ def test_bad_model_file(tmp_path):
     config.resolve_config([f"model_file={path}"])
   with pytest.raises(errors.ConfigError, match="does not exist"):
     config.resolve_config([f"model_file={tmp_path / 'missing.yml'}"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every MaxText 0.2.5 key (tests/data/maxtext_0.2.5_base_keys.txt, a copy of MaxText's base.yml keys and defaults).
+
+def _maxtext_base_keys() -> dict:
+  import os  # pylint: disable=import-outside-toplevel
+
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  path = os.path.join(os.path.dirname(__file__), "data", "maxtext_0.2.5_base_keys.txt")
+  with open(path, encoding="utf-8") as f:
+    return {k: None if v == "None" else v for k, v in yaml.safe_load(f).items()}
+
+
+def _as_token(key, value) -> str:
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10**6)
+  return f"{key}={text.strip().removesuffix('...').strip()}"
+
+
+def test_every_maxtext_key_is_accepted_at_its_default_and_typed_like_it():
+  keys = _maxtext_base_keys()
+  assert len(keys) == 786
+  others = {k: v for k, v in keys.items() if k not in config.FIELDS}
+  cfg = config.resolve_config(["model_name=deepseek3-tiny"] + [_as_token(k, v) for k, v in others.items()])
+  for key, value in others.items():
+    assert getattr(cfg, key) == value, key  # given on the command line, read back typed as MaxText types it
+  # Fields keep MaxText's defaults, except where this tool documents another (it builds DeepSeek MLA with Qwix).
+  differ = {k for k in config.FIELDS if k in keys and (lambda v: list(v) if isinstance(v, tuple) else v)(
+      config.FIELDS[k].default) != keys[k]}
+  assert differ == {"use_qwix_quantization", "decoder_block", "attention_type", "base_moe_mlp_dim"}
+
+
+def test_sharding_and_training_keys_parse_to_maxtext_types():
+  cfg = config.resolve_config([
+      "model_name=deepseek3-tiny", "ici_fsdp_parallelism=8", "dcn_data_parallelism=-1", "mesh_axes=[data,fsdp]",
+      "logical_axis_rules=[[embed,[fsdp]],[mlp,[]],[layers,stage]]", "opt_type=sgd", "learning_rate=1e-4",
+      "shard_mode=explicit", "use_batch_split_schedule=true", "run_name=123", "steps=10"])
+  assert cfg.ici_fsdp_parallelism == 8 and cfg.dcn_data_parallelism == -1
+  assert cfg.mesh_axes == ["data", "fsdp"]
+  assert cfg.logical_axis_rules == [["embed", ["fsdp"]], ["mlp", []], ["layers", "stage"]]
+  assert cfg.opt_type == "sgd" and cfg.learning_rate == 1e-4 and cfg.run_name == "123" and cfg.steps == 10
+  assert cfg.use_batch_split_schedule is True and cfg.shard_mode == "explicit"
+  # Not given: MaxText's defaults.
+  assert cfg.ici_expert_parallelism == 1 and cfg.mesh_axes != config.resolve_config(
+      ["model_name=deepseek3-tiny"]).mesh_axes
+  assert config.resolve_config(["model_name=deepseek3-tiny"]).mesh_axes[:3] == ["diloco", "data", "stage"]
+  # Ignored keys never change what the model is.
+  assert cfg == config.resolve_config(["model_name=deepseek3-tiny"])
+
+
+@pytest.mark.parametrize("tokens,message", [
+    (["ici_fsdp_parallelism=eight"], "ici_fsdp_parallelism='eight' is not an integer"),
+    (["mesh_axes=data"], "mesh_axes='data' is not a list"),
+    (["ici_fsdp_paralelism=4"], "did you mean 'ici_fsdp_parallelism'"),
+    (["mlp_bias=true"], "mlp_bias=True is not supported"),
+    (["norm_topk_prob=true"], "norm_topk_prob=True is not supported"),
+    (["quantization=fp8_full", "use_qwix_quantization=false"], "selects MaxText's AQT path"),
+    (["quantization=fp8_full", "weight_quantization_calibration_method=minmax"], "minmax' is not supported"),
+    (["quantization=fp8_full", "act_quantization_calibration_method=fixed,-1,2"], "is not supported"),
+    (["model_name=llama3-8b"], "outside the DeepSeek family; this tool builds DeepSeek-family models: deepseek2-16b"),
+    (["model_name=deepseek3-tiny", "base_mlp_dim=32", "first_num_dense_layers=0", "override_model_config=true"],
+     "fully MoE model"),
+])
+def test_maxtext_keys_bad_input_is_one_clear_line(tokens, message):
+  with pytest.raises(errors.ConfigError) as info:
+    config.resolve_config(["model_name=deepseek3-tiny"] + tokens if not tokens[0].startswith("model_name")
+                          else tokens)
+  assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_calibrations_the_run_accepts_pass_validation():
+  cfg = config.resolve_config(["model_name=deepseek3-tiny", "quantization=fp8_full", "mlp_bias=false",
+                               "weight_quantization_calibration_method=absmax,0.9",
+                               "act_quantization_calibration_method=fixed,-8,8",
+                               "bwd_quantization_calibration_method=rms,3"])
+  assert cfg.weight_quantization_calibration_method == "absmax,0.9"
+  # Without quantization nothing reads them, so nothing refuses them.
+  assert config.resolve_config(["model_name=deepseek3-tiny", "weight_quantization_calibration_method=minmax"])
+
+
+def test_verbose_key_report():
+  lines = config.describe_keys(["model_name=deepseek3-671b-batchsplit", "mtp_num_layers=1", "capacity_factor=1.0",
+                                "dropout_rate=0.1", "ici_fsdp_parallelism=8"])
+  text = "\n".join(lines)
+  assert "shape the parameter tree: model_name, mtp_num_layers" in text
+  assert "ignored for structure (used by forward, rules and export): capacity_factor" in text
+  assert "dropout_rate (" in text and "ici_fsdp_parallelism" in text
+  assert "set by model 'deepseek3-671b-batchsplit', ignored for structure:" in text and "use_batch_split_schedule" in text
