@@ -47,7 +47,7 @@ def test_global_parameter_scale_scales_sizes():
 
 
 @pytest.mark.parametrize("tokens,message", [
-    (["model_name=nope"], "unknown model_name 'nope'; known: deepseek2-16b"),
+    (["model_name=nope"], "unknown model_name 'nope'; known: "),
     (["mtp_num_layer=1"], "did you mean 'mtp_num_layers'"),
     (["scan_layers=maybe"], "scan_layers='maybe' is not a boolean"),
     (["mtp_num_layers=one"], "mtp_num_layers='one' is not an integer"),
@@ -69,7 +69,7 @@ def test_bad_input_is_one_clear_line(tokens, message):
 
 
 def test_a_model_must_be_named():
-  with pytest.raises(errors.ConfigError, match="no model given: pass model_name=<one of deepseek2-16b"):
+  with pytest.raises(errors.ConfigError, match="no model given: pass model_name=<one of .*deepseek2-16b"):
     config.resolve_config(["mtp_num_layers=1"])
   assert config.resolve_config(["model_name=default"]).model_name == "default"
 
@@ -163,7 +163,7 @@ def test_sharding_and_training_keys_parse_to_maxtext_types():
     (["quantization=fp8_full", "use_qwix_quantization=false"], "selects MaxText's AQT path"),
     (["quantization=fp8_full", "weight_quantization_calibration_method=minmax"], "minmax' is not supported"),
     (["quantization=fp8_full", "act_quantization_calibration_method=fixed,-1,2"], "is not supported"),
-    (["model_name=llama3-8b"], "outside the DeepSeek family; this tool builds DeepSeek-family models: deepseek2-16b"),
+    (["model_name=llama3-8b"], "outside the DeepSeek family; this tool builds DeepSeek-family models: "),
     (["model_name=deepseek3-tiny", "base_mlp_dim=32", "first_num_dense_layers=0", "override_model_config=true"],
      "fully MoE model"),
 ])
