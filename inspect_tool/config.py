@@ -80,6 +80,9 @@ class ModelConfig(settings.QuantSettings):
   indexer_mask_exact_topk: bool = True  # ties at the cut-off: earliest positions first, exactly topk kept
   indexer_use_approx_top_k: bool = False
   indexer_approx_top_k_recall: float = 0.95
+  # Manifold-constrained hyper-connections (k residual streams; 1: off) and Engram memory layers (issue 10).
+  mhc_expansion_rate: int = 1
+  engram_layers: tuple[str, ...] = ()  # layer indices; engram itself is not built (MaxText sizes it from a tokenizer)
 
   # Multi-token prediction.
   mtp_num_layers: int = 0
@@ -281,6 +284,14 @@ def _validate(c: ModelConfig) -> None:
       _check(getattr(c, name) > 0, f"{name}={getattr(c, name)} must be a positive integer")
     _check(c.indexer_head_dim >= c.qk_rope_head_dim,
            f"indexer_head_dim={c.indexer_head_dim} must be >= qk_rope_head_dim={c.qk_rope_head_dim}")
+  _check(c.mhc_expansion_rate >= 1, f"mhc_expansion_rate={c.mhc_expansion_rate} must be >= 1")
+  _check(not c.engram_layers, f"engram_layers={list(c.engram_layers)} is not supported: Engram layers are sized from "
+         "a Hugging Face tokenizer (MaxText needs tokenizer_path and hf_access_token); accepted: "
+         "override_model_config=true engram_layers=[]")
+  _check(not (c.mhc_expansion_rate > 1 and c.mtp_num_layers > 0),
+         f"mtp_num_layers={c.mtp_num_layers} with mhc_expansion_rate={c.mhc_expansion_rate}: MaxText 0.2.5's MTP layer "
+         "receives the reduced hidden state while its mHC layer expects the expanded streams, so MaxText fails; "
+         "accepted: mtp_num_layers=0")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
 
