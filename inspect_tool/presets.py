@@ -18,7 +18,6 @@ FAMILY_PREFIXES = ("deepseek", "kimi")
 NOT_BUILT = {
     "deepseek4-284b": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
     "deepseek4-tiny": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
-    "deepseek-custom": "deepseek-custom (sparse attention indexer, Engram, mHC)",
 }
 
 

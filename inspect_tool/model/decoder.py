@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from inspect_tool.model import attention
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
+from inspect_tool.model import mhc
 from inspect_tool.model import moe
 
 
@@ -26,11 +27,22 @@ class DeepSeekLayer(nnx.Module):
     self.pre_self_attention_layer_norm = layers.RMSNorm(cfg, cfg.emb_dim, make)
     self.post_self_attention_layer_norm = layers.RMSNorm(cfg, cfg.emb_dim, make)
     self.self_attention = attention.MLA(cfg, make)
+    if cfg.mhc_expansion_rate > 1:  # hyper-connections around both branches (deepseek-custom)
+      self.mhc_attention = mhc.ManifoldConstrainedHyperConnections(cfg, make)
+      self.mhc_mlp = mhc.ManifoldConstrainedHyperConnections(cfg, make)
+    else:
+      self.mhc_attention = self.mhc_mlp = None
 
-  def _attention_block(self, x, segment_ids, positions):
-    attended = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
-    residual = x + attended
-    return self.post_self_attention_layer_norm(residual), residual
+  def _apply(self, x, segment_ids, positions, mlp):
+    """Attention then `mlp`, each with its pre-norm and residual (or mHC mixing of the k streams of x)."""
+    if self.mhc_attention is None:
+      attended = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
+      residual = x + attended
+      return mlp(self.post_self_attention_layer_norm(residual)) + residual
+    residual = self.mhc_attention(self.pre_self_attention_layer_norm,
+                                  lambda h: self.self_attention(h, positions, segment_ids), x)
+    self.post_self_attention_layer_norm(residual)  # MaxText computes (and drops) it too: Qwix sees its einsum
+    return self.mhc_mlp(self.post_self_attention_layer_norm, mlp, residual)
 
 
 class DeepSeekDenseLayer(DeepSeekLayer):
@@ -41,8 +53,7 @@ class DeepSeekDenseLayer(DeepSeekLayer):
     self.mlp = layers.MlpBlock(cfg, cfg.emb_dim, cfg.mlp_dim, make)
 
   def __call__(self, inputs, decoder_segment_ids=None, decoder_positions=None):
-    normed, residual = self._attention_block(inputs, decoder_segment_ids, decoder_positions)
-    return self.mlp(normed) + residual
+    return self._apply(inputs, decoder_segment_ids, decoder_positions, self.mlp)
 
 
 class DeepSeekMoELayer(DeepSeekLayer):
@@ -53,8 +64,7 @@ class DeepSeekMoELayer(DeepSeekLayer):
     self.DeepSeekMoeBlock_0 = moe.RoutedAndSharedMoE(cfg, make)  # pylint: disable=invalid-name
 
   def __call__(self, inputs, decoder_segment_ids=None, decoder_positions=None):
-    normed, residual = self._attention_block(inputs, decoder_segment_ids, decoder_positions)
-    return self.DeepSeekMoeBlock_0(normed) + residual
+    return self._apply(inputs, decoder_segment_ids, decoder_positions, self.DeepSeekMoeBlock_0)
 
 
 def _move_layer_axis(state, param_scan_axis: int, to_front: bool):
@@ -104,6 +114,7 @@ class Decoder(nnx.Module):
     self.logits_via_embedding = bool(cfg.logits_via_embedding)
     self.logits_dtype = jnp.dtype(jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype)
     self.cast_logits_to_fp32 = bool(cfg.cast_logits_to_fp32)
+    self.mhc_expansion_rate = cfg.mhc_expansion_rate
     self.decoder_norm = layers.RMSNorm(cfg, cfg.emb_dim, make)
     if self.logits_via_embedding:
       self.logits_dense = None
@@ -143,6 +154,8 @@ class Decoder(nnx.Module):
   def __call__(self, embedder, tokens, positions, segment_ids=None):
     """Returns (logits, hidden state before `decoder_norm`)."""
     y = embedder(tokens).astype(self.dtype)
+    if self.mhc_expansion_rate > 1:
+      y = mhc.expand(y, self.mhc_expansion_rate)
     dynamic = bool(getattr(self, "disable_quant_stats_update", False))  # set by Qwix for its first call
     for name in self.layer_names():
       layer = getattr(self, name)
@@ -152,4 +165,6 @@ class Decoder(nnx.Module):
           setattr(self, name, new_stack)
       else:
         y = layer(y, segment_ids, positions)
+    if self.mhc_expansion_rate > 1:
+      y = mhc.reduce(y)
     return self.apply_output_head(embedder, y), y

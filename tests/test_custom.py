@@ -1,0 +1,111 @@
+"""deepseek-custom (DeepSeek-V3.2 indexer + manifold-constrained hyper-connections, Engram off): the tree against
+MaxText 0.2.5's listings, MaxText's refusals, and the mHC mixing against a NumPy evaluation of its formula."""
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inspect_tool import config
+from inspect_tool import coverage
+from inspect_tool import errors
+from inspect_tool import model as model_lib
+from inspect_tool import params
+from inspect_tool.model import initializers as inits
+from inspect_tool.model import mhc
+
+DATA = pathlib.Path(__file__).parent / "data" / "listings"
+LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
+CUSTOM = ["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]"]
+SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
+                  "base_moe_mlp_dim=16", "base_num_decoder_layers=2", "vocab_size=64", "num_experts=4",
+                  "q_lora_rank=16", "kv_lora_rank=8", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8",
+                  "indexer_n_heads=2", "indexer_head_dim=16", "indexer_topk=4", "max_target_length=16"]
+
+
+def _listing(name):
+  leaves = set()
+  for line in (DATA / name).read_text().splitlines():
+    match = LINE.match(line)
+    if match:
+      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
+      leaves.add((match.group(1), shape, match.group(3)))
+  return leaves
+
+
+@pytest.mark.parametrize("listing, extra", [("deepseek-custom_scan_mtp0.txt", []),
+                                            ("deepseek-custom_noscan_mtp0.txt", ["scan_layers=false"])])
+def test_param_tree_equals_maxtext_listing(listing, extra):
+  leaves = params.param_leaves(model_lib.build_model(config.resolve_config(CUSTOM + extra)))
+  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == _listing(listing)
+  assert sum(leaf.size for leaf in leaves) == 428491924  # MaxText 0.2.5's printed total for both
+
+
+def test_engram_and_mtp_are_refused_in_one_line():
+  with pytest.raises(errors.ConfigError, match=r"engram_layers=\['1', '4'\] is not supported.*engram_layers=\[\]"):
+    config.resolve_config(["model_name=deepseek-custom"])
+  with pytest.raises(errors.ConfigError, match="mtp_num_layers=1 with mhc_expansion_rate=4"):
+    config.resolve_config(CUSTOM + ["mtp_num_layers=1"])
+
+
+def _numpy_mhc(x, p, branch, eps, iters):
+  """The mHC formula (see `inspect_tool.model.mhc`) in float64 NumPy; `branch` maps [b, s, E] → [b, s, E]."""
+  b, s, k, d = x.shape
+  flat = x.reshape(b, s, k * d)
+  normed = flat / np.sqrt(np.mean(flat ** 2, axis=-1, keepdims=True) + eps) * p["mhc_norm"]
+  h = normed @ np.concatenate([p["pre_alpha"], p["post_alpha"], p["res_alpha"]], axis=-1)
+  sig = lambda z: 1 / (1 + np.exp(-z))
+  pre = sig(p["pre_alpha_scale"] * h[..., :k] + p["pre_beta"]) + 1e-6
+  post = 2 * sig(p["post_alpha_scale"] * h[..., k:2 * k] + p["post_beta"])
+  t = p["res_alpha_scale"] * h[..., 2 * k:].reshape(b, s, k, k) + p["res_beta"]
+  t = np.exp(t - t.max(-1, keepdims=True))
+  t = t / t.sum(-1, keepdims=True) + 1e-6
+  t = t / (t.sum(-2, keepdims=True) + 1e-6)
+  for _ in range(iters - 1):
+    t = t / (t.sum(-1, keepdims=True) + 1e-6)
+    t = t / (t.sum(-2, keepdims=True) + 1e-6)
+  mixed = np.einsum("bsk,bskd->bsd", pre, x)
+  return np.einsum("bskm,bskd->bsmd", t, x) + branch(mixed)[:, :, None, :] * post[..., None]
+
+
+def test_mhc_mixing_matches_numpy_formula():
+  cfg = config.resolve_config(SMALL + ["dtype=float32"])
+  module = mhc.ManifoldConstrainedHyperConnections(cfg, inits.VariableFactory(weight_dtype="float32", seed=3))
+  rng = np.random.default_rng(0)
+  p = {name: rng.normal(size=getattr(module, name)[...].shape).astype(np.float32)
+       for name in ("pre_alpha", "post_alpha", "res_alpha", "pre_beta", "post_beta", "res_beta",
+                    "pre_alpha_scale", "post_alpha_scale", "res_alpha_scale")}
+  p["mhc_norm"] = rng.normal(size=(4 * 32,)).astype(np.float32)
+  for name, value in p.items():
+    target = module.mhc_norm.scale if name == "mhc_norm" else getattr(module, name)
+    target.set_value(jnp.asarray(value))
+  x = rng.normal(size=(2, 3, 4, 32)).astype(np.float32)
+  weight = rng.normal(size=(32, 32)).astype(np.float32) / 6
+  ours = module(lambda h: h * 0.5, lambda h: h @ weight, jnp.asarray(x))
+  expected = _numpy_mhc(x.astype(np.float64), {k: v.astype(np.float64) for k, v in p.items()},
+                        lambda h: (h * 0.5) @ weight, cfg.normalization_layer_epsilon, 20)
+  np.testing.assert_allclose(np.asarray(ours), expected, rtol=2e-4, atol=2e-4)
+
+
+def test_sinkhorn_output_is_doubly_stochastic():
+  t = mhc.sinkhorn(jnp.asarray(np.random.default_rng(1).normal(size=(5, 4, 4)) * 3, jnp.float32), 20)
+  np.testing.assert_allclose(np.asarray(t).sum(-1), 1, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(t).sum(-2), 1, atol=1e-3)
+
+
+def test_forward_runs_and_coverage_names_the_mhc_ops():
+  cfg = config.resolve_config(SMALL)
+  model = model_lib.build_model(cfg, abstract=False, seed=0)
+  tokens = jnp.asarray(np.arange(16).reshape(1, 16) % 64, jnp.int32)
+  logits = model(tokens, jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32))
+  assert logits.shape == (1, 16, 64) and bool(jnp.all(jnp.isfinite(logits)))
+  report = coverage.trace_coverage(config.resolve_config(SMALL + ["quantization=fp8_full"]))
+  ops = {(op.module, op.op) for op in report.ops}
+  for branch in ("mhc_attention", "mhc_mlp"):
+    assert {(f"decoder/moe_layers/{branch}", f"einsum{i}") for i in range(3)} <= ops
+    assert (f"decoder/moe_layers/{branch}", "einsum3") not in ops
+    assert (f"decoder/moe_layers/{branch}/mhc_norm", "einsum0") in ops
+  # MaxText also normalises the attention residual once outside mhc_mlp (and drops it): two norm einsums.
+  assert ("decoder/moe_layers/post_self_attention_layer_norm", "einsum1") in ops
