@@ -8,7 +8,9 @@ golden data) unless given, target mask ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import stat
 
 import numpy as np
 
@@ -24,12 +26,45 @@ class Batch:
   target_mask: np.ndarray  # (B, S) int32
 
 
-def load_array(path: str, what: str) -> np.ndarray:
-  if not os.path.isfile(path):
-    raise errors.InputError(f"{what} file {path!r} does not exist")
-  with open(path, "rb") as f:
+def _npy_header(f, path: str, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
+  """(shape, dtype, data offset) from a .npy header, before any array memory is allocated."""
+  fmt = np.lib.format
+  try:
     if f.read(6) != b"\x93NUMPY":
       raise errors.InputError(f"{what} file {path!r} is not a .npy array (no NumPy header); save it with numpy.save")
+    f.seek(0)
+    version = fmt.read_magic(f)
+    read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = read(f)
+  except (ValueError, OSError, SyntaxError, TypeError) as e:
+    raise errors.InputError(f"{what} file {path!r} has a corrupt .npy header: {str(e).splitlines()[0][:120]}") from None
+  if dtype.hasobject:
+    raise errors.InputError(f"{what} file {path!r} holds Python objects; expected an integer array (int32)")
+  return tuple(shape), dtype, f.tell()
+
+
+def load_array(path: str, what: str) -> np.ndarray:
+  """The array of a .npy file, after checking it is a readable regular file whose header fits its size."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    raise errors.InputError(f"{what} file {path!r} does not exist") from None
+  except OSError as e:
+    raise errors.InputError(f"{what} file {path!r} cannot be read: {e.strerror or e}") from None
+  if stat.S_ISDIR(mode):
+    raise errors.InputError(f"{what} file {path!r} is a directory; expected a .npy file")
+  if not stat.S_ISREG(mode):
+    raise errors.InputError(f"{what} file {path!r} is not a regular file (FIFO, socket or device)")
+  try:
+    with open(path, "rb") as f:
+      shape, dtype, offset = _npy_header(f, path, what)
+      size = os.fstat(f.fileno()).st_size
+  except OSError as e:
+    raise errors.InputError(f"{what} file {path!r} cannot be read: {e.strerror or e}") from None
+  count = math.prod(shape)
+  if count * dtype.itemsize > size - offset:
+    raise errors.InputError(f"{what} file {path!r}: its header claims shape {shape} ({count} elements of "
+                            f"{dtype}), but the file holds only {max(size - offset, 0)} data bytes")
   try:
     return np.load(path, allow_pickle=False)
   except (ValueError, OSError) as e:

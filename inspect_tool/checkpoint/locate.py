@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from inspect_tool import errors
+from inspect_tool.checkpoint import files
 
 TREE_METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -31,11 +32,26 @@ class ResolvedPath:
 
 
 def _is_tree_dir(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, TREE_METADATA))
+  """Whether `path` holds `_METADATA`; one that is not a regular file, or unreadable, is refused here."""
+  meta = os.path.join(path, TREE_METADATA)
+  found = files.kind(meta)
+  if found == "other":
+    raise errors.CheckpointError(f"{meta}: is not a regular file (FIFO, socket or device)")
+  return found == "file"
 
 
 def _looks_like_orbax(path: str) -> bool:
-  return any(os.path.exists(os.path.join(path, name)) for name in (TREE_METADATA, STEP_METADATA, OCDBT_MANIFEST))
+  return any(files.kind(os.path.join(path, name)) != "missing" for name in (TREE_METADATA, STEP_METADATA,
+                                                                              OCDBT_MANIFEST))
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return sorted(os.listdir(path))
+  except PermissionError:
+    raise errors.CheckpointError(f"{path}: permission denied") from None
+  except OSError:
+    return []
 
 
 def _step_of(path: str) -> int | None:
@@ -44,19 +60,14 @@ def _step_of(path: str) -> int | None:
 
 
 def _numeric_steps(path: str) -> list[int]:
-  try:
-    names = os.listdir(path)
-  except OSError:
-    return []
-  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+  names = _listdir(path)
+  return sorted(int(n) for n in names if n.isdigit() and files.kind(os.path.join(path, n)) == "dir")
 
 
 def _checkpointable_dirs(step_dir: str) -> list[str]:
-  try:
-    names = sorted(os.listdir(step_dir))
-  except OSError:
-    return []
-  return [n for n in names if _is_tree_dir(os.path.join(step_dir, n))]
+  names = _listdir(step_dir)
+  dirs = [os.path.join(step_dir, n) for n in names]
+  return [n for n, d in zip(names, dirs) if files.kind(d) == "dir" and _is_tree_dir(d)]
 
 
 def _resolve_step_dir(step_dir: str, note: str) -> ResolvedPath | None:
@@ -77,9 +88,10 @@ def _resolve_step_dir(step_dir: str, note: str) -> ResolvedPath | None:
 
 def _incomplete_message(path: str) -> str:
   items = os.path.join(path, DEFAULT_ITEM)
-  if os.path.isdir(items):
+  if files.kind(items) == "dir":
     path = items
-  if os.path.isfile(os.path.join(path, OCDBT_MANIFEST)) or os.path.isdir(os.path.join(path, "d")):
+    _listdir(path)
+  if files.kind(os.path.join(path, OCDBT_MANIFEST)) == "file" or files.kind(os.path.join(path, "d")) == "dir":
     return (f"{path}: Orbax tree metadata {TREE_METADATA} is missing (array data is present); "
             "the checkpoint is incomplete or was written by an unsupported Orbax version")
   return f"{path}: Orbax step metadata found but no items/{TREE_METADATA}; the checkpoint is incomplete"
@@ -92,11 +104,14 @@ def resolve_orbax_path(path: str) -> ResolvedPath:
     errors.CheckpointError: the path is missing, not a directory, or not an Orbax checkpoint.
   """
   path = os.fspath(path)
-  if not os.path.exists(path):
+  found = files.kind(path)
+  if found == "missing":
     raise errors.CheckpointError(f"checkpoint path does not exist: {path}")
-  if not os.path.isdir(path):
-    raise errors.CheckpointError(f"not an Orbax checkpoint (a file, not a directory): {path}; {_EXPECTED}")
+  if found != "dir":
+    what = "a file" if found == "file" else "not a regular file"
+    raise errors.CheckpointError(f"not an Orbax checkpoint ({what}, not a directory): {path}; {_EXPECTED}")
   path = os.path.normpath(path)
+  _listdir(path)  # an unreadable directory is "permission denied", not "incomplete"
   if _is_tree_dir(path):
     parent = os.path.dirname(path)
     return ResolvedPath(path, _step_of(parent) if _looks_like_orbax(parent) else None, "")

@@ -9,12 +9,12 @@ orbax import, and the cost grows with the number of arrays, not their size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from inspect_tool import errors
 from inspect_tool import tree
+from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import locate
 
 _SEQUENCE_KEY = 1
@@ -71,24 +71,16 @@ def _bad_metadata(items_dir: str, why: str) -> errors.CheckpointError:
   return errors.CheckpointError(f"{os.path.join(items_dir, locate.TREE_METADATA)}: corrupt Orbax metadata ({why})")
 
 
+MAX_METADATA_BYTES = 256 << 20  # _METADATA of the 671B model is ~1 MB
+
+
 def read_tree_metadata(items_dir: str) -> tuple[list[Entry], dict[str, Any]]:
   """Parses `_METADATA`: the stored leaves (empty nodes skipped) and the file's other fields."""
   meta_path = os.path.join(items_dir, locate.TREE_METADATA)
-  try:
-    with open(meta_path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise errors.CheckpointError(f"cannot read {meta_path}: {e.strerror or e}") from None
+  raw = files.read_bytes(meta_path, MAX_METADATA_BYTES)
   if not raw.strip():
     raise _bad_metadata(items_dir, "empty file")
-  try:
-    doc = json.loads(raw)
-  except UnicodeDecodeError:
-    raise _bad_metadata(items_dir, "not UTF-8 JSON") from None
-  except json.JSONDecodeError as e:
-    truncated = e.pos >= len(e.doc.rstrip()) - 1 or e.msg.startswith("Unterminated")
-    why = "truncated JSON" if truncated else "not valid JSON"
-    raise _bad_metadata(items_dir, f"{why}: {e.msg} at byte {e.pos} of {len(raw)}") from None
+  doc = files.parse_json(raw, lambda why: _bad_metadata(items_dir, why))
   if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
     raise _bad_metadata(items_dir, "no 'tree_metadata' object")
   entries = []
@@ -96,14 +88,33 @@ def read_tree_metadata(items_dir: str) -> tuple[list[Entry], dict[str, Any]]:
     try:
       key_meta = node["key_metadata"]
       value_meta = node["value_metadata"]
-      raw_key = tuple(int(k["key"]) if k.get("key_type") == _SEQUENCE_KEY else str(k["key"]) for k in key_meta)
-      value_type = str(value_meta["value_type"])
-      skip = bool(value_meta.get("skip_deserialize", False))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError) as e:
       raise _bad_metadata(items_dir, f"entry {name} lacks {e}") from None
-    if not skip:
-      entries.append(Entry(raw_key, value_type))
+    entry = _entry(key_meta, value_meta)
+    if entry is None:
+      raise _bad_metadata(items_dir, f"entry {name[:120]} has ill-typed key_metadata or value_metadata "
+                          "(expected a list of {key, key_type} objects and a {value_type} object)")
+    if not value_meta.get("skip_deserialize", False):
+      entries.append(entry)
   return entries, {k: v for k, v in doc.items() if k != "tree_metadata"}
+
+
+def _entry(key_meta: Any, value_meta: Any) -> Entry | None:
+  """The entry of one `tree_metadata` node, or None when a field has the wrong type."""
+  if not (isinstance(key_meta, list) and key_meta and isinstance(value_meta, dict)
+          and isinstance(value_meta.get("value_type"), str)):
+    return None
+  raw_key: list[str | int] = []
+  for part in key_meta:
+    if not isinstance(part, dict) or not isinstance(part.get("key"), (str, int)) or isinstance(part["key"], bool):
+      return None
+    if part.get("key_type") == _SEQUENCE_KEY:
+      if not str(part["key"]).isdigit():
+        return None
+      raw_key.append(int(part["key"]))
+    else:
+      raw_key.append(str(part["key"]))
+  return Entry(tuple(raw_key), value_meta["value_type"])
 
 
 def open_kvstore(items_dir: str, use_ocdbt: bool):
@@ -126,17 +137,20 @@ def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
   if zarr3:
     dtype = header["data_type"]
     if isinstance(dtype, dict):
-      dtype = dtype.get("name", str(dtype))
-    return str(dtype)
-  dtype = header["dtype"]
-  if isinstance(dtype, str) and dtype[:1] in "<>|=":
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    return np.dtype(dtype).name
-  return str(dtype)
+      dtype = dtype.get("name")
+  else:
+    dtype = header["dtype"]
+    if isinstance(dtype, str) and dtype[:1] in "<>|=":
+      import numpy as np  # pylint: disable=import-outside-toplevel
+      return np.dtype(dtype).name
+  if not isinstance(dtype, str):
+    raise TypeError(f"data type {str(dtype)[:60]} is not a name")
+  return dtype
 
 
-def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool, use_zarr3: bool) -> list[dict]:
-  """Reads every entry's zarr header concurrently."""
+def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
+                   use_zarr3: bool) -> list[tuple[tuple[int, ...], str]]:
+  """Reads every entry's zarr header concurrently: (shape, dtype name) per entry."""
   store = open_kvstore(items_dir, use_ocdbt)
   suffix = "/zarr.json" if use_zarr3 else "/.zarray"
   futures = [store.read((e.param_name + suffix).encode()) for e in entries]
@@ -151,13 +165,15 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool, use_za
       raise errors.CheckpointError(
           f"{items_dir}: array metadata missing for {entry.param_name} (listed in {locate.TREE_METADATA}); "
           "the checkpoint is incomplete")
+
+    def bad(why: str, name: str = entry.param_name) -> errors.CheckpointError:
+      return errors.CheckpointError(f"{items_dir}: corrupt array metadata for {name}{suffix} ({why})")
+
+    header = files.parse_json(bytes(result.value), bad)
     try:
-      header = json.loads(result.value)
-      _dtype_name(header, use_zarr3), list(header["shape"])  # validate
+      headers.append((files.dims(header["shape"], bad), _dtype_name(header, use_zarr3)))
     except (ValueError, KeyError, TypeError) as e:
-      raise errors.CheckpointError(
-          f"{items_dir}: corrupt array metadata for {entry.param_name} ({_first_line(e)})") from None
-    headers.append(header)
+      raise bad(_first_line(e) if not isinstance(e, KeyError) else f"no {e} field") from None
   return headers
 
 
@@ -166,9 +182,11 @@ def read_listing(path: str) -> Listing:
   resolved = locate.resolve_orbax_path(path)
   items_dir = resolved.items_dir
   entries, info = read_tree_metadata(items_dir)
-  use_ocdbt = bool(info.get("use_ocdbt", os.path.isfile(os.path.join(items_dir, locate.OCDBT_MANIFEST))))
+  manifest = files.kind(os.path.join(items_dir, locate.OCDBT_MANIFEST))
+  use_ocdbt = bool(info.get("use_ocdbt", manifest == "file"))
   use_zarr3 = bool(info.get("use_zarr3", False))
-  if use_ocdbt and not os.path.isfile(os.path.join(items_dir, locate.OCDBT_MANIFEST)):
+  files.check_tree(items_dir)  # a FIFO among the array files would block tensorstore's reads
+  if use_ocdbt and manifest != "file":
     raise errors.CheckpointError(
         f"{items_dir}: {locate.OCDBT_MANIFEST} is missing (the metadata says OCDBT); the checkpoint is incomplete")
   headers = _array_headers(items_dir, [e for e in entries if e.value_type != _STRING_TYPE], use_ocdbt, use_zarr3)
@@ -179,8 +197,8 @@ def read_listing(path: str) -> Listing:
     if entry.value_type == _STRING_TYPE:
       leaf = tree.Leaf(key, (), "string")
     else:
-      header = next(header_iter)
-      leaf = tree.Leaf(key, tuple(int(d) for d in header["shape"]), _dtype_name(header, use_zarr3))
+      shape, dtype = next(header_iter)
+      leaf = tree.Leaf(key, shape, dtype)
     leaves.append(leaf)
     raw_keys[key] = entry.raw_key
   return Listing(resolved, tree.sort_leaves(leaves), raw_keys, use_ocdbt, use_zarr3)

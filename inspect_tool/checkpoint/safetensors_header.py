@@ -9,12 +9,13 @@ Keys are the Hugging Face names split on '.'.
 from __future__ import annotations
 
 import glob
-import json
+import math
 import os
 import struct
 
 from inspect_tool import errors
 from inspect_tool import tree
+from inspect_tool.checkpoint import files
 
 # safetensors dtype tags -> numpy / ml_dtypes names.
 DTYPES = {
@@ -23,7 +24,11 @@ DTYPES = {
     "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn", "F4": "float4_e2m1fn",
 }
-_MAX_HEADER = 100 * 1024 * 1024
+_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "U32": 32, "I32": 32, "U64": 64, "I64": 64, "F16": 16,
+         "BF16": 16, "F32": 32, "F64": 64, "C64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6,
+         "F6_E3M2": 6, "F4": 4}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_INDEX_BYTES = 64 << 20
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -31,8 +36,13 @@ def _bad(path: str, why: str) -> errors.CheckpointError:
   return errors.CheckpointError(f"{path}: not a valid safetensors file ({why})")
 
 
-def read_header(path: str) -> dict[str, dict]:
-  """The tensor entries of one file's header (`__metadata__` left out), validated against the file size."""
+def _read_prefix(path: str) -> tuple[int, int, bytes]:
+  """(file size, header length, header bytes) of a regular file, without reading tensor data."""
+  found = files.kind(path)
+  if found == "missing":
+    raise errors.CheckpointError(f"safetensors file does not exist: {path}")
+  if found != "file":
+    raise errors.CheckpointError(f"{path}: is not a regular file" + (" (a directory)" if found == "dir" else ""))
   try:
     with open(path, "rb") as f:
       size = os.fstat(f.fileno()).st_size
@@ -40,32 +50,53 @@ def read_header(path: str) -> dict[str, dict]:
       if len(prefix) < 8:
         raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
       (length,) = struct.unpack("<Q", prefix)
-      if length > min(_MAX_HEADER, size - 8):
-        raise _bad(path, f"header length {length} exceeds the file's {size - 8} remaining bytes")
-      raw = f.read(length)
+      if length > size - 8:
+        raise _bad(path, f"header length {length} exceeds the file's {size - 8} remaining bytes (truncated file?)")
+      if length > MAX_HEADER:
+        raise _bad(path, f"header length {length} is over the {MAX_HEADER}-byte limit of safetensors headers")
+      return size, length, f.read(length)
   except OSError as e:
     raise errors.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
-  try:
-    header = json.loads(raw)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise _bad(path, f"header is not valid JSON: {str(e).splitlines()[0]}") from None
+
+
+def read_header(path: str) -> dict[str, dict]:
+  """The tensor entries of one file's header (`__metadata__` left out), validated against the file size.
+
+  Refused: unknown dtypes, shapes that are not lists of integers in [0, 2^63), offsets that are not
+  integers, lie outside the data, overlap, or hold a different byte count than dtype × shape.
+  """
+  size, length, raw = _read_prefix(path)
+  header = files.parse_json(raw, lambda why: _bad(path, f"header is {why}"))
   if not isinstance(header, dict):
     raise _bad(path, "header is not a JSON object")
   data_size = size - 8 - length
-  entries = {}
+  entries, spans = {}, []
   for name, entry in header.items():
     if name == "__metadata__":
       continue
-    try:
-      dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-      shape = [int(d) for d in shape]
-      begin, end = int(begin), int(end)
-    except (KeyError, TypeError, ValueError):
-      raise _bad(path, f"entry {name!r} lacks dtype/shape/data_offsets") from None
+    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)):
+      raise _bad(path, f"entry {name!r} lacks dtype/shape/data_offsets")
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or dtype not in _BITS:
+      raise _bad(path, f"tensor {name!r} has unknown dtype {str(dtype)[:40]!r}; known: {', '.join(_BITS)}")
+    shape = files.dims(entry["shape"], lambda why, n=name: _bad(path, f"tensor {n!r}: {why}"))
+    offsets = entry["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+      raise _bad(path, f"tensor {name!r} data_offsets {str(offsets)[:60]} is not a pair of integers")
+    begin, end = offsets
     if not 0 <= begin <= end <= data_size:
       raise _bad(path, f"tensor {name!r} data_offsets [{begin}, {end}] exceed the {data_size} data bytes "
                        "(truncated file?)")
-    entries[name] = {"dtype": str(dtype), "shape": shape}
+    expected = -(-math.prod(shape) * _BITS[dtype] // 8)
+    if end - begin != expected:
+      raise _bad(path, f"tensor {name!r} holds {end - begin} bytes; {dtype} {list(shape)} needs {expected}")
+    spans.append((begin, end, name))
+    entries[name] = {"dtype": dtype, "shape": list(shape)}
+  spans.sort()
+  for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+    if begin < end:
+      raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data (offsets {begin} < {end})")
   return entries
 
 
@@ -78,28 +109,35 @@ def _leaf(name: str, entry: dict) -> tree.Leaf:
   return tree.Leaf(tuple(name.split(".")), tuple(entry["shape"]), dtype_name(entry["dtype"]))
 
 
+def _shard_path(index_path: str, directory: str, shard: object) -> str:
+  """The shard file an index names: a file name inside the index's own directory, nothing else."""
+  if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+    raise errors.CheckpointError(f"{index_path}: shard {str(shard)[:80]!r} is not a file name inside "
+                                 f"{directory or '.'}; refused")
+  path = os.path.join(directory, shard)
+  real_dir = os.path.realpath(directory or ".")
+  if os.path.commonpath([real_dir, os.path.realpath(path)]) != real_dir:
+    raise errors.CheckpointError(f"{index_path}: shard {shard!r} leads outside {directory or '.'} "
+                                 "(a symbolic link); refused")
+  return path
+
+
 def _read_index(index_path: str) -> list[tree.Leaf]:
-  try:
-    with open(index_path, "rb") as f:
-      doc = json.load(f)
-  except OSError as e:
-    raise errors.CheckpointError(f"cannot read {index_path}: {e.strerror or e}") from None
-  except (ValueError, UnicodeDecodeError) as e:
-    raise errors.CheckpointError(f"{index_path}: not valid JSON ({str(e).splitlines()[0]})") from None
+  raw = files.read_bytes(index_path, MAX_INDEX_BYTES, "safetensors index")
+  doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{index_path}: {why}"))
   weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise errors.CheckpointError(f"{index_path}: no 'weight_map' object naming tensors and their shard files")
   directory = os.path.dirname(index_path)
   shards: dict[str, list[str]] = {}
   for name, shard in weight_map.items():
-    shards.setdefault(str(shard), []).append(name)
-  missing = sorted(s for s in shards if not os.path.isfile(os.path.join(directory, s)))
+    shards.setdefault(_shard_path(index_path, directory, shard), []).append(name)
+  missing = sorted(os.path.relpath(s, directory or ".") for s in shards if files.kind(s) == "missing")
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
   leaves = []
-  for shard, names in sorted(shards.items()):
-    shard_path = os.path.join(directory, shard)
+  for shard_path, names in sorted(shards.items()):
     header = read_header(shard_path)
     absent = [n for n in names if n not in header]
     if absent:
@@ -109,10 +147,10 @@ def _read_index(index_path: str) -> list[tree.Leaf]:
   return leaves
 
 
-def _read_files(files: list[str]) -> list[tree.Leaf]:
+def _read_files(paths: list[str]) -> list[tree.Leaf]:
   seen: dict[str, str] = {}
   leaves = []
-  for path in files:
+  for path in paths:
     for name, entry in read_header(path).items():
       if name in seen:
         raise errors.CheckpointError(f"tensor {name!r} is stored twice: in {seen[name]} and {path}")
@@ -128,9 +166,12 @@ def read_leaves(path: str) -> list[tree.Leaf]:
     errors.CheckpointError: missing path or shard, no safetensors files, or a corrupt header.
   """
   path = os.fspath(path)
-  if not os.path.exists(path):
+  found = files.kind(path)
+  if found == "missing":
     raise errors.CheckpointError(f"safetensors path does not exist: {path}")
-  if os.path.isfile(path):
+  if found == "other":
+    raise errors.CheckpointError(f"{path}: is not a regular file (FIFO, socket or device)")
+  if found == "file":
     leaves = _read_index(path) if path.endswith(".json") else _read_files([path])
     return tree.sort_leaves(leaves)
   indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
@@ -139,7 +180,7 @@ def read_leaves(path: str) -> list[tree.Leaf]:
     raise errors.CheckpointError(f"{path}: several safetensors indexes ({names}); pass one of them")
   if indexes:
     return tree.sort_leaves(_read_index(indexes[0]))
-  files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
-  if not files:
+  found_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+  if not found_files:
     raise errors.CheckpointError(f"no *.safetensors files or {INDEX_SUFFIX} in {path}")
-  return tree.sort_leaves(_read_files(files))
+  return tree.sort_leaves(_read_files(found_files))

@@ -1,0 +1,115 @@
+"""Reading checkpoint metadata files safely: regular files only, bounded sizes, strict JSON, checked shapes.
+
+A FIFO or device in place of a metadata file would block the read, deeply nested JSON exhausts Python's
+recursion limit, and `Infinity`, `NaN` or `1e400` are not sizes: each becomes one `CheckpointError` line
+naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any, Callable
+
+from inspect_tool import errors
+from quant import yaml_file
+
+MAX_DIM = 2**63 - 1
+MAX_JSON_DEPTH = 200
+
+
+def kind(path: str) -> str:
+  """'file', 'dir', 'missing' or 'other' (FIFO, socket, device); permission problems raise one line."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    return "missing"
+  except NotADirectoryError:
+    return "missing"
+  except PermissionError:
+    raise errors.CheckpointError(f"{path}: permission denied") from None
+  except OSError as e:
+    raise errors.CheckpointError(f"{path}: cannot be examined ({e.strerror or e})") from None
+  if stat.S_ISREG(mode):
+    return "file"
+  return "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
+  """The bytes of a regular file of at most `max_bytes`; anything else is a one-line `CheckpointError`."""
+  return yaml_file.read_regular_file(path, f"{what} {path}".strip(), errors.CheckpointError, max_bytes)
+
+
+def _no_constant(name: str) -> Any:
+  raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if value in (float("inf"), float("-inf")):
+    raise ValueError(f"{text} overflows a float")
+  return value
+
+
+def parse_json(raw: bytes | str, bad: Callable[[str], Exception]) -> Any:
+  """Strict JSON (no NaN/Infinity, finite floats, nesting <= MAX_JSON_DEPTH); `bad(why)` is raised otherwise."""
+  try:
+    doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+  except RecursionError:
+    raise bad("JSON nested too deeply") from None
+  except UnicodeDecodeError:
+    raise bad("not UTF-8 JSON") from None
+  except json.JSONDecodeError as e:
+    truncated = e.pos >= len(e.doc.rstrip()) - 1 or e.msg.startswith("Unterminated")
+    why = "truncated JSON" if truncated else "not valid JSON"
+    raise bad(f"{why}: {e.msg} at byte {e.pos} of {len(raw)}") from None
+  except ValueError as e:
+    raise bad(f"not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  if _depth(doc) > MAX_JSON_DEPTH:
+    raise bad(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+  return doc
+
+
+def _depth(doc: Any) -> int:
+  deepest, stack = 0, [(doc, 1)]
+  while stack:
+    node, depth = stack.pop()
+    deepest = max(deepest, depth)
+    if depth > MAX_JSON_DEPTH:
+      break
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+  return deepest
+
+
+def dims(value: Any, bad: Callable[[str], Exception]) -> tuple[int, ...]:
+  """A shape: a list of integers in [0, 2^63); anything else raises `bad(why)` naming the value."""
+  if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+    raise bad(f"shape {str(value)[:80]} is not a list of integers")
+  outside = [d for d in value if not 0 <= d <= MAX_DIM]
+  if outside:
+    raise bad(f"shape {str(value)[:80]} has dimension {str(outside[0])[:24]} outside [0, 2^63)")
+  return tuple(value)
+
+
+def check_tree(root: str, max_entries: int = 1_000_000) -> None:
+  """Every entry under `root` is a directory or a regular file (a FIFO would block a reader), readable."""
+  stack, seen = [root], 0
+  while stack:
+    directory = stack.pop()
+    try:
+      entries = list(os.scandir(directory))
+    except PermissionError:
+      raise errors.CheckpointError(f"{directory}: permission denied") from None
+    except OSError as e:
+      raise errors.CheckpointError(f"{directory}: cannot be listed ({e.strerror or e})") from None
+    for entry in entries:
+      seen += 1
+      if seen > max_entries:
+        raise errors.CheckpointError(f"{root}: over {max_entries} files; not an Orbax checkpoint directory")
+      found = kind(entry.path)
+      if found == "dir" and not entry.is_symlink():
+        stack.append(entry.path)
+      elif found == "other":
+        raise errors.CheckpointError(f"{entry.path}: is not a regular file (FIFO, socket or device)")
