@@ -8,6 +8,8 @@ import qwix
 
 from quant import errors, fp8
 
+import deepseek_fp8_reference
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
@@ -76,12 +78,14 @@ def test_inf_poisons_only_its_channel_and_nan_propagates():
   np.testing.assert_array_equal(deq[2], 1.0)
 
 
-@pytest.mark.parametrize("qtype,low,high", [(E4M3, 0.015, 0.035), (E5M2, 0.03, 0.07)])
-def test_round_trip_error_of_normal_data(qtype, low, high):
+# Measured relative round-trip error of this input (both stacks): e4m3fn 0.026038, e5m2 0.051956 (tests/README.md).
+@pytest.mark.parametrize("qtype,measured", [(E4M3, 0.026038), (E5M2, 0.051956)])
+def test_round_trip_error_of_normal_data(qtype, measured):
   x = np.random.default_rng(2).normal(size=(64, 256)).astype(np.float32)
   deq = np.asarray(fp8.fake_quantize(x, qtype, channelwise_axes=[0]))
   rel = np.linalg.norm(deq - x) / np.linalg.norm(x)
-  assert low < rel < high
+  assert rel <= measured * 1.01
+  assert rel >= measured / 2  # quantized at all: clearly away from the unquantized input
   scale = np.abs(x).max(axis=1, keepdims=True) / float(jnp.finfo(qtype).max)
   ulp_bound = 2.0 ** -(4 if qtype == E4M3 else 3)  # half a mantissa step, relative
   min_normal = float(jnp.finfo(qtype).smallest_normal)
@@ -114,20 +118,23 @@ def test_rejects_unknown_qtypes_and_integer_inputs():
   assert fp8.resolve_qtype("float8_e5m2") == np.dtype(E5M2) and fp8.qmax("e4m3") == 448.0
 
 
-def test_block_quantize_shapes_scales_and_round_trip():
-  w = np.random.default_rng(4).normal(size=(2, 300, 200)).astype(np.float32)
-  w[1, 128:256, 0:128] = 0.0  # one all-zero block
+@pytest.mark.parametrize("shape", [(2, 300, 200), (129, 257)])
+def test_block_quantize_matches_a_numpy_reference_of_deepseeks_128x128_scheme(shape):
+  """Against tests/deepseek_fp8_reference.py (amax / 448 per 128 x 128 block, float32 scale_inv, rounded-up block
+  grid). Measured: fp8 values bit-identical; scales equal or one float32 ulp apart (XLA's division on CPU is not
+  always correctly rounded; (2, 300, 200): 6 of 12 scales differ by 1 ulp)."""
+  w = np.random.default_rng(4).normal(size=shape).astype(np.float32) * 3
+  w[..., 128:256, 0:128] = 0.0  # an all-zero block gets scale 1
   qvalue, scale_inv = fp8.block_quantize(w, (128, 128))
+  q_ref, s_ref = deepseek_fp8_reference.block_quantize(w)
   assert qvalue.shape == w.shape and qvalue.dtype == np.dtype(E4M3)
-  assert scale_inv.shape == (2, 3, 2) == fp8.block_scale_shape(w.shape) and scale_inv.dtype == jnp.float32
-  np.testing.assert_allclose(scale_inv[0, 2, 1], np.abs(w[0, 256:, 128:]).max() / 448.0, rtol=1e-6)  # edge block
-  np.testing.assert_allclose(scale_inv[1, 0, 0], np.abs(w[1, :128, :128]).max() / 448.0, rtol=1e-6)
-  assert scale_inv[1, 1, 0] == 1.0
-  expected_q = np.clip(w[0, 256:, 128:] / scale_inv[0, 2, 1], -448, 448).astype(ml_dtypes.float8_e4m3fn)
-  np.testing.assert_array_equal(_f32(qvalue[0, 256:, 128:]), expected_q.astype(np.float32))
+  assert scale_inv.shape == s_ref.shape == fp8.block_scale_shape(w.shape) and scale_inv.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(qvalue).view(np.uint8), q_ref.view(np.uint8))
+  assert deepseek_fp8_reference.ulp_distance(scale_inv, s_ref).max() <= 1
+  assert s_ref[..., 1, 0].min() == np.asarray(scale_inv)[..., 1, 0].min() == 1.0
   deq = np.asarray(fp8.block_dequantize(qvalue, scale_inv, (128, 128)))
-  assert deq.shape == w.shape and np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.035
-  np.testing.assert_array_equal(deq[1, 128:256, 0:128], 0.0)
+  np.testing.assert_allclose(deq, deepseek_fp8_reference.block_dequantize(q_ref, s_ref), rtol=2.0**-22, atol=0)
+  np.testing.assert_array_equal(deq[..., 128:256, 0:128], 0.0)
 
 
 def test_block_quantize_accepts_bf16_and_other_blocks_and_rejects_bad_input():
