@@ -6,7 +6,9 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import time
 from typing import Iterator
 
 from inspect_tool import errors
@@ -55,58 +57,133 @@ def atomic_write_text(path: str, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
-  """Yields a temporary directory beside `dst`; on success it replaces `dst` in one rename.
+  """Yields a temporary directory beside `dst`; on success it takes `dst`'s place in one rename.
 
-  An existing `dst` is refused unless `overwrite`; it survives any failure before the final rename.
-  On failure (or a kill) only a hidden `.<name>.tmp-*` directory can be left behind, never a partial `dst`.
+  Run it inside `destination.claim(dst, ...)`, which checks DST against the inputs and locks it. An existing
+  `dst` is refused unless `overwrite` (checked again at the final rename: a DST that appeared meanwhile is
+  never replaced without it); the previous `dst` survives any failure before the final rename. On failure only
+  the temporary directory can be left behind (after a SIGKILL), and the next run on DST removes it.
   """
+  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+
   dst = os.path.abspath(dst)
-  if os.path.exists(dst) and not overwrite:
-    raise errors.InputError(f"output {dst!r} already exists; pass --overwrite to replace it")
+  destination.check_replace(dst, overwrite)
   parent = os.path.dirname(dst)
   if not os.path.isdir(parent):
     raise errors.InputError(f"cannot write {dst!r}: directory {parent!r} does not exist")
   try:
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=destination.temp_prefix(dst), dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
+    with open(os.path.join(tmp, destination.TMP_MARKER), "w", encoding="utf-8") as f:
+      f.write(f"{os.getpid()}\n")
   except OSError as e:
     raise errors.InputError(_os_error_message(dst, e)) from None
   try:
     yield tmp
+    os.unlink(os.path.join(tmp, destination.TMP_MARKER))
     _fsync_tree(tmp)
-    if os.path.exists(dst):
+    test_point("swap")
+    if os.path.lexists(dst):
+      destination.check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
       _swap_into_place(tmp, dst)
+      test_point("swapped")
       shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous dst
     else:
-      os.replace(tmp, dst)
+      _rename_no_replace(tmp, dst, overwrite)
   except OSError as e:
     shutil.rmtree(tmp, ignore_errors=True)
-    raise errors.InputError(_os_error_message(dst, e)) from None
+    raise errors.InputError(_io_error_message(dst, tmp, e)) from None
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
 
 
-_RENAME_EXCHANGE = 2
+def _io_error_message(dst: str, tmp: str, e: OSError) -> str:
+  """Names the output for errors writing it (or a full disk), and the file otherwise (a source being read)."""
+  name = os.path.abspath(e.filename) if isinstance(e.filename, str) else None
+  writing = name is None or name.startswith(tmp) or name.startswith(dst)
+  if writing or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+    return _os_error_message(dst, e)
+  return f"cannot read {name!r}: {e.strerror or type(e).__name__}"
+
+
+KILL_ENV = "INSPECT_EXPORT_KILL_AT"  # tests: SIGKILL the process at the named point
+PAUSE_ENV = "INSPECT_EXPORT_PAUSE_AT"  # tests: "<point>:<file>": create <file> at the point, wait until it is gone
+FALLBACK_ENV = "INSPECT_ATOMIC_NO_RENAMEAT2"  # tests: use the two-rename fallback instead of renameat2
+
+
+def test_point(name: str, before=None) -> None:
+  """Test hooks at the named point of a run: SIGKILL ($INSPECT_EXPORT_KILL_AT) or pause ($INSPECT_EXPORT_PAUSE_AT)."""
+  pause = os.environ.get(PAUSE_ENV, "")
+  if pause.partition(":")[0] == name:
+    flag = pause.partition(":")[2]
+    with open(flag, "w", encoding="utf-8") as f:
+      f.write(f"{os.getpid()}\n")
+    while os.path.exists(flag):
+      time.sleep(0.02)
+  if os.environ.get(KILL_ENV) == name:
+    if before is not None:
+      before()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+  """Linux renameat2(2); False where it is unavailable (other libc, old kernel, unsupported file system)."""
+  if os.environ.get(FALLBACK_ENV):
+    return False
+  import ctypes  # pylint: disable=import-outside-toplevel
+
+  libc = ctypes.CDLL(None, use_errno=True)
+  renameat2 = getattr(libc, "renameat2", None)
+  if renameat2 is None:
+    return False
+  at_fdcwd = -100
+  if renameat2(at_fdcwd, src.encode(), at_fdcwd, dst.encode(), flags) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+    return False
+  raise OSError(err, os.strerror(err), dst)
+
+
+def _rename_no_replace(tmp: str, dst: str, overwrite: bool) -> None:
+  """Moves `tmp` to the absent `dst`; a `dst` created in the meantime is never replaced."""
+  try:
+    if _renameat2(tmp, dst, _RENAME_NOREPLACE):
+      return
+  except FileExistsError:
+    pass
+  if os.path.lexists(dst):
+    from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+
+    destination.check_replace(dst, overwrite)
+    _swap_into_place(tmp, dst)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return
+  os.rename(tmp, dst)
 
 
 def _swap_into_place(tmp: str, dst: str) -> None:
   """Atomically exchanges `tmp` and `dst` (Linux renameat2), so `dst` is never absent.
 
-  Where the exchange is unavailable, falls back to rename-aside then rename-in (a short window without dst).
+  Where the exchange is unavailable: rename `dst` aside, then `tmp` in; if the second rename fails the
+  previous `dst` is put back. A kill between the two leaves `<tmp>.old`, which the next run puts back
+  (`destination.reclaim_stale_temporaries`).
   """
-  import ctypes  # pylint: disable=import-outside-toplevel
-
-  libc = ctypes.CDLL(None, use_errno=True)
-  renameat2 = getattr(libc, "renameat2", None)
-  if renameat2 is not None:
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, tmp.encode(), at_fdcwd, dst.encode(), _RENAME_EXCHANGE) == 0:
-      return
+  if _renameat2(tmp, dst, _RENAME_EXCHANGE):
+    return
   aside = tmp + ".old"
-  os.replace(dst, aside)
-  os.replace(tmp, dst)
-  os.replace(aside, tmp)
+  os.rename(dst, aside)
+  try:
+    test_point("swap-aside")
+    os.rename(tmp, dst)
+  except BaseException:
+    os.rename(aside, dst)
+    raise
+  os.rename(aside, tmp)
 
 
 def _fsync_tree(root: str) -> None:

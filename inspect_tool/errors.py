@@ -40,3 +40,37 @@ class CheckpointError(InputError):
 
 class MismatchError(InputError):
   """Weights in a checkpoint do not fit the model: names the missing and mis-shaped weights."""
+
+
+class Interrupted(BaseException):
+  """SIGTERM or SIGHUP arrived: raised in the main thread so that partial outputs are removed (like Ctrl-C)."""
+
+  def __init__(self, signum: int):
+    import signal  # pylint: disable=import-outside-toplevel
+
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+    self.exit_code = 128 + signum
+
+
+def quiet_closed_event_loop() -> None:
+  """Drops the "Event loop is closed" tracebacks that follow a failed Orbax restore.
+
+  When a restore fails, Orbax's asyncio loop closes while tensorstore reads it started are still in flight;
+  each read that completes afterwards calls `loop.call_soon_threadsafe` from a tensorstore thread, which
+  raises `RuntimeError('Event loop is closed')`, and tensorstore prints it through `sys.excepthook` (up to
+  thousands of tracebacks after the one-line error). Every other exception still reaches the previous hook.
+  """
+  import sys  # pylint: disable=import-outside-toplevel
+
+  previous = sys.excepthook
+  if getattr(previous, "quiet_closed_event_loop", False):
+    return
+
+  def hook(kind, value, traceback):
+    if kind is RuntimeError and str(value) == "Event loop is closed":
+      return
+    previous(kind, value, traceback)
+
+  hook.quiet_closed_event_loop = True
+  sys.excepthook = hook

@@ -23,8 +23,9 @@ Streaming. Source arrays are restored a small group at a time (each onto the mes
 `quant.export.OrbaxStreamWriter`, then dropped: memory holds about one group of source arrays, one flush of
 output and the transients of the array at hand, so it follows the largest array, never the model
 (bench/bench_export.py). Safe writes: everything goes to a temporary directory beside DST that replaces DST in
-one rename only when complete (report included); see `inspect_tool.atomic`. `INSPECT_EXPORT_KILL_AT=<point>`
-makes the process SIGKILL itself at a named point (`KILL_POINTS`), for tests.
+one rename only when complete (report included); see `inspect_tool.atomic` and `inspect_tool.destination`
+(what DST may be, the lock, stale temporaries). `INSPECT_EXPORT_KILL_AT=<point>` makes the process SIGKILL
+itself at a named point (`KILL_POINTS`), for tests.
 
 Validation runs after writing, before DST appears (`export_report`): the exported checkpoint, loaded into the
 quantized model, against the source under the same rules (gated by `min_top1`) and the unquantized source.
@@ -36,17 +37,17 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 from typing import Any, Iterator, Sequence
 
+from inspect_tool import atomic
 from inspect_tool import config as config_lib
+from inspect_tool import destination
 from inspect_tool import errors
 from inspect_tool import export_report
 from inspect_tool import progress
 from inspect_tool import tree
 
-KILL_ENV = "INSPECT_EXPORT_KILL_AT"
-KILL_POINTS = ("start", "arrays", "written", "validated", "report")
+KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
 READ_GROUP_BYTES = 64 * 1024 * 1024
 
 
@@ -192,12 +193,6 @@ def _init_arrays(cfg, leaves, mesh) -> Iterator[tuple[tree.Leaf, Any]]:
     yield leaf, jax.device_put(values.pop(leaf.key), restore.array_sharding(leaf.shape, mesh))
 
 
-def _check_output(dst: str, overwrite: bool) -> None:
-  """Refuses an existing output early (before any work); `atomic.atomic_directory` checks again at the end."""
-  if os.path.exists(dst) and not overwrite:
-    raise errors.InputError(f"output {os.path.abspath(dst)!r} already exists; pass --overwrite to replace it")
-
-
 def _check_source(source: str) -> None:
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
@@ -220,12 +215,19 @@ class ExportResult:
     return self.validation is None or self.validation.passed
 
 
-def _kill_point(name: str, before=None) -> None:
-  """Test hook: SIGKILL this process at the point named by $INSPECT_EXPORT_KILL_AT."""
-  if os.environ.get(KILL_ENV) == name:
-    if before is not None:
-      before()
-    os.kill(os.getpid(), signal.SIGKILL)
+@contextlib.contextmanager
+def _write_errors_raised():
+  """Orbax logs a failed background write (e.g. disk full) with tracebacks from each of its threads, then
+  raises it: the raised error becomes our one line, so those log records are not printed."""
+  import logging  # pylint: disable=import-outside-toplevel
+
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
 
 
 def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False, data=None,
@@ -248,16 +250,23 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     read_group_bytes: source bytes restored per group.
     flush_bytes: output bytes buffered per Orbax write (default `quant.export.DEFAULT_FLUSH_BYTES`).
   """
-  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+  tokens = list(tokens)
+  cfg = config_lib.resolve_config(tokens)
+  with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
+    return _export(cfg, tokens, claimed.path, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+                   run_validation=run_validation, mesh=mesh, command=command, read_group_bytes=read_group_bytes,
+                   flush_bytes=flush_bytes)
+
+
+def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
+            read_group_bytes, flush_bytes) -> ExportResult:
+  """`export` once DST is claimed (checked against the inputs and locked)."""
   from inspect_tool import batch as batch_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
   from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
   from quant import export as qexport  # pylint: disable=import-outside-toplevel
 
-  tokens = list(tokens)
-  cfg = config_lib.resolve_config(tokens)
-  _check_output(dst, overwrite)
   if source is not None:
     _check_source(source)
   plan = plan_export(cfg)
@@ -267,14 +276,14 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
   copied, source_bytes = [], 0
   with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
-    _kill_point("start")
+    atomic.test_point("start")
     step_dir = os.path.join(tmp, str(export_report.STEP))
     writer = qexport.OrbaxStreamWriter(step_dir, item=export_report.ITEM,
                                        flush_bytes=flush_bytes or qexport.DEFAULT_FLUSH_BYTES)
     arrays = (_checkpoint_arrays(source, leaves, mesh, read_group_bytes) if source is not None
               else _init_arrays(cfg, leaves, mesh))
     try:
-      with progress.step(f"exporting {len(leaves)} arrays ({len(plan.weights)} quantized)"):
+      with progress.step(f"exporting {len(leaves)} arrays ({len(plan.weights)} quantized)"), _write_errors_raised():
         for index, (leaf, array) in enumerate(arrays):
           source_bytes += _nbytes(leaf)
           out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
@@ -288,25 +297,25 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
             writer.add(wq.scale_key, scale)
           del array
           if index == len(leaves) // 2:
-            _kill_point("arrays", before=lambda: (writer.flush(), writer.wait()))
+            atomic.test_point("arrays", before=lambda: (writer.flush(), writer.wait()))
         writer.finalize()
     except BaseException as e:
       with contextlib.suppress(Exception):
         writer.wait()  # no background write may outlive the temporary directory
-      if isinstance(e, quant_errors.QuantError):
-        raise errors.InputError(str(e)) from None
+      if isinstance(e, quant_errors.QuantError):  # name the destination, not its temporary directory
+        raise errors.InputError(str(e).replace(tmp, dst)) from None
       raise
-    _kill_point("written")
+    atomic.test_point("written")
     validation = None
     if run_validation:
       validation = export_report.validate(cfg, source, step_dir, data, min_top1=min_top1, mesh=mesh,
                                           tokens=tokens_file or "fixed")
-    _kill_point("validated")
+    atomic.test_point("validated")
     report = export_report.build_report(plan, tokens=tokens, source=source, command=command, copied=copied,
                           source_bytes=source_bytes, written_bytes=writer.written_bytes,
                           mesh_devices=int(mesh.size), validation=validation)
     atomic.atomic_write_text(os.path.join(tmp, quantized_load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
-    _kill_point("report")
+    atomic.test_point("report")
   return ExportResult(os.path.abspath(dst), report, validation)
 
 
@@ -346,22 +355,21 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   output directory appears only when complete. Its quantization is the release's, not the config's rules,
   and our model cannot load that layout, so there is no validation run.
   """
-  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
   from inspect_tool import export_hf  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
-  _check_output(dst, overwrite)
-  if source is not None:
-    _check_source(source)
-  leaves = model_leaves(cfg)
-  mesh = mesh if mesh is not None else restore.default_mesh()
-  arrays = (_LazyArrays(source, leaves, mesh) if source is not None
-            else {leaf.key: array for leaf, array in _init_arrays(cfg, leaves, mesh)})
-  with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
-    with progress.step(f"writing DeepSeek FP8 safetensors ({len(leaves)} arrays)"):
-      summary = export_hf.write_deepseek_fp8(arrays, cfg, tmp)
-  summary = dict(summary, dst=os.path.abspath(dst))
+  with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
+    if source is not None:
+      _check_source(source)
+    leaves = model_leaves(cfg)
+    mesh = mesh if mesh is not None else restore.default_mesh()
+    arrays = (_LazyArrays(source, leaves, mesh) if source is not None
+              else {leaf.key: array for leaf, array in _init_arrays(cfg, leaves, mesh)})
+    with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
+      with progress.step(f"writing DeepSeek FP8 safetensors ({len(leaves)} arrays)"):
+        summary = export_hf.write_deepseek_fp8(arrays, cfg, tmp)
+  summary = dict(summary, dst=claimed.path)
   summary.pop("config", None)
   return summary
 

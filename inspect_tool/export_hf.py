@@ -454,7 +454,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     writer.add(name, array)
   weight_map = writer.close()
   config = hf_config(cfg)
-  index = {"metadata": {"total_size": writer.total_size}, "weight_map": weight_map}
+  index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
   for name, doc in ((INDEX_NAME, index), ("config.json", config)):
     path = os.path.join(dst_dir, name)
     try:

@@ -247,9 +247,11 @@ def test_layout_deepseek_fp8_writes_hugging_face_safetensors(tmp_path, capsys):
 
 
 def _previous(tmp_path):
+  """An earlier export at DST (only such a directory, or an Orbax checkpoint, may be replaced by --overwrite)."""
   dst = tmp_path / "dst"
   dst.mkdir()
   (dst / "marker").write_text("previous")
+  (dst / "quantization_report.json").write_text(json.dumps({"producer": {"name": "inspect_checkpoint"}}))
   return dst
 
 
@@ -276,7 +278,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
                       "--overwrite", "--no-validate")
   assert code == 2 and err.startswith("error: cannot write") and "no space left on device" in err
   assert len(err.splitlines()) == 1
-  assert sorted(os.listdir(dst)) == ["marker"] and _leftovers(tmp_path) == []
+  assert sorted(os.listdir(dst)) == ["marker", "quantization_report.json"] and _leftovers(tmp_path) == []
 
 
 def test_permission_denied_is_one_line_exit_2(tmp_path, capsys, monkeypatch):

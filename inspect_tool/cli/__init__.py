@@ -75,8 +75,28 @@ def _library_errors() -> tuple[type[BaseException], ...]:
   return tuple(kinds)
 
 
+def _raise_interrupted(signum, frame):  # pylint: disable=unused-argument
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
+  raise errors.Interrupted(signum)
+
+
+def _handle_termination() -> None:
+  """SIGTERM and SIGHUP end a run the way Ctrl-C does: outputs in progress are removed, one line is printed."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+
+  if threading.current_thread() is threading.main_thread():
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      signal.signal(signum, _raise_interrupted)
+
+
 def main(argv: list[str] | None = None) -> int:
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
   argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+  _handle_termination()
+  errors.quiet_closed_event_loop()
   try:
     code = cli.main(args=argv, prog_name="inspect_checkpoint", standalone_mode=False)
   except click.exceptions.Exit as e:
@@ -89,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     e.show()
     return e.exit_code
   except click.exceptions.Abort:
-    click.echo("aborted", err=True)
+    click.echo("aborted; nothing was left half-written", err=True)
     return 130
   except BrokenPipeError:
     return 0
@@ -98,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
       click.echo(f"error: {e}", err=True)
       return getattr(e, "exit_code", 2)
     raise
+  except errors.Interrupted as e:
+    click.echo(f"interrupted by {e}; nothing was left half-written", err=True)
+    return e.exit_code
   return code if isinstance(code, int) else 0
 
 

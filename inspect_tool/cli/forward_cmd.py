@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from inspect_tool.cli import options
+
 
 @click.command()
 @click.argument("overrides", nargs=-1)
@@ -15,6 +17,7 @@ import click
 @click.option("--compare", is_flag=True, help="Also run unquantized and report cosine, top-1 agreement and KL per head.")
 @click.option("--grad", is_flag=True, help="Also compute the training loss gradient (norm, finiteness).")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
+@options.overwrite_option
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt):
   """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
 
@@ -23,12 +26,14 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   from inspect_tool import batch, config, listings, metrics, running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(save_logits)
   cfg = config.resolve_config(overrides)
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
   comparisons = metrics.compare_heads(outcome.reference, outcome.result) if outcome.reference is not None else ()
   if save_logits:
+    options.check_output_files(save_logits)  # again: it may have appeared while the model ran
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   click.echo(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,

@@ -23,10 +23,36 @@ def output_options(func):
                    help="Write a self-contained treescope HTML page of the tree to this file."),
       click.option("--summary/--no-summary", default=False,
                    help="With text format, add the summary by group (always in json/markdown)."),
+      overwrite_option,
   ]
   for option in reversed(options):
     func = option(func)
   return func
+
+
+def _remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
+  ctx.meta["inspect_checkpoint.overwrite"] = bool(value)
+  return value
+
+
+overwrite_option = click.option(
+    "--overwrite/--no-overwrite", default=False, expose_value=False, callback=_remember_overwrite,
+    help="Replace existing output files (--output_file, --html, --save-logits); without it they are refused.")
+
+
+def overwrite_requested() -> bool:
+  """Whether this command was given --overwrite (see `overwrite_option`)."""
+  ctx = click.get_current_context(silent=True)
+  return bool(ctx is not None and ctx.meta.get("inspect_checkpoint.overwrite"))
+
+
+def check_output_files(*paths: str | None) -> None:
+  """Refuses, before any work, output files that exist (without --overwrite) or are directories or ''."""
+  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+
+  for path in paths:
+    if path is not None:
+      destination.refuse_existing_file(path, overwrite_requested())
 
 
 def command_line() -> str:
@@ -39,6 +65,7 @@ def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None,
   from inspect_tool.report import listing  # pylint: disable=import-outside-toplevel
 
   if output_file:
+    check_output_files(output_file)
     atomic.atomic_write_text(output_file, listing.format_output_file(report, command_line(), check_dtype=check_dtype))
   if fmt == "text":
     text = listing.format_text(report, check_dtype=check_dtype, with_summary=summary)
@@ -52,5 +79,6 @@ def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None,
 def write_html(path: str, html: str) -> None:
   from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
 
+  check_output_files(path)
   atomic.atomic_write_text(path, html)
   click.echo(f"wrote {path}", err=True)

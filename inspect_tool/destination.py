@@ -1,0 +1,254 @@
+"""Where an output may go: a destination never destroys an input, the working directory or foreign data.
+
+`claim(dst, sources=..., overwrite=...)` is held for a whole run that writes the directory `dst`:
+- it refuses `''`, a DST that is, contains or lies inside a source, its steps directory or the working
+  directory, a symbolic link, and (with `--overwrite`) anything but a checkpoint directory this tool or Orbax
+  wrote (`replaceable`);
+- it takes an exclusive lock (`.<name>.lock` beside DST, `flock`), so a second run on the same DST fails with
+  one line instead of silently replacing the first;
+- it removes the temporary directories of earlier runs on this DST whose process is gone (a SIGKILL or power
+  loss leaves one behind); only directories carrying this tool's marker are ever removed.
+
+`refuse_existing_file(path, overwrite)` is the same rule for single-file outputs (`--output_file`, `--html`,
+`--save-logits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+from typing import Iterator, Sequence
+
+from inspect_tool import errors
+
+TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
+PRODUCER = "inspect_checkpoint"
+_ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
+
+
+def _real(path: str) -> str:
+  return os.path.realpath(os.path.abspath(path))
+
+
+def _within(path: str, root: str) -> bool:
+  """True when `path` is `root` or lies below it (both real paths)."""
+  return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def temp_prefix(dst: str) -> str:
+  """Prefix of the temporary directories of `dst` (beside it): `.<name>.tmp-<pid>-`."""
+  return f".{os.path.basename(dst)}.tmp-{os.getpid()}-"
+
+
+def _temp_pattern(dst: str) -> re.Pattern:
+  return re.compile(rf"^\.{re.escape(os.path.basename(dst))}\.tmp-(\d+)-[A-Za-z0-9_]+(\.old)?$")
+
+
+def protected_roots(sources: Sequence[str | None]) -> list[tuple[str, str, bool]]:
+  """(real path, what, may an output lie inside it) of what an output must not be, contain or replace.
+
+  An output may be neither, nor contain, a source or the working directory; it may lie inside the working
+  directory but not inside a source. A source that is a numeric step (or its items directory) protects its
+  steps directory too: a new directory there would become the run's "latest step".
+  """
+  roots = []
+  for source in sources:
+    if not source:
+      continue
+    real = _real(source)
+    roots.append((real, f"the source {source!r}", False))
+    for candidate in (real, os.path.dirname(real)):
+      if os.path.basename(candidate).isdigit():
+        roots.append((os.path.dirname(candidate), f"the steps directory of the source {source!r}", False))
+        break
+  with contextlib.suppress(OSError):
+    roots.append((_real(os.getcwd()), "the working directory", True))
+  return roots
+
+
+def check_clear_of_inputs(dst: str, sources: Sequence[str | None] = ()) -> str:
+  """Returns DST's absolute path, or raises when writing it could touch an input or the working directory."""
+  if not dst or not dst.strip():
+    raise errors.InputError("output path is empty; give the directory to create, e.g. --output fp8-export")
+  absolute = os.path.abspath(dst)
+  real = _real(dst)
+  for root, what, inside_ok in protected_roots(sources):
+    if real == root:
+      raise errors.InputError(f"output {dst!r} is {what}; choose another directory")
+    if _within(root, real):
+      raise errors.InputError(f"output {dst!r} contains {what}; choose a directory that does not")
+    if _within(real, root) and not inside_ok:
+      raise errors.InputError(f"output {dst!r} lies inside {what}; choose a directory outside it")
+  return absolute
+
+
+def replaceable(dst: str) -> str | None:
+  """What makes the existing `dst` replaceable ('inspect_checkpoint export' or 'Orbax checkpoint'), else None."""
+  if os.path.islink(dst) or not os.path.isdir(dst):
+    return None
+  report = os.path.join(dst, "quantization_report.json")
+  index = os.path.join(dst, "model.safetensors.index.json")
+  for path, field in ((report, "producer"), (index, "metadata")):
+    if _json_producer(path, field):
+      return "inspect_checkpoint export"
+  candidates = [dst, os.path.join(dst, "items")]
+  with contextlib.suppress(OSError):
+    candidates += [os.path.join(dst, n) for n in os.listdir(dst) if n.isdigit()]
+  for directory in candidates:
+    if any(os.path.isfile(os.path.join(directory, name)) for name in _ORBAX_FILES):
+      return "Orbax checkpoint"
+  return None
+
+
+def _json_producer(path: str, field: str) -> bool:
+  """True when the small JSON file `path` names this tool as producer under `field`."""
+  try:
+    if not os.path.isfile(path) or os.path.getsize(path) > 16 << 20:
+      return False
+    with open(path, encoding="utf-8") as f:
+      doc = json.load(f)
+  except (OSError, ValueError, RecursionError):
+    return False
+  value = doc.get(field) if isinstance(doc, dict) else None
+  if isinstance(value, dict):
+    value = value.get("producer", value.get("name"))
+    if isinstance(value, dict):
+      value = value.get("name")
+  return isinstance(value, str) and value.startswith(PRODUCER)
+
+
+def check_replace(dst: str, overwrite: bool) -> None:
+  """Refuses an existing `dst` without `overwrite`, and any existing `dst` that is not a checkpoint."""
+  if not os.path.lexists(dst):
+    return
+  if not overwrite:
+    raise errors.InputError(f"output {dst!r} already exists; pass --overwrite to replace it")
+  if os.path.islink(dst):
+    raise errors.InputError(f"output {dst!r} is a symbolic link; --overwrite replaces only a checkpoint "
+                            "directory, give its real path")
+  if not os.path.isdir(dst):
+    raise errors.InputError(f"output {dst!r} is a file; --overwrite replaces only a checkpoint directory "
+                            "(an earlier export or an Orbax checkpoint)")
+  if replaceable(dst) is None:
+    raise errors.InputError(f"output {dst!r} is a directory that is not a checkpoint; --overwrite replaces only "
+                            "an earlier export or an Orbax checkpoint, so remove it yourself or choose another path")
+
+
+def refuse_existing_file(path: str, overwrite: bool) -> None:
+  """The single-file rule: an existing `path` is replaced only with `overwrite`, and never a directory."""
+  if not path or not path.strip():
+    raise errors.InputError("output file path is empty; give a file name")
+  if os.path.isdir(path):
+    raise errors.InputError(f"output file {path!r} is a directory; give a file name")
+  if os.path.lexists(path) and not overwrite:
+    raise errors.InputError(f"output file {path!r} already exists; pass --overwrite to replace it")
+
+
+@dataclasses.dataclass
+class Claim:
+  """A locked destination: `path` (absolute), `parent`; `reclaimed` lists the stale temporaries removed."""
+
+  path: str
+  overwrite: bool
+  reclaimed: list
+
+  @property
+  def parent(self) -> str:
+    return os.path.dirname(self.path)
+
+
+def _lock(path: str, dst: str) -> int:
+  """Opens and exclusively locks `path` (created if missing); raises when another process holds it."""
+  while True:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+        raise errors.InputError(f"output {dst!r} is being written by another "
+                                "inspect_checkpoint run; wait for it to finish or choose another path") from None
+      raise
+    try:
+      if os.fstat(fd).st_ino == os.stat(path).st_ino:  # still the file at `path` (not one a finisher unlinked)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+    except FileNotFoundError:
+      pass
+    os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def reclaim_stale_temporaries(dst: str) -> list[str]:
+  """Cleans up after earlier runs on `dst` that were killed: their process is gone, their directories remain.
+
+  `.<name>.tmp-<pid>-*` directories are removed when they carry our marker (a partial output) or hold a
+  checkpoint (a finished output, or the previous DST after the exchange). An aside copy `*.old` (the
+  two-rename fallback was killed between its renames) is put back as DST when DST is missing. Returns what
+  was removed or restored.
+  """
+  parent, pattern, done = os.path.dirname(dst), _temp_pattern(dst), []
+  try:
+    names = sorted(os.listdir(parent))
+  except OSError:
+    return done
+  for name in names:
+    match = pattern.match(name)
+    path = os.path.join(parent, name)
+    if not match or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+      continue
+    if os.path.islink(path) or not os.path.isdir(path):
+      continue
+    if match.group(2) and not os.path.lexists(dst) and replaceable(path):
+      os.rename(path, dst)
+      done.append(path)
+      continue
+    ours = os.path.exists(os.path.join(path, TMP_MARKER)) or not os.listdir(path) or replaceable(path)
+    if ours:  # anything else is not a directory this tool made: never ours to delete
+      shutil.rmtree(path, ignore_errors=True)
+      done.append(path)
+  return done
+
+
+@contextlib.contextmanager
+def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[Claim]:
+  """Checks `dst` against the inputs and the overwrite rule, locks it for the run and reclaims stale temporaries.
+
+  Raises:
+    errors.InputError: an empty path, a DST overlapping a source or the working directory, an existing DST
+      without `overwrite` (or one that is not a checkpoint), a missing parent, or another run holding DST.
+  """
+  path = check_clear_of_inputs(dst, sources)
+  parent = os.path.dirname(path)
+  if not os.path.isdir(parent):
+    raise errors.InputError(f"cannot write {path!r}: directory {parent!r} does not exist")
+  check_replace(path, overwrite)
+  lock_path = os.path.join(parent, f".{os.path.basename(path)}.lock")
+  try:
+    fd = _lock(lock_path, path)
+  except OSError as e:
+    raise errors.InputError(f"cannot write {path!r}: cannot lock it ({e.strerror or e})") from None
+  try:
+    reclaimed = reclaim_stale_temporaries(path)
+    check_replace(path, overwrite)  # again, now that no other run of ours can change it
+    yield Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
+  finally:
+    with contextlib.suppress(OSError):
+      os.unlink(lock_path)  # while still locked: a waiting run re-checks the inode and creates a new file
+    os.close(fd)
