@@ -54,23 +54,32 @@ class Interrupted(BaseException):
 
 
 def quiet_closed_event_loop() -> None:
-  """Drops the "Event loop is closed" tracebacks that follow a failed Orbax restore.
+  """Drops the asyncio teardown tracebacks that follow a failed Orbax restore (after its one-line error).
 
-  When a restore fails, Orbax's asyncio loop closes while tensorstore reads it started are still in flight;
-  each read that completes afterwards calls `loop.call_soon_threadsafe` from a tensorstore thread, which
-  raises `RuntimeError('Event loop is closed')`, and tensorstore prints it through `sys.excepthook` (up to
-  thousands of tracebacks after the one-line error). Every other exception still reaches the previous hook.
+  When a restore fails, Orbax's asyncio loop closes while tensorstore reads it started are still in flight:
+  each read that completes afterwards calls `loop.call_soon_threadsafe` from a tensorstore thread, which raises
+  `RuntimeError('Event loop is closed')` and is printed through `sys.excepthook`; and the read coroutines left
+  unfinished raise again when they are garbage-collected ("Exception ignored in: <coroutine ...>", through
+  `sys.unraisablehook`). Thousands of tracebacks would follow the error line. Those two kinds are dropped;
+  every other exception still reaches the previous hooks.
   """
+  import inspect  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
 
-  previous = sys.excepthook
+  def closed_loop(value) -> bool:
+    return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+
+  previous, previous_unraisable = sys.excepthook, sys.unraisablehook
   if getattr(previous, "quiet_closed_event_loop", False):
     return
 
   def hook(kind, value, traceback):
-    if kind is RuntimeError and str(value) == "Event loop is closed":
-      return
-    previous(kind, value, traceback)
+    if not closed_loop(value):
+      previous(kind, value, traceback)
+
+  def unraisable_hook(unraisable):
+    if not (closed_loop(unraisable.exc_value) or inspect.iscoroutine(unraisable.object)):
+      previous_unraisable(unraisable)
 
   hook.quiet_closed_event_loop = True
-  sys.excepthook = hook
+  sys.excepthook, sys.unraisablehook = hook, unraisable_hook

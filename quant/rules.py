@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
-import re
 from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ import qwix
 
 from quant import compat
 from quant import errors
+from quant import safe_regex
 from quant import settings
 from quant import yaml_file
 
@@ -225,9 +226,9 @@ def _parse_field(key: str, value: Any, where: str) -> Any:
     if not isinstance(value, str):
       raise errors.QuantError(f"{where}: expected a regex string, got {value!r}")
     try:
-      re.compile(value)
-    except re.error as e:
-      raise errors.QuantError(f"{where}: invalid regex {value!r}: {e}") from None
+      safe_regex.check(value)
+    except ValueError as e:
+      raise errors.QuantError(f"{where}: regex {value!r} {e}") from None
     return value
   if key == "op_names":
     names = [value] if isinstance(value, str) else value
@@ -237,13 +238,9 @@ def _parse_field(key: str, value: Any, where: str) -> Any:
   if key in _QTYPE_FIELDS:
     return _parse_qtype(value, where)
   if key in ("tile_size", "bwd_weight_grad_tile_size"):
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-      return value
-    raise errors.QuantError(f"{where}: expected a positive int (tile size) or float (1/tile count), got {value!r}")
+    return _parse_tile(value, where)
   if key in ("act_static_scale", "disable_channelwise_axes"):
-    if isinstance(value, bool) or (value is None and key == "act_static_scale"):
-      return value
-    raise errors.QuantError(f"{where}: expected true or false, got {value!r}")
+    return _parse_bool(value, where, nullable=key == "act_static_scale")
   if key.endswith("calibration_method"):
     if value is None and key == "act_calibration_method":
       return None
@@ -259,6 +256,18 @@ def _parse_field(key: str, value: Any, where: str) -> Any:
   if key == "additional_qt_config":
     return _parse_additional(value, where)
   return value
+
+
+def _parse_tile(value: Any, where: str) -> Any:
+  if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+    return value
+  raise errors.QuantError(f"{where}: expected a positive int (tile size) or float (1/tile count), got {value!r}")
+
+
+def _parse_bool(value: Any, where: str, nullable: bool = False) -> Any:
+  if isinstance(value, bool) or (value is None and nullable):
+    return value
+  raise errors.QuantError(f"{where}: expected true or false{' or null' if nullable else ''}, got {value!r}")
 
 
 def _parse_qtype(value: Any, where: str) -> Any:
@@ -279,7 +288,7 @@ def _parse_calibration(value: Any, where: str) -> str:
   counts = {"absmax": (0, 1), "minmax": (0, 1), "rms": (1, 1), "fixed": (2, 2)}
   ok = method in counts and counts[method][0] <= len(args) <= counts[method][1]
   try:
-    [float(a) for a in args]
+    ok = ok and all(math.isfinite(float(a)) for a in args)
   except ValueError:
     ok = False
   if not ok:
@@ -305,6 +314,12 @@ def _parse_additional(value: Any, where: str) -> dict[str, Any] | None:
       item = _parse_qtype(item, f"{where}.{key}")
     elif key.endswith("calibration_method"):
       item = _parse_calibration(item, f"{where}.{key}")
+    elif key.endswith("tile_size"):
+      item = _parse_tile(item, f"{where}.{key}")
+    elif key.endswith(("channelwise_axes", "gradient_clipping", "original_residuals")):
+      item = _parse_bool(item, f"{where}.{key}")
+    elif item is not None:  # callables (quant-stat collectors, noise functions) cannot come from a file
+      raise errors.QuantError(f"{where}.{key}: only null can be given in a rule file, got {item!r}")
     out[key] = item
   return out
 
@@ -318,4 +333,12 @@ def _parse_sparsity(value: Any, where: str) -> Any:
     close = difflib.get_close_matches(str(unknown[0]), accepted, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else f"; accepted: {', '.join(accepted)}"
     raise errors.QuantError(f"{where}: unknown field {unknown[0]!r}{hint}")
+  for key, item in value.items():
+    if key == "eval_mode":
+      _parse_bool(item, f"{where}.{key}")
+    elif key.endswith("_order"):
+      if item not in ("R", "C"):
+        raise errors.QuantError(f"{where}.{key}: expected 'R' (rows) or 'C' (columns), got {item!r}")
+    elif not (isinstance(item, int) and not isinstance(item, bool) and item >= 0):
+      raise errors.QuantError(f"{where}.{key}: expected an integer >= 0, got {item!r}")
   return compat.sparsity_rule_class()(**value)
