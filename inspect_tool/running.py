@@ -15,6 +15,7 @@ from typing import Sequence
 from inspect_tool import batch as batch_lib
 from inspect_tool import config as config_lib
 from inspect_tool import errors
+from inspect_tool import limits
 from inspect_tool import progress
 
 
@@ -108,6 +109,7 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
   """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
 
+  limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
   model = load_model(cfg, checkpoint, mesh=mesh)
   if (compare or grad) and quantized_load.is_quantized_model(model):
     raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
