@@ -16,7 +16,7 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
-from inspect_tool import errors, maxtext_keys, presets
+from inspect_tool import errors, limits, maxtext_keys, presets
 from quant import settings
 from quant import yaml_file
 
@@ -294,6 +294,7 @@ def _validate(c: ModelConfig) -> None:
          "accepted: mtp_num_layers=0")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
+  limits.check_config(c)  # finite numbers, buildable sizes (inspect_tool/limits.py)
 
 
 def _validate_calibrations(c: ModelConfig) -> None:
