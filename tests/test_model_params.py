@@ -1,7 +1,6 @@
 """The model's parameter tree against MaxText 0.2.5: names, shapes, dtypes, totals, variable kinds."""
 
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -18,23 +17,13 @@ from inspect_tool import params
 from inspect_tool import tree
 from inspect_tool.model import moe
 
-DATA = pathlib.Path(__file__).parent / "data"
+import maxtext_listings
+
 L4 = ["override_model_config=true", "base_num_decoder_layers=4", "first_num_dense_layers=1", "vocab_size=1024"]
-LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
 
 
 def _cfg(*tokens):
   return config.resolve_config(list(tokens))
-
-
-def _listing(name):
-  leaves = set()
-  for line in (DATA / "listings" / name).read_text().splitlines():
-    match = LINE.match(line)
-    if match:
-      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
-      leaves.add((match.group(1), shape, match.group(3)))
-  return leaves
 
 
 def _leaves(cfg, **kw):
@@ -47,12 +36,6 @@ def _as_set(leaves):
 
 def _by_key(leaves):
   return {leaf.dotted: leaf.shape for leaf in leaves}
-
-
-def _listing_keys(name):
-  """The model keys of MaxText's command on line 1 of a listing (between `maxtext` and the first `--` option)."""
-  command = (DATA / "listings" / name).read_text().splitlines()[0]
-  return command.split(" maxtext ", 1)[1].split(" --", 1)[0].split()
 
 
 # Totals: the `Total Parameters` MaxText printed for each listing (tests/data/listings/README.md).
@@ -70,16 +53,17 @@ def _listing_keys(name):
 ])
 def test_param_tree_equals_maxtext_listing(listing, total):
   """Names, shapes and dtypes of every Param, built from the keys of MaxText's own command line."""
-  leaves = _leaves(_cfg(*_listing_keys(listing)))
-  assert _as_set(leaves) == _listing(listing)
-  assert len(leaves) == len(_listing(listing))
+  leaves = _leaves(_cfg(*maxtext_listings.model_keys(listing)))
+  assert _as_set(leaves) == maxtext_listings.entries(listing)
+  assert len(leaves) == len(maxtext_listings.entries(listing))
   assert sum(leaf.size for leaf in leaves) == total
 
 
 def test_listing_keys_are_read_from_maxtexts_command_line():
-  assert _listing_keys("deepseek3-671b_noscan_mtp1.txt") == [
+  assert maxtext_listings.model_keys("deepseek3-671b_noscan_mtp1.txt") == [
       "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1"]
-  assert _listing_keys("deepseek3-tiny-L4-V1024_scan_mtp1.txt") == ["model_name=deepseek3-tiny", "mtp_num_layers=1"] + L4
+  assert maxtext_listings.model_keys("deepseek3-tiny-L4-V1024_scan_mtp1.txt") == [
+      "model_name=deepseek3-tiny", "mtp_num_layers=1"] + L4
 
 
 def test_671b_without_mtp_has_maxtexts_total_and_no_mtp_keys():
@@ -89,8 +73,9 @@ def test_671b_without_mtp_has_maxtexts_total_and_no_mtp_keys():
 
 
 def test_unscanned_gate_bias_is_per_layer_moebiasvar():
-  leaves = _leaves(_cfg(*_listing_keys("deepseek3-tiny-L4-V1024_noscan_mtp1.txt")), include_non_params=True)
-  assert _as_set(l for l in leaves if l.is_param) == _listing("deepseek3-tiny-L4-V1024_noscan_mtp1.txt")
+  listing = "deepseek3-tiny-L4-V1024_noscan_mtp1.txt"
+  leaves = _leaves(_cfg(*maxtext_listings.model_keys(listing)), include_non_params=True)
+  assert _as_set(l for l in leaves if l.is_param) == maxtext_listings.entries(listing)
   biases = {leaf.dotted: leaf.shape for leaf in leaves if leaf.key[-1] == "bias"}
   mtp = "nnx_aux.model.mtp_block.mtp_layer_1.mtp_1_transformer_layer.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
   assert biases == {f"nnx_aux.model.decoder.moe_layers_{j}.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias": (16,)
@@ -155,7 +140,7 @@ def test_abstract_build_allocates_nothing():
 def test_real_build_is_seeded_and_uses_maxtext_init_families():
   cfg = _cfg("model_name=deepseek3-tiny", "mtp_num_layers=1", *L4)
   model = model_lib.build_model(cfg, abstract=False, seed=3)
-  assert _as_set(params.param_leaves(model)) == _listing("deepseek3-tiny-L4-V1024_scan_mtp1.txt")
+  assert _as_set(params.param_leaves(model)) == maxtext_listings.entries("deepseek3-tiny-L4-V1024_scan_mtp1.txt")
   block = model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0
   assert np.all(np.asarray(block.gate.bias[...]) == 0)
   assert np.all(np.asarray(model.decoder.decoder_norm.scale[...]) == 1)
