@@ -26,6 +26,7 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 # Model names whose gate bias is MaxText's non-Param `MoEBiasVar` and which use DeepSeek-V3 routing.
 DEEPSEEK_ROUTING_PREFIXES = ("deepseek3", "deepseek4", "kimi-k2")
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(settings.QuantSettings):
   """A DeepSeek-family model as MaxText configures it; field names are MaxText's keys."""
@@ -146,14 +147,6 @@ class ModelConfig(settings.QuantSettings):
     if maxtext_keys.is_key(name):
       return copy.deepcopy(maxtext_keys.defaults()[name])
     raise AttributeError(f"{type(self).__name__!r} has no MaxText key {name!r}")
-
-  def maxtext_config(self) -> dict[str, Any]:
-    """Every key: the fields, then the MaxText keys that are not fields (given or default), sorted."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "passthrough"}
-    for key in sorted(maxtext_keys.defaults()):
-      if key not in out:
-        out[key] = getattr(self, key)
-    return out
 
   # Derived sizes (MaxText's global_parameter_scale rule; all equal base_* at scale 1).
   @property

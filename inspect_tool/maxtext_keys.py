@@ -23,6 +23,9 @@ TREE_KEYS = frozenset({
     "base_moe_mlp_dim", "base_num_decoder_layers", "first_num_dense_layers", "vocab_size", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "shared_experts",
     "routed_bias", "mtp_num_layers", "logits_via_embedding", "scan_layers", "param_scan_axis", "weight_dtype",
+    # DeepSeek-V3.2 / V4 / custom architectures.
+    "use_indexer", "indexer_n_heads", "indexer_head_dim", "mhc_expansion_rate", "engram_layers", "compress_ratios",
+    "o_groups", "o_lora_rank", "first_num_hash_layers",
 })
 
 # Fields that change no output of this tool, and why (MaxText uses them for evaluation, memory or training only).
@@ -136,7 +139,7 @@ def check_modelled(values: dict[str, Any]) -> None:
 
 def describe(keys: Iterable[str], fields: Iterable[str]) -> list[str]:
   """`--verbose` lines: which of `keys` shape the parameter tree, which only the forward pass, which nothing."""
-  fields = set(fields)
+  fields = set(fields) - {"passthrough"}
   tree, forward, none, ignored = [], [], [], []
   for key in sorted(set(keys)):
     if key in TREE_KEYS:

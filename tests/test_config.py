@@ -159,7 +159,7 @@ def test_sharding_and_training_keys_parse_to_maxtext_types():
     (["mesh_axes=data"], "mesh_axes='data' is not a list"),
     (["ici_fsdp_paralelism=4"], "did you mean 'ici_fsdp_parallelism'"),
     (["mlp_bias=true"], "mlp_bias=True is not supported"),
-    (["norm_topk_prob=true"], "norm_topk_prob=True is not supported"),
+    (["use_random_routing=true"], "use_random_routing=True is not supported"),
     (["quantization=fp8_full", "use_qwix_quantization=false"], "selects MaxText's AQT path"),
     (["quantization=fp8_full", "weight_quantization_calibration_method=minmax"], "minmax' is not supported"),
     (["quantization=fp8_full", "act_quantization_calibration_method=fixed,-1,2"], "is not supported"),
