@@ -22,7 +22,7 @@ from quant import yaml_file
 
 QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")
-SCORE_FUNCS = ("sigmoid", "softmax")
+SCORE_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")  # sqrtsoftplus: DeepSeek-V4
 # Model names whose gate bias is MaxText's non-Param `MoEBiasVar` and which use DeepSeek-V3 routing.
 DEEPSEEK_ROUTING_PREFIXES = ("deepseek3", "deepseek4", "kimi-k2")
 
@@ -84,6 +84,16 @@ class ModelConfig(settings.QuantSettings):
   # Manifold-constrained hyper-connections (k residual streams; 1: off) and Engram memory layers (issue 10).
   mhc_expansion_rate: int = 1
   engram_layers: tuple[str, ...] = ()  # layer indices; engram itself is not built (MaxText sizes it from a tokenizer)
+  # DeepSeek-V4 (`decoder_block: deepseek4`, `attention_type: compressed`; MaxText's defaults; issue 10).
+  compress_ratios: tuple[str, ...] = ()  # per layer: 0 (sliding window only), 4 (CSA), > 4 (HCA)
+  o_groups: int = 0  # grouped low-rank output projection: groups and rank
+  o_lora_rank: int = 0
+  first_num_hash_layers: int = 0  # leading layers that route tokens by id
+  sliding_window_size: int = 0  # uncompressed keys each query sees (compressed attention only; 0: all)
+  compressed_rope_max_timescale: int = 160_000  # RoPE theta of layers with a compressor
+  mlp_activations_limit: float = -1.0  # > 0: routed experts clip their gate (above) and up (both sides) values
+  load_balance_loss_weight: float = 0.0  # a training loss term only: the logits do not depend on it
+  norm_topk_prob: bool = False  # no effect on DeepSeek blocks: they renormalise sigmoid / sqrtsoftplus weights anyway
 
   # Multi-token prediction.
   mtp_num_layers: int = 0
@@ -219,8 +229,13 @@ def _validate(c: ModelConfig) -> None:
   """MaxText's rules that matter here; each message names the value and what is accepted."""
   _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
          "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
-  _check(c.decoder_block == "deepseek", f"decoder_block={c.decoder_block!r} is not supported; accepted: 'deepseek'")
-  _check(c.attention_type == "mla", f"attention_type={c.attention_type!r} is not supported; accepted: 'mla'")
+  _check(c.decoder_block in ("deepseek", "deepseek4"),
+         f"decoder_block={c.decoder_block!r} is not supported; accepted: 'deepseek', 'deepseek4'")
+  expected_attention = "compressed" if c.decoder_block == "deepseek4" else "mla"
+  _check(c.attention_type == expected_attention, f"attention_type={c.attention_type!r} is not supported with "
+         f"decoder_block={c.decoder_block!r}; accepted: {expected_attention!r}")
+  if c.decoder_block == "deepseek4":
+    _validate_deepseek4(c)
   gps = c.global_parameter_scale
   _check(gps >= 1 and (gps & (gps - 1)) == 0, f"global_parameter_scale={gps} must be a power of two >= 1")
   for name in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim",
@@ -288,6 +303,31 @@ def _validate(c: ModelConfig) -> None:
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
   limits.check_config(c)  # finite numbers, buildable sizes (inspect_tool/limits.py)
+
+
+def _validate_deepseek4(c: ModelConfig) -> None:
+  """DeepSeek-V4: MaxText's own rules plus what its model needs to build."""
+  _check(c.mtp_num_layers == 0, f"mtp_num_layers={c.mtp_num_layers}: DeepSeek4 decoder block currently does not "
+         "support MTP layers (MaxText 0.2.5); accepted: mtp_num_layers=0")
+  _check(c.mhc_expansion_rate > 1, f"mhc_expansion_rate={c.mhc_expansion_rate}: MaxText's DeepSeek-V4 layer always "
+         "applies mHC; accepted: mhc_expansion_rate >= 2")
+  ratios = []
+  for value in c.compress_ratios:
+    _check(str(value).isdigit() and (int(value) == 0 or int(value) >= 4),
+           f"compress_ratios entry {value!r}: compress_ratio must be 0 (disabled) or >= 4")
+    ratios.append(int(value))
+  needed = c.num_decoder_layers if not c.scan_layers else c.first_num_hash_layers
+  _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {needed} layers need one each")
+  _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
+         f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..num_decoder_layers={c.num_decoder_layers}")
+  _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
+         "head (the compressed blocks are one head); accepted: 1")
+  for name in ("q_lora_rank", "o_groups", "o_lora_rank"):
+    _check(getattr(c, name) > 0, f"{name}={getattr(c, name)} must be a positive integer with decoder_block=deepseek4")
+  _check(c.num_query_heads * c.head_dim % c.o_groups == 0,
+         f"o_groups={c.o_groups} must divide num_query_heads*head_dim={c.num_query_heads * c.head_dim}")
+  _check(0 < c.qk_rope_head_dim <= c.head_dim and c.qk_rope_head_dim % 2 == 0,
+         f"qk_rope_head_dim={c.qk_rope_head_dim} must be even and within 1..head_dim={c.head_dim}")
 
 
 def _validate_calibrations(c: ModelConfig) -> None:

@@ -16,8 +16,6 @@ FAMILY_PREFIXES = ("deepseek", "kimi")
 # DeepSeek-family names MaxText 0.2.5 accepts whose architecture this tool does not build yet (until a preset file
 # for the name exists, which then takes precedence).
 NOT_BUILT = {
-    "deepseek4-284b": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
-    "deepseek4-tiny": "DeepSeek-V4 (compressed attention, hash layers, mHC)",
 }
 
 

@@ -38,8 +38,9 @@ class AttentionOp(nnx.Module):
     self.float32_qk_product = bool(cfg.float32_qk_product)
     self.precision = layers.precision(cfg)
 
-  def __call__(self, query, key, value, segment_ids=None, keep=None):
-    """`keep` [b, t, s] (the indexer's selection) further restricts the causal / segment mask."""
+  def __call__(self, query, key, value, segment_ids=None, keep=None, *, allowed=None, sinks=None):
+    """`keep` [b, t, s] (the indexer's selection) further restricts the causal / segment mask; `allowed`
+    [b, t, s] replaces that mask (DeepSeek-V4); `sinks` [n] are per-head logits that join the softmax only."""
     b, t, n, d = query.shape
     n_kv = key.shape[-2]
     if self.float32_qk_product:
@@ -47,14 +48,20 @@ class AttentionOp(nnx.Module):
     query = jnp.reshape(query, (b, t, n_kv, n // n_kv, d))
     logits = jnp.einsum("btkgd,bskd->bkgts", query, key, precision=self.precision)
     s = key.shape[1]
-    allowed = allowed_keys(t, s, segment_ids)[:, None, None]
+    if allowed is None:
+      allowed = allowed_keys(t, s, segment_ids)
+    allowed = allowed[:, None, None]
     if keep is not None:
       allowed = allowed & keep[:, None, None]
     logits = jnp.where(allowed, logits, DEFAULT_MASK_VALUE)
     logits = jnp.reshape(logits, (b, n, t, s))
+    if sinks is not None:
+      sink_logits = jnp.broadcast_to(sinks.astype(logits.dtype)[None, :, None, None], (b, n, t, 1))
+      logits = jnp.concatenate([logits, sink_logits], axis=-1)
     local_max = jnp.max(logits, axis=-1, keepdims=True)
     exps = jnp.exp(logits - local_max)
     local_sum = jnp.transpose(jnp.sum(exps, axis=-1, keepdims=True), (0, 2, 1, 3))  # [b, t, n, 1]
+    exps = exps[..., :s]
     exps = jnp.reshape(exps, (b, n_kv, n // n_kv, t, s))
     out = jnp.einsum("bkgts,bskd->btkgd", exps, value, precision=self.precision)
     out = jnp.reshape(out, (b, t, n, value.shape[-1]))

@@ -108,6 +108,20 @@ class Decoder(nnx.Module):
   """MaxText's `NNXDecoder` for the DeepSeek block."""
 
   def __init__(self, cfg, make: inits.VariableFactory):
+    self._init_head(cfg, make)
+    n_dense, n_moe = cfg.first_num_dense_layers, cfg.num_moe_layers
+    self.num_dense_layers, self.num_moe_layers = n_dense, n_moe
+    if self.scan_layers:
+      self.dense_layers = DeepSeekDenseLayer(cfg, make.stacked(n_dense)) if n_dense else None
+      self.moe_layers = DeepSeekMoELayer(cfg, make.stacked(n_moe)) if n_moe else None
+    else:
+      for i in range(n_dense):
+        setattr(self, f"dense_layers_{i}", DeepSeekDenseLayer(cfg, make))
+      for j in range(n_moe):
+        setattr(self, f"moe_layers_{j}", DeepSeekMoELayer(cfg, make))
+
+  def _init_head(self, cfg, make: inits.VariableFactory):
+    """Settings and the output head (`decoder_norm`, `logits_dense`) shared by every DeepSeek decoder."""
     self.dtype = layers.compute_dtype(cfg)
     self.scan_layers = bool(cfg.scan_layers)
     self.param_scan_axis = cfg.param_scan_axis
@@ -120,16 +134,6 @@ class Decoder(nnx.Module):
       self.logits_dense = None
     else:
       self.logits_dense = layers.DenseGeneral(cfg, cfg.emb_dim, cfg.vocab_size, make, dtype=self.logits_dtype)
-    n_dense, n_moe = cfg.first_num_dense_layers, cfg.num_moe_layers
-    self.num_dense_layers, self.num_moe_layers = n_dense, n_moe
-    if self.scan_layers:
-      self.dense_layers = DeepSeekDenseLayer(cfg, make.stacked(n_dense)) if n_dense else None
-      self.moe_layers = DeepSeekMoELayer(cfg, make.stacked(n_moe)) if n_moe else None
-    else:
-      for i in range(n_dense):
-        setattr(self, f"dense_layers_{i}", DeepSeekDenseLayer(cfg, make))
-      for j in range(n_moe):
-        setattr(self, f"moe_layers_{j}", DeepSeekMoELayer(cfg, make))
 
   def layer_names(self) -> list[str]:
     """Attribute names of the per-layer modules (unscanned) or stacks (scanned), in application order."""

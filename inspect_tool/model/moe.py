@@ -32,7 +32,13 @@ class MoEBiasVar(nnx.Variable):
   """MaxText's non-Param gate bias of DeepSeek-V3 routers (kept in `nnx_aux` in training checkpoints)."""
 
 
+class Tid2EidVar(nnx.Variable):
+  """DeepSeek-V4's token id → expert ids table of a hash-routed layer (vocab, K), float32, not a Param."""
+
+
 def _score(name: str, x: jax.Array) -> jax.Array:
+  if name == "sqrtsoftplus":  # DeepSeek-V4
+    return jnp.sqrt(jax.nn.softplus(x))
   if name == "sigmoid":
     return jax.nn.sigmoid(x)
   if name == "softmax":
@@ -43,14 +49,14 @@ def _score(name: str, x: jax.Array) -> jax.Array:
 class GateLogit(nnx.Module):
   """Router: `score(x @ kernel)` (+ `bias`), all in the gate dtype; returns (scores, unbiased or None)."""
 
-  def __init__(self, cfg, make: inits.VariableFactory):
+  def __init__(self, cfg, make: inits.VariableFactory, hash_routing: bool = False):
     e, x = cfg.emb_dim, cfg.num_experts
     self.dtype = jnp.dtype(jnp.float32 if cfg.float32_gate_logits else cfg.dtype)
     self.precision = layers.precision(cfg)
     self.score_func = cfg.routed_score_func
     self.keep_unbiased = bool(cfg.deepseek_routing)
     self.kernel = make.make((e, x), inits.dense((0,)))
-    if cfg.routed_bias:
+    if cfg.routed_bias and not hash_routing:
       self.bias = make.make((x,), inits.zeros, kind=MoEBiasVar if cfg.deepseek_routing else nnx.Param)
     else:
       self.bias = None
@@ -69,7 +75,7 @@ class GateLogit(nnx.Module):
 class RoutedMoE(nnx.Module):
   """MaxText's `RoutedMoE` with expert weights `wi_0`, `wi_1` (X, E, Fm) and `wo` (X, Fm, E)."""
 
-  def __init__(self, cfg, make: inits.VariableFactory):
+  def __init__(self, cfg, make: inits.VariableFactory, hash_routing: bool = False):
     e, x, f = cfg.emb_dim, cfg.num_experts, cfg.moe_mlp_dim
     self.dtype = layers.compute_dtype(cfg)
     self.precision = layers.precision(cfg)
@@ -85,7 +91,11 @@ class RoutedMoE(nnx.Module):
     self.capacity_factor = float(cfg.capacity_factor)
     self.megablox = bool(cfg.megablox)
     self.gmm_backend = gmm_backends.requested(cfg.gmm_backend, use_tokamax_backend=cfg.use_tokamax_backend)
-    self.gate = GateLogit(cfg, make)
+    self.activations_limit = float(cfg.mlp_activations_limit)  # > 0: DeepSeek-V4 clips the expert activations
+    self.gate = GateLogit(cfg, make, hash_routing)
+    # DeepSeek-V4's first layers route by token id (`first_num_hash_layers`).
+    self.tid2eid = (make.make((cfg.vocab_size, cfg.num_experts_per_tok), inits.zeros, kind=Tid2EidVar,
+                              dtype=jnp.float32) if hash_routing else None)
     self.wi_0 = make.make((x, e, f), inits.dense((1,)))
     self.wi_1 = make.make((x, e, f), inits.dense((1,)))
     self.wo = make.make((x, f, e), inits.dense((1,)))
@@ -100,16 +110,19 @@ class RoutedMoE(nnx.Module):
     mask = jnp.broadcast_to(mask[..., None], mask.shape + (self.num_experts // self.n_groups,))
     return jnp.reshape(mask, mask.shape[:-2] + (self.num_experts,))
 
-  def route(self, scores: jax.Array, unbiased: jax.Array | None):
+  def route(self, scores: jax.Array, unbiased: jax.Array | None, input_ids: jax.Array | None = None):
     """(weights, expert indices), both [B, S, K]."""
-    if self.deepseek_routing:
+    if self.tid2eid is not None:
+      idx = jnp.asarray(self.tid2eid[...]).astype(jnp.int32)[input_ids.astype(jnp.int32)]
+      weights = jnp.take_along_axis(scores if unbiased is None else unbiased, idx, axis=-1)
+    elif self.deepseek_routing:
       if self.n_groups > 0:
         scores = jnp.where(self._group_mask(scores) > 0, scores, -jnp.inf)
       _, idx = jax.lax.top_k(scores, k=self.top_k)
       weights = jnp.take_along_axis(unbiased, idx, axis=-1)
     else:
       weights, idx = jax.lax.top_k(scores, k=self.top_k)
-    if self.score_func == "sigmoid":
+    if self.score_func in ("sigmoid", "sqrtsoftplus"):
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * self.scaling_factor
     return weights, idx
@@ -122,6 +135,12 @@ class RoutedMoE(nnx.Module):
       return gmm_lib.prequantized_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
 
+  def _activation(self, up0, up1):
+    if self.activations_limit > 0:
+      up0 = jnp.clip(up0, None, self.activations_limit)
+      up1 = jnp.clip(up1, -self.activations_limit, self.activations_limit)
+    return (jax.nn.silu(up0) * up1).astype(self.dtype)
+
   def _sparse(self, x, weights, idx, w0, w1, wo):
     b, s, e = x.shape
     tokens = jnp.reshape(x, (b * s, e))
@@ -131,7 +150,7 @@ class RoutedMoE(nnx.Module):
     group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
     up0 = self._grouped_matmul(rows, w0, group_sizes)
     up1 = self._grouped_matmul(rows, w1, group_sizes)
-    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    hidden = self._activation(up0, up1)
     down = self._grouped_matmul(hidden, wo, group_sizes)
     down = jnp.take(down, jnp.argsort(order), axis=0)
     down = jnp.reshape(down, (b * s, self.top_k, e))
@@ -147,7 +166,7 @@ class RoutedMoE(nnx.Module):
       return self._dense_dropping(x, combine, idx, w0, w1, wo)
     up0 = jnp.einsum("BSM,EMH->BSEH", x, w0, precision=self.precision)
     up1 = jnp.einsum("BSM,EMH->BSEH", x, w1, precision=self.precision)
-    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    hidden = self._activation(up0, up1)
     down = jnp.einsum("BSEH,EHM->BSEM", hidden, wo, precision=self.precision)
     if self.float32_weight_sum:
       down, combine = down.astype(jnp.float32), combine.astype(jnp.float32)
@@ -171,14 +190,14 @@ class RoutedMoE(nnx.Module):
     routed = jnp.einsum("BSM,BSEC->EBCM", x, dispatch, precision=self.precision)
     up0 = jnp.einsum("EBCM,EMH->EBCH", routed, w0, precision=self.precision)
     up1 = jnp.einsum("EBCM,EMH->EBCH", routed, w1, precision=self.precision)
-    hidden = (jax.nn.silu(up0) * up1).astype(self.dtype)
+    hidden = self._activation(up0, up1)
     down = jnp.einsum("EBCH,EHM->EBCM", hidden, wo, precision=self.precision)
     return jnp.einsum("EBCM,BSEC->BSM", down, combine, precision=self.precision).astype(self.dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, input_ids: jax.Array | None = None) -> jax.Array:
     x = x.astype(self.dtype)
     scores, unbiased = self.gate(x)
-    weights, idx = self.route(scores, unbiased)
+    weights, idx = self.route(scores, unbiased, input_ids)
     w0 = layers.kernel_value(self.wi_0, self.dtype)  # a WithAux of fp8 values when loaded from an FP8 export
     w1 = layers.kernel_value(self.wi_1, self.dtype)
     wo = layers.kernel_value(self.wo, self.dtype)
@@ -190,13 +209,13 @@ class RoutedMoE(nnx.Module):
 class RoutedAndSharedMoE(nnx.Module):
   """MaxText's `DeepSeekMoeBlock_0`: routed experts plus one wide shared-expert MLP (S·Fm)."""
 
-  def __init__(self, cfg, make: inits.VariableFactory):
-    self.MoeBlock_0 = RoutedMoE(cfg, make)  # pylint: disable=invalid-name
+  def __init__(self, cfg, make: inits.VariableFactory, hash_routing: bool = False):
+    self.MoeBlock_0 = RoutedMoE(cfg, make, hash_routing)  # pylint: disable=invalid-name
     width = cfg.shared_experts * cfg.moe_mlp_dim
     self.shared_experts = layers.MlpBlock(cfg, cfg.emb_dim, width, make) if width else None
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    routed = self.MoeBlock_0(x)
+  def __call__(self, x: jax.Array, input_ids: jax.Array | None = None) -> jax.Array:
+    routed = self.MoeBlock_0(x, input_ids)
     if self.shared_experts is None:
       return routed
     return routed + self.shared_experts(x)

@@ -11,6 +11,7 @@ from flax import nnx
 import jax.numpy as jnp
 
 from inspect_tool.model import decoder as decoder_lib
+from inspect_tool.model import deepseek4
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import mtp
@@ -22,7 +23,8 @@ class Transformer(nnx.Module):
   def __init__(self, cfg, make: inits.VariableFactory):
     self.config = cfg
     self.token_embedder = layers.Embed(cfg, make)
-    self.decoder = decoder_lib.Decoder(cfg, make)
+    decoder_class = deepseek4.Decoder if cfg.decoder_block == "deepseek4" else decoder_lib.Decoder
+    self.decoder = decoder_class(cfg, make)
     self.mtp_block = (mtp.MultiTokenPredictionBlock(cfg, self.decoder, make) if cfg.mtp_num_layers > 0
                       else None)
 
