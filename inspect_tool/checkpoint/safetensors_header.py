@@ -62,6 +62,8 @@ def _read_prefix(path: str) -> tuple[int, int, bytes]:
 def read_header(path: str) -> dict[str, dict]:
   """The tensor entries of one file's header (`__metadata__` left out), validated against the file size.
 
+  Each entry is `{"dtype", "shape", "start"}`, `start` the file offset of the tensor's first data byte.
+
   Refused: unknown dtypes, shapes that are not lists of integers in [0, 2^63), offsets that are not
   integers, lie outside the data, overlap, or hold a different byte count than dtype × shape.
   """
@@ -92,7 +94,7 @@ def read_header(path: str) -> dict[str, dict]:
     if end - begin != expected:
       raise _bad(path, f"tensor {name!r} holds {end - begin} bytes; {dtype} {list(shape)} needs {expected}")
     spans.append((begin, end, name))
-    entries[name] = {"dtype": dtype, "shape": list(shape)}
+    entries[name] = {"dtype": dtype, "shape": list(shape), "start": 8 + length + begin}  # start: file offset
   spans.sort()
   for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
     if begin < end:
@@ -122,7 +124,7 @@ def _shard_path(index_path: str, directory: str, shard: object) -> str:
   return path
 
 
-def _read_index(index_path: str) -> list[tree.Leaf]:
+def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   raw = files.read_bytes(index_path, MAX_INDEX_BYTES, "safetensors index")
   doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{index_path}: {why}"))
   weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -136,27 +138,27 @@ def _read_index(index_path: str) -> list[tree.Leaf]:
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
-  leaves = []
+  found = []
   for shard_path, names in sorted(shards.items()):
     header = read_header(shard_path)
     absent = [n for n in names if n not in header]
     if absent:
       raise errors.CheckpointError(
           f"{shard_path}: lacks {len(absent)} tensor(s) the index assigns to it, e.g. {absent[0]!r}")
-    leaves.extend(_leaf(n, header[n]) for n in names)
-  return leaves
+    found.extend((n, shard_path, header[n]) for n in names)
+  return found
 
 
-def _read_files(paths: list[str]) -> list[tree.Leaf]:
+def _read_files(paths: list[str]) -> list[tuple[str, str, dict]]:
   seen: dict[str, str] = {}
-  leaves = []
+  found = []
   for path in paths:
     for name, entry in read_header(path).items():
       if name in seen:
         raise errors.CheckpointError(f"tensor {name!r} is stored twice: in {seen[name]} and {path}")
       seen[name] = path
-      leaves.append(_leaf(name, entry))
-  return leaves
+      found.append((name, path, entry))
+  return found
 
 
 def read_leaves(path: str) -> list[tree.Leaf]:
@@ -165,6 +167,19 @@ def read_leaves(path: str) -> list[tree.Leaf]:
   Raises:
     errors.CheckpointError: missing path or shard, no safetensors files, or a corrupt header.
   """
+  return tree.sort_leaves(_leaf(name, entry) for name, _, entry in _tensor_entries(path))
+
+
+def read_tensor_table(path: str) -> dict[str, tuple[str, dict]]:
+  """Tensor name -> (file holding it, its `read_header` entry) for a safetensors file, directory or index.
+
+  Raises:
+    errors.CheckpointError: as `read_leaves`.
+  """
+  return {name: (file, entry) for name, file, entry in _tensor_entries(path)}
+
+
+def _tensor_entries(path: str) -> list[tuple[str, str, dict]]:
   path = os.fspath(path)
   found = files.kind(path)
   if found == "missing":
@@ -172,15 +187,14 @@ def read_leaves(path: str) -> list[tree.Leaf]:
   if found == "other":
     raise errors.CheckpointError(f"{path}: is not a regular file (FIFO, socket or device)")
   if found == "file":
-    leaves = _read_index(path) if path.endswith(".json") else _read_files([path])
-    return tree.sort_leaves(leaves)
+    return _read_index(path) if path.endswith(".json") else _read_files([path])
   indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
   if len(indexes) > 1:
     names = ", ".join(os.path.basename(i) for i in indexes)
     raise errors.CheckpointError(f"{path}: several safetensors indexes ({names}); pass one of them")
   if indexes:
-    return tree.sort_leaves(_read_index(indexes[0]))
+    return _read_index(indexes[0])
   found_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
   if not found_files:
     raise errors.CheckpointError(f"no *.safetensors files or {INDEX_SUFFIX} in {path}")
-  return tree.sort_leaves(_read_files(found_files))
+  return _read_files(found_files)

@@ -9,7 +9,8 @@ from inspect_tool.cli import options
 
 @click.command()
 @click.argument("overrides", nargs=-1)
-@click.option("--path", required=True, help="Orbax checkpoint: step directory, its items directory, or steps directory.")
+@click.option("--path", required=True, help="Orbax checkpoint (step directory, its items directory, or steps "
+              "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @click.option("--format", "fmt", type=click.Choice(options.FORMATS), default="text", show_default=True)
 def diff(overrides, path, fmt):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
@@ -17,8 +18,10 @@ def diff(overrides, path, fmt):
   Exit code 0 when they agree, 1 when they do not.
   """
   from inspect_tool import checking  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import hf_diff, hf_restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import diff_format  # pylint: disable=import-outside-toplevel
 
-  source, result = checking.diff_config_checkpoint(overrides, path)
+  compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
+  source, result = compare(overrides, path)
   click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path), nl=False)
   return 0 if result.agree else 1

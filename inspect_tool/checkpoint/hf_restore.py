@@ -1,0 +1,273 @@
+"""Loads a Hugging Face DeepSeek checkpoint (bf16, or DeepSeek-V3's FP8 release layout) into the MaxText model.
+
+The names are the exporter's (`hf_names.leaf_plan`: HF tensor(s) per MaxText leaf, MTP depth k as layer
+`num_decoder_layers + k - 1`), read backwards: an (out, in) Linear weight becomes the MaxText kernel (in axes...,
+out axes...), rope columns go back to MaxText's layout for `rope_interleave=false`, a layer stack is assembled
+slice by slice. A float8 weight is dequantized as the release defines it: value × `weight_scale_inv` of its
+128×128 block (the block grid rounded up at the edges). The MTP layers' copies of embed_tokens and
+shared_head.head are accepted and not read (MaxText shares the main ones), and so is a zero
+`e_score_correction_bias` the exporter adds for routing without `routed_bias`.
+
+Tensor data is read from the shards at the offsets their validated headers give (safetensors 0.8's own numpy
+reader has no float8 dtype); each array is built per device shard (`jax.make_array_from_callback`), reading only
+the layers and experts that shard holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+
+from inspect_tool import errors
+from inspect_tool import tree
+from inspect_tool.checkpoint import files
+from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import safetensors_header
+
+CONFIG_NAME = "config.json"
+_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+_FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+SCALE_SUFFIX = "_scale_inv"
+
+
+def is_hf_checkpoint(path: str | None) -> bool:
+  """A directory with `config.json` and safetensors files (or their index): a Hugging Face checkpoint."""
+  if not path or files.kind(path) != "dir":
+    return False
+  if files.kind(os.path.join(path, CONFIG_NAME)) != "file":
+    return False
+  return bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
+              or glob.glob(os.path.join(glob.escape(path), "*" + safetensors_header.INDEX_SUFFIX)))
+
+
+def block_size(path: str) -> tuple[int, int]:
+  """`quantization_config.weight_block_size` of `config.json` (DeepSeek's [128, 128] when absent)."""
+  raw = files.read_bytes(os.path.join(path, CONFIG_NAME), 1 << 20, "Hugging Face config")
+  doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{path}/{CONFIG_NAME}: {why}"))
+  block = (doc.get("quantization_config") or {}).get("weight_block_size") if isinstance(doc, dict) else None
+  if block is None:
+    return hf_names.BLOCK
+  if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    raise errors.CheckpointError(f"{path}/{CONFIG_NAME}: weight_block_size {str(block)[:40]} is not two positive "
+                                 "integers")
+  return tuple(block)
+
+
+class Tensors:
+  """The tensors of a safetensors directory, read by name as float32 (float8 ones dequantized)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.table = safetensors_header.read_tensor_table(path)
+    self.block = block_size(path) if files.kind(os.path.join(path, CONFIG_NAME)) == "file" else hf_names.BLOCK
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.table
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.table[name][1]["shape"])
+
+  def dtype(self, name: str) -> str:
+    return self.table[name][1]["dtype"]
+
+  def _raw(self, name: str) -> np.ndarray:
+    file, entry = self.table[name]
+    dtype = np.dtype(_FP8.get(entry["dtype"]) or _FLOATS[entry["dtype"]])
+    count = math.prod(entry["shape"])
+    try:
+      with open(file, "rb") as f:
+        f.seek(entry["start"])
+        data = f.read(count * dtype.itemsize)
+    except OSError as e:
+      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+    if len(data) != count * dtype.itemsize:
+      raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
+    return np.frombuffer(data, dtype).reshape(entry["shape"])
+
+  def read(self, name: str) -> np.ndarray:
+    """`name` as float32; a float8 weight times its `<name>_scale_inv` per block."""
+    value = self._raw(name)
+    if self.dtype(name) not in _FP8:
+      return value.astype(np.float32)
+    return dequantize(value, self._raw(name + SCALE_SUFFIX), self.block)
+
+
+def dequantize(qvalue: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = hf_names.BLOCK) -> np.ndarray:
+  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c]."""
+  rows = np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0)[:qvalue.shape[0]]
+  full = np.repeat(rows, block[1], axis=1)[:, :qvalue.shape[1]]
+  return qvalue.astype(np.float32) * full
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+  """The `weight_scale_inv` grid of an (out, in) weight: one per block, rounded up at the edges."""
+  return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the checkpoint must hold for each leaf.
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """An HF tensor that is missing, mis-shaped or not a float: what is wrong with it, for a leaf."""
+
+  key: tuple[str, ...]
+  name: str
+  text: str
+  shape: tuple[int, ...] | None = None  # the stored shape, when it is the shape that is wrong
+
+
+def _layer_shape(entry) -> tuple[int, ...]:
+  if entry.layer_axis is None:
+    return entry.shape
+  return entry.shape[:entry.layer_axis] + entry.shape[entry.layer_axis + 1:]
+
+
+def _hf_shape(rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The HF tensor shape of one layer's MaxText slice (per expert for routed experts)."""
+  if rule.kind == hf_names.EXPERTS_FP8:
+    shape = shape[1:]
+  if rule.kind in (hf_names.FP8, hf_names.EXPERTS_FP8, hf_names.BF16_LINEAR):
+    return (math.prod(shape[rule.n_in:]), math.prod(shape[:rule.n_in]))
+  return shape
+
+
+def _names(entry) -> list[str]:
+  """The HF tensors read for a leaf: the first name of its rule per layer (and per expert)."""
+  shape = _layer_shape(entry)
+  names = []
+  for layer in entry.layers or (None,):
+    name = entry.rule.names[0].replace("{i}", str(layer))
+    if entry.rule.kind == hf_names.EXPERTS_FP8:
+      names.extend(name.replace("{j}", str(j)) for j in range(shape[0]))
+    else:
+      names.append(name)
+  return names
+
+
+def _check_tensor(tensors: Tensors, key, name: str, want: tuple[int, ...]) -> Problem | None:
+  if name not in tensors:
+    return Problem(key, name, f"{name} is missing")
+  dtype, shape = tensors.dtype(name), tensors.shape(name)
+  if dtype not in _FLOATS and dtype not in _FP8:
+    return Problem(key, name, f"{name} is {dtype}, not a floating-point tensor")
+  if shape != want:
+    return Problem(key, name, f"{name} is {shape}, the model needs {want}", shape)
+  if dtype in _FP8:
+    scale = name + SCALE_SUFFIX
+    grid = scale_shape(want, tensors.block) if len(want) == 2 else None
+    if scale not in tensors:
+      return Problem(key, scale, f"{name} is {dtype} but {scale} is missing")
+    if tensors.shape(scale) != grid or tensors.dtype(scale) not in _FLOATS:
+      return Problem(key, scale, f"{scale} is {tensors.dtype(scale)} {tensors.shape(scale)}; {want} in "
+                     f"{tensors.block[0]}x{tensors.block[1]} blocks needs float {grid}")
+  return None
+
+
+def check(tensors: Tensors, plan: dict, cfg) -> tuple[list[Problem], set[str]]:
+  """Problems of every planned leaf, and every HF name the plan accounts for (copies and scales included)."""
+  problems, known = [], set(hf_names.synthesized_names(cfg))
+  for key, entry in plan.items():
+    want = _hf_shape(entry.rule, _layer_shape(entry))
+    for name in _names(entry):
+      problem = _check_tensor(tensors, key, name, want)
+      if problem is not None:
+        problems.append(problem)
+        break
+    for layer in entry.layers or (None,):
+      for pattern in entry.rule.names:
+        name = pattern.replace("{i}", str(layer))
+        experts = range(_layer_shape(entry)[0]) if "{j}" in name else (None,)
+        known.update(name.replace("{j}", str(j)) for j in experts)
+  known.update([name + SCALE_SUFFIX for name in known])
+  return problems, known
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading leaves.
+
+def _layer_value(tensors: Tensors, entry, layer, index: tuple, cfg) -> np.ndarray:
+  """One layer's MaxText slice, `index`ed (for routed experts only the experts `index[0]` selects are read)."""
+  rule, shape = entry.rule, _layer_shape(entry)
+  name = rule.names[0].replace("{i}", str(layer))
+  if rule.kind == hf_names.EXPERTS_FP8:
+    experts = range(shape[0])[index[0]]
+    value = np.stack([hf_names.maxtext_kernel(tensors.read(name.replace("{j}", str(j))), rule, shape[1:], cfg)
+                      for j in experts]) if len(experts) else np.zeros((0,) + shape[1:], np.float32)
+    return value[(slice(None),) + index[1:]]
+  value = tensors.read(name)
+  if rule.kind in (hf_names.FP8, hf_names.BF16_LINEAR):
+    value = hf_names.maxtext_kernel(value, rule, shape, cfg)
+  return value.reshape(shape)[index]
+
+
+def read_block(tensors: Tensors, entry, index: tuple, cfg) -> np.ndarray:
+  """The part `index` (a tuple of slices over the leaf's shape) of a MaxText leaf, as float32."""
+  index = tuple(index) + (slice(None),) * (len(entry.shape) - len(index))
+  if entry.layer_axis is None:
+    return _layer_value(tensors, entry, entry.layers[0] if entry.layers else None, index, cfg)
+  axis = entry.layer_axis
+  rest = index[:axis] + index[axis + 1:]
+  layers = entry.layers[index[axis]]
+  parts = [_layer_value(tensors, entry, layer, rest, cfg) for layer in layers]
+  return np.stack(parts, axis=axis)
+
+
+def _wanted(leaves: Iterable[tree.Leaf]) -> list[tree.Leaf]:
+  return [l for l in leaves if not (l.key[:2] == tree.AUX_PREFIX and "rngs" in l.key)]
+
+
+def planned(leaves: Iterable[tree.Leaf], plan: dict) -> list[tuple[tree.Leaf, tuple[str, ...] | None]]:
+  """(model leaf, its plan key or None) pairs; the gate bias may be planned under either collection."""
+  pairs = []
+  for leaf in leaves:
+    aliases = (leaf.key, tree.aux_key(leaf.key[2:]), tree.param_key(leaf.key[2:]))
+    pairs.append((leaf, next((k for k in aliases if k in plan), None)))
+  return pairs
+
+
+def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None) -> dict[tuple[str, ...], object]:
+  """Reads the HF checkpoint at `path` as `{leaf key: jax.Array}` for the model `leaves` of `cfg`, on `mesh`.
+
+  Raises:
+    errors.CheckpointError: unreadable files or headers.
+    errors.MismatchError: a tensor the model needs is missing or mis-shaped (checked before reading data).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
+
+  plan = hf_names.leaf_plan(cfg)
+  tensors = Tensors(path)
+  problems, _ = check(tensors, plan, cfg)
+  if problems:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    raise errors.MismatchError(f"Hugging Face checkpoint {path} does not fit the model: {problems[0].text}{more}")
+  mesh = mesh if mesh is not None else restore.default_mesh()
+  arrays = {}
+  for leaf, target in planned(_wanted(leaves), plan):
+    if target is None:
+      raise errors.MismatchError(f"model weight {leaf.dotted} has no Hugging Face DeepSeek tensor")
+    entry = plan[target]
+    if tuple(leaf.shape) != entry.shape:
+      raise errors.MismatchError(f"model weight {leaf.dotted} is {leaf.shape}; the plan has {entry.shape}")
+    dtype = np.dtype(leaf.dtype)
+    arrays[leaf.key] = jax.make_array_from_callback(
+        entry.shape, restore.array_sharding(entry.shape, mesh),
+        lambda index, entry=entry, dtype=dtype: read_block(tensors, entry, index, cfg).astype(dtype))
+  return arrays
+
+
+def load_checkpoint(model, path: str, *, mesh=None):
+  """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
+  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+
+  leaves = params.param_leaves(model, include_non_params=True)
+  params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh))
+  return model
