@@ -19,7 +19,7 @@ TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "ici_fsdp_parallelism=4
 def _reference_param_elements(name):
   """Elements one device holds of every Param (the gate bias is not a Param), from MaxText's shard shapes."""
   _, _, _, variables = read_reference(os.path.join(DATA, name))
-  shards = {k: math.prod(shard) for k, (_, _, shard) in variables.items() if not k.endswith("gate.bias")}
+  shards = {k: math.prod(shard) for k, (_, _, shard, _) in variables.items() if not k.endswith("gate.bias")}
   return sum(shards.values()), shards
 
 
