@@ -13,7 +13,7 @@ Per layer, the names are those MaxText's modules give their variables (`out_shar
 | indexer `wk` / `weights_proj` | `embed_attn`, `kv` / `q_heads`; its `k_norm` has none (replicated) |
 | dense and shared-expert MLP `wi_*` / `wo` | `embed`, `mlp` / `mlp`, `embed` |
 | router `gate.kernel` / `gate.bias` | `embed_router`, None / None |
-| routed experts `wi_*` / `wo` | `exp`, `embed_moe`, `mlp_moe` / `exp`, `mlp_moe`, `embed_moe` (see `routed_expert_axes`) |
+| routed `wi_*` / `wo` | `exp`, `embed_moe`, `mlp_moe` / `exp`, `mlp_moe`, `embed_moe` (or `routed_expert_axes`) |
 | `token_embedder.embedding` / `logits_dense` | `vocab`, `embed_vocab` / `embed_vocab`, `vocab` |
 | `mtp_k_projection` | `embed`, None |
 
