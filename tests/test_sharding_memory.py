@@ -54,6 +54,8 @@ def test_opt_type_in_the_config_turns_on_training_memory_and_muon_is_refused():
   assert memory.optimizer_of(config.resolve_config(TINY), None) is None
   with pytest.raises(mesh_lib.ShardingError, match="muon"):
     memory.optimizer_of(config.resolve_config([*TINY, "opt_type=muon"]), None)
+  with pytest.raises(mesh_lib.ShardingError, match="shard_optimizer_over_data"):
+    memory.optimizer_of(config.resolve_config([*TINY, "shard_optimizer_over_data=true"]), "adamw")
 
 
 def test_device_memory_sizes():

@@ -41,6 +41,9 @@ def optimizer_of(cfg, train: str | None) -> str | None:
   name = train or (cfg.passthrough.get("opt_type") if hasattr(cfg, "passthrough") else None)
   if name is None:
     return None
+  if bool(cfg.shard_optimizer_over_data):
+    raise mesh_lib.ShardingError("shard_optimizer_over_data=true (Zero-1) shards the optimizer state over 'data' on "
+                                 "top of the parameters' layout; per-device memory for it is not modelled")
   if name not in OPTIMIZERS:
     raise mesh_lib.ShardingError(f"optimizer {name!r}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
                                  + (" (muon's state layout is not modelled)" if name == "muon" else ""))
