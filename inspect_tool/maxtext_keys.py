@@ -111,11 +111,13 @@ def parse(key: str, value: Any) -> Any:
   if default is None or value is None:
     return value
   kind = type(default)
-  if kind is float and isinstance(value, str):
+  if kind in (int, float) and isinstance(value, str):
     try:
-      return float(value.replace("_", ""))
+      value = float(value.replace("_", ""))
     except ValueError:
       pass
+  if kind is bool and value in (0, 1) and not isinstance(value, bool):
+    return bool(value)
   if kind is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if kind is int and isinstance(value, float) and value.is_integer():
