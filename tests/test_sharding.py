@@ -70,6 +70,7 @@ def _tiny(*keys):
     (["ici_tensor_parallelism=-1"], 8, ["only one axis may be -1", "fsdp", "tensor"]),
     (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3"], 8, ["cannot be resolved", "8"]),
     (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"], 8, ["ici_pipeline_parallelism=2"]),
+    (["mesh_axes=['data','fsdpp']"], 8, ["unknown axis 'fsdpp'", "fsdp_transpose"]),
 ])
 def test_meshes_maxtext_refuses_are_refused_in_one_line(keys, devices, words):
   cfg = _tiny(*keys)

@@ -24,6 +24,8 @@ AXIS_KEYS = {
     "context_autoregressive": "context_autoregressive", "tensor": "tensor", "tensor_sequence": "tensor_sequence",
     "model": "tensor", "expert": "expert", "autoregressive": "autoregressive",
 }
+# Axes MaxText's maps know without a key of their own (vLLM's; always size 1 here).
+_SIZE_ONE_AXES = ("attn_dp", "attn_dp_expert", "dcp", "pcp")
 # The dcn keys whose product MaxText checks against a single slice (every one but diloco).
 _DCN_CHECKED = ("data", "pipeline", "fsdp", "fsdp_transpose", "sequence", "context", "context_usp_ulysses",
                 "tensor", "tensor_sequence", "expert", "context_autoregressive", "autoregressive")
@@ -114,6 +116,10 @@ def build_mesh(cfg, devices: int) -> Mesh:
   axes = [str(a) for a in cfg.mesh_axes]
   if len(set(axes)) != len(axes):
     raise ShardingError(f"mesh_axes {axes} names an axis twice")
+  unknown = [a for a in axes if a not in AXIS_KEYS and a not in _SIZE_ONE_AXES]
+  if unknown:
+    raise ShardingError(f"mesh_axes: unknown axis {unknown[0]!r} (MaxText has no ici_/dcn_ key for it); known: "
+                        f"{', '.join(AXIS_KEYS)}")
   slices = num_slices(cfg)
   if slices < 1 or devices % slices:
     raise ShardingError(f"--devices {devices} is not divisible by num_slices={slices}")
