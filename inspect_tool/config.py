@@ -475,9 +475,10 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
 def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   """Builds a `ModelConfig` from MaxText-style `key=value` tokens (plus typed keyword overrides).
 
-  `model_file=<path.yml>` (or a bare `*.yml` token) names a user model file used in place of a preset.
+  `model_file=<path.yml>` (or a bare `*.yml` token) names a user model file used in place of a preset. MaxText's
+  own first argument, its `.../configs/base.yml`, is skipped: its keys and defaults are built in.
   """
-  tokens = list(tokens)
+  tokens = [t for t in tokens if "=" in t or os.path.basename(t) != "base.yml"]
   files = [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml"))]
   raw = parse_overrides([t for t in tokens if t not in files])
   model_file = raw.pop("model_file", None) or (files[0] if files else None)
