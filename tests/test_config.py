@@ -192,3 +192,16 @@ def test_verbose_key_report():
   assert "ignored for structure (used by forward, rules and export): capacity_factor" in text
   assert "dropout_rate (" in text and "ici_fsdp_parallelism" in text
   assert "set by model 'deepseek3-671b-batchsplit', ignored for structure:" in text and "use_batch_split_schedule" in text
+
+
+def test_a_maxtext_command_line_pastes_verbatim():
+  """The overrides of a MaxText training command (its base.yml argument included) resolve; ignored keys are kept."""
+  command = ("src/maxtext/configs/base.yml base_output_directory=gs://bucket/runs run_name=v3 model_name=deepseek3-671b "
+             "per_device_batch_size=4 steps=5 max_target_length=1024 async_checkpointing=false "
+             "tokenizer_type=huggingface tokenizer_path=deepseek-ai/DeepSeek-V3 attention=flash megablox=False "
+             "sparse_matmul=False scan_layers=True mtp_num_layers=1 mtp_loss_scaling_factor=0.1 dataset_type=synthetic "
+             "ici_fsdp_parallelism=64 ici_expert_parallelism=4 remat_policy=custom opt_type=adamw "
+             "learning_rate=2.2e-4 enable_checkpointing=false log_period=10 hardware=tpu")
+  cfg = config.resolve_config(command.split())
+  assert (cfg.model_name, cfg.mtp_num_layers, cfg.megablox, cfg.sparse_matmul) == ("deepseek3-671b", 1, False, False)
+  assert (cfg.ici_fsdp_parallelism, cfg.learning_rate, cfg.tokenizer_path) == (64, 2.2e-4, "deepseek-ai/DeepSeek-V3")
