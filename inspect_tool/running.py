@@ -26,6 +26,7 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from quant import fp8_providers  # pylint: disable=import-outside-toplevel
 
   if quantized_load.is_quantized_model(model):
     return model  # an FP8 export under Qwix PTQ: its quantization is in its weights
@@ -33,7 +34,8 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   if not rules:
     return model
   args, kwargs = model_lib.qwix_init_inputs(cfg)
-  return qwix.quantize_model(model, qwix.QtProvider(rules), *args, skip_nnx_init=True, **kwargs)
+  provider = fp8_providers.provider(cfg.quantization, rules)  # QtProvider, or MaxText's NVIDIA / NANOO FP8 one
+  return qwix.quantize_model(model, provider, *args, skip_nnx_init=True, **kwargs)
 
 
 def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):

@@ -14,6 +14,7 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * `qwix._src.core.qarray.HowToQuantize`, `qwix._src.providers.ptq.WithAux`: an abstract PTQ weight (loading
   an FP8 export).
 * Orbax's v1 PyTree handler class name, written into a step's metadata (export).
+* `QuantizationProvider._get_current_rule_and_op_id`: the rule a provider matched (FP8 providers).
 * JAX tracer internals (`parent.in_tracers`, `get_const`): which Param a traced value came from (coverage).
 * `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
   custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
@@ -117,3 +118,12 @@ def megablox_kernels():
   for attr in ("gmm", "tgmm"):
     private(MEGABLOX_KERNELS, attr, package="jax")
   return module
+
+
+def provider_rule(provider, op_name: str):
+  """The rule a Qwix provider matched for the `op_name` op being intercepted (Qwix's protected lookup)."""
+  lookup = getattr(provider, "_get_current_rule_and_op_id", None)
+  if lookup is None:
+    raise CompatError(f"qwix {installed_version('qwix')} providers have no _get_current_rule_and_op_id, which this "
+                      f"tool needs; accepted: qwix {TESTED['qwix']} (tested)")
+  return lookup(op_name)[0]

@@ -1,0 +1,143 @@
+"""The grouped-matmul backends: Pallas Megablox (interpret mode on CPU) and XLA ragged_dot against the reference.
+
+Bound: with fp8 operands every product is exact in float32, so a kernel can differ from the reference only by
+the order of its float32 sums. Measured (these shapes, jax 0.12.0.1 and 0.10.2 on CPU, relative to the largest
+value): 0 for every FP8 case on Pallas and XLA, ragged K and N tiles included (at these sizes the sums of fp8
+products are exact too); up to 1.6e-7 for XLA's float32 plain path. The tests allow 1e-6 (FP8_NOISE). At
+DeepSeek-V3 sizes (K 7168) the sums round: order noise is then bounded by about K * 6e-8 relative (not measured).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+from inspect_tool import batch, config, running
+from quant import errors, gmm_backends, gmm_fp8, gmm_pallas
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_RULE = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_qtype=E5M2)
+GROUPS = np.array([7, 0, 13, 0, 11], np.int32)  # empty groups; 31 rows in groups, 9 past them; tiles of 16 rows
+M, K, N = 40, 24, 20
+FP8_NOISE = 1e-6
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+        "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full", "quantize_mtp=true"]
+
+
+def _data(seed=0, m=M, k=K, n=N, groups=GROUPS):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(len(groups), k, n)).astype(np.float32),
+          rng.normal(size=(m, n)).astype(np.float32))
+
+
+def _run(backend, rule, dtype, seed=0):
+  """Output, dlhs and drhs of the grouped matmul on `backend` (float64 numpy)."""
+  lhs, rhs, cot = _data(seed)
+  lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+  f = lambda l, r: gmm_fp8.quantized_gmm(l, r, GROUPS, rule, jnp.float32, tile_rows=16, backend=backend)
+  out, vjp = jax.vjp(f, lhs, rhs)
+  return [np.asarray(x, np.float64) for x in (out, *vjp(jnp.asarray(cot)))]
+
+
+def _max_rel(a, b):
+  return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("rule,dtype", [(FP8_RULE, jnp.bfloat16), (None, jnp.float32)], ids=["fp8", "plain"])
+def test_backend_equals_the_reference_forward_and_vjp(backend, rule, dtype):
+  got, want = _run(backend, rule, dtype), _run("reference", rule, dtype)
+  for name, g, w in zip(("out", "dlhs", "drhs"), got, want):
+    assert _max_rel(g, w) <= FP8_NOISE, name
+  assert np.all(got[0][GROUPS.sum():] == 0) and np.all(got[1][GROUPS.sum():] == 0)  # rows past the groups
+  assert np.all(got[2][[1, 3]] == 0)  # empty groups get no weight gradient
+  if rule is not None:  # and the result is quantized, not a float matmul
+    assert _max_rel(got[0], _run(backend, None, dtype)[0]) > 0.005
+
+
+def _segments(groups):
+  start = 0
+  for g, size in enumerate(groups):
+    yield g, slice(start, start + int(size))
+    start += int(size)
+
+
+def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values():
+  """K=40 and N=24 against tiles of 16 (partial last tiles), rows straddling row tiles, fp8 operands."""
+  lhs, rhs, cot = _data(1, m=48, k=40, n=24)
+  groups = np.array([5, 0, 21, 12, 0], np.int32)  # 38 rows in groups
+  lhs8, rhs8 = jnp.asarray(lhs, E4M3), jnp.asarray(rhs, E4M3)
+  cot8 = jnp.asarray(np.where(np.arange(48)[:, None] < 38, cot, 0), E5M2)
+  out = np.asarray(gmm_pallas.matmul(lhs8, rhs8, jnp.asarray(groups), tile_rows=16, tile=16), np.float64)[:38]
+  dlhs = np.asarray(gmm_pallas.matmul(cot8, rhs8, jnp.asarray(groups), tile_rows=16, tile=16, transpose_rhs=True),
+                    np.float64)[:38]
+  drhs = np.asarray(gmm_pallas.outer(lhs8, cot8, jnp.asarray(groups), tile_rows=16, tile=16), np.float64)
+  l64, r64, c64 = (np.asarray(x, np.float64) for x in (lhs8, rhs8, cot8))
+  want_out, want_dlhs, want_drhs = np.zeros((38, 24)), np.zeros((38, 40)), np.zeros((5, 40, 24))
+  for g, rows in _segments(groups):
+    want_out[rows] = l64[rows] @ r64[g]
+    want_dlhs[rows] = c64[rows] @ r64[g].T
+    want_drhs[g] = l64[rows].T @ c64[rows]
+  for got, want in ((out, want_out), (dlhs, want_dlhs), (drhs, want_drhs)):
+    assert _max_rel(got, want) <= FP8_NOISE
+
+
+def test_pallas_forward_of_the_fp8_model_matches_maxtexts_golden_as_the_reference_does():
+  """`forward ... quantization=fp8_full quantize_mtp=true gmm_backend=pallas` on MaxText's checkpoint."""
+  golden = np.load(os.path.join(DATA, "golden", "c_fp8full_mtptrue.npz"))
+  data = batch.make_batch(batch.fixed_tokens(2, 16, 1024))
+  results = {}
+  for backend in ("pallas", "reference"):
+    cfg = config.resolve_config(TINY + [f"gmm_backend={backend}"])
+    model = running.load_model(cfg, os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024"))
+    assert model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gmm_backend == backend
+    results[backend] = running.forward(running.quantize_for_training(model, cfg), data)
+  pallas, reference = results["pallas"], results["reference"]
+  rel = lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(y))
+  assert rel(pallas.logits, golden["logits"]) <= rel(reference.logits, golden["logits"]) + FP8_NOISE
+  assert rel(pallas.mtp_logits[0], golden["mtp_logits"]) <= rel(reference.mtp_logits[0], golden["mtp_logits"]) + 1e-6
+  assert rel(pallas.logits, golden["logits"]) <= 1e-5  # measured 0: the golden's own numerics
+  assert (np.asarray(pallas.top1) == golden["top1"]).sum() == 32
+
+
+def test_auto_picks_pallas_on_tpu_ragged_dot_on_gpu_and_the_reference_on_cpu():
+  assert gmm_backends.resolve("auto") == "reference"  # these tests run on CPU
+  assert gmm_backends.resolve("auto", platform="tpu") == "pallas"
+  assert gmm_backends.resolve("auto", platform="gpu") == ("tokamax" if gmm_backends.tokamax_installed() else "xla")
+  for name in ("reference", "pallas", "xla"):
+    assert gmm_backends.resolve(name) == name
+
+
+def test_unknown_contradictory_or_missing_backends_are_one_clear_error():
+  with pytest.raises(errors.QuantError, match="gmm_backend='megablox' .* accepted: auto, reference, pallas"):
+    gmm_backends.resolve("megablox")
+  with pytest.raises(errors.QuantError, match="contradicts use_tokamax_backend=true"):
+    gmm_backends.resolve("pallas", use_tokamax_backend=True)
+  if not gmm_backends.tokamax_installed():
+    with pytest.raises(errors.QuantError, match="needs the tokamax package"):
+      gmm_backends.resolve("auto", use_tokamax_backend=True)
+  with pytest.raises(errors.QuantError, match="gmm_backend='fast'; accepted: 'auto'"):
+    config.resolve_config(["model_name=deepseek3-tiny", "gmm_backend=fast"])
+
+
+BAD_KEYS = [
+    (["gmm_backend=fast"], "error: gmm_backend='fast'; accepted: 'auto', 'reference', 'pallas', 'xla', 'tokamax'"),
+    (["gmm_backend=xla", "use_tokamax_backend=true"], "error: gmm_backend=xla contradicts use_tokamax_backend=true"),
+] + ([] if gmm_backends.tokamax_installed() else [  # an unavailable backend, where it is unavailable
+    (["gmm_backend=tokamax"], "error: gmm_backend=tokamax needs the tokamax package, which is not installed")])
+
+
+@pytest.mark.parametrize("keys,message", BAD_KEYS)
+def test_cli_names_a_bad_backend_in_one_line_with_exit_2(keys, message, tmp_path):
+  tokens = tmp_path / "t.npy"
+  np.save(tokens, batch.fixed_tokens(1, 8, 1024))
+  proc = subprocess.run([sys.executable, "-m", "inspect_tool", "forward", "model_name=deepseek3-tiny", *keys,
+                         "--tokens", str(tokens)], capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert proc.stderr.strip().startswith(message)
