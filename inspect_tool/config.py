@@ -270,6 +270,10 @@ def _validate(c: ModelConfig) -> None:
   _check(not c.quantization or c.use_qwix_quantization,
          f"use_qwix_quantization=false with quantization={c.quantization!r} selects MaxText's AQT path, which this "
          "tool does not model; accepted: use_qwix_quantization=true (Qwix, this tool's default)")
+  _check(not (c.quantization and c.use_batch_split_schedule),
+         f"quantization={c.quantization!r} with use_batch_split_schedule=true: MaxText's batch-split DeepSeek model "
+         "quantizes through its own fp8 path, not Qwix rules, which this tool does not model; accepted: "
+         "use_batch_split_schedule=false (with override_model_config=true on a batch-split preset)")
   if c.quantization:
     _validate_calibrations(c)
   if c.quantize_mtp:

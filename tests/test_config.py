@@ -166,6 +166,7 @@ def test_sharding_and_training_keys_parse_to_maxtext_types():
     (["model_name=llama3-8b"], "outside the DeepSeek family; this tool builds DeepSeek-family models: "),
     (["model_name=deepseek3-tiny", "base_mlp_dim=32", "first_num_dense_layers=0", "override_model_config=true"],
      "fully MoE model"),
+    (["model_name=deepseek3-671b-batchsplit", "quantization=fp8_full"], "MaxText's batch-split DeepSeek model"),
 ])
 def test_maxtext_keys_bad_input_is_one_clear_line(tokens, message):
   with pytest.raises(errors.ConfigError) as info:
