@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from inspect_tool import config
-from inspect_tool import coverage
+from inspect_tool import model_coverage as coverage
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool import params

@@ -11,9 +11,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from inspect_tool import config
-from inspect_tool import coverage
+from inspect_tool import model_coverage as coverage
 from inspect_tool import errors
-from inspect_tool import export
+from inspect_tool.fp8_export import pipeline as export
 from inspect_tool import forward
 from inspect_tool import model as model_lib
 from inspect_tool import params

@@ -29,12 +29,15 @@ def qwix_init_inputs(cfg) -> tuple[tuple, dict]:
 
   The batch is (1, min(max_target_length, 16)): which ops run and which rule each gets does not depend on it,
   except with DeepSeek-V3.2's indexer, whose scoring ops run only on more keys than `indexer_topk`; the
-  sequence then grows to `indexer_topk + 1` exactly when MaxText's (max_target_length) exceeds `indexer_topk`.
+  sequence then grows to `indexer_topk + 1` exactly when MaxText's (max_target_length) exceeds `indexer_topk`,
+  and DeepSeek-V4's compressors, which run only on a whole block (the largest `compress_ratios` entry).
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   length = min(cfg.max_target_length, QWIX_INIT_SEQUENCE)
-  if cfg.use_indexer and cfg.max_target_length > cfg.indexer_topk >= length:
+  if cfg.decoder_block == "deepseek4":  # a compressor's ops run only on sequences of a whole block or more
+    length = min(cfg.max_target_length, max([length] + [int(r) for r in cfg.compress_ratios]))
+  elif cfg.use_indexer and cfg.max_target_length > cfg.indexer_topk >= length:
     length = cfg.indexer_topk + 1
   ones = jnp.ones((1, length), jnp.int32)
   kwargs = {"enable_dropout": False}
