@@ -1,12 +1,18 @@
-"""Benchmark of the FP8 grouped matmul (`quant.gmm_fp8.quantized_gmm`) against bf16 `jax.lax.ragged_dot`.
+"""Grouped-matmul throughput per backend, bf16 and FP8, at DeepSeek-V3 routed-expert shapes, against the peak.
 
-Routed-expert shapes: rows = tokens * top-k sorted by expert, K = emb (E), N = expert mlp width (F), G experts;
-group sizes are a seeded random routing. Every op is jitted; times are the median of --repeats runs after
---warmup runs. Runs on JAX's default backend (CPU or an accelerator).
+For every available backend (`quant.gmm_backends`: reference, pallas, xla, tokamax) the same kernel runs the
+grouped matmul unquantized on bf16 operands (the baseline) and FP8 (MaxText's fp8_full gmm rule: e4m3
+activations per row, e4m3 weights per column, quantized on the fly as in training; e5m2 gradients with --grad).
+Shapes: rows = tokens x top-8 sorted by expert over 256 experts, wi (K 7168 -> N 2048) and wo (K 2048 ->
+N 7168); group sizes from a seeded random routing. TFLOP/s counts 2*M*K*N per matmul (3 matmuls with --grad);
+the ratio to the device's peak uses the dense peak of the dtype (PEAKS; FP8 against the FP8 peak where the
+device has FP8 units, else against bf16); speedup = bf16 time / FP8 time of the same kernel. Times: median of
+--repeats after --warmup, jitted. Off TPU, pallas is interpret mode (name it with --backends to time it anyway).
 
-  python bench/bench_gmm.py                 # default sizes
-  python bench/bench_gmm.py --grad          # also forward+backward
-  python bench/bench_gmm.py --sizes 4096x8:256:512:64 --repeats 5 --strategy batched
+  python bench/bench_gmm.py                       # on a GPU or TPU: 4096, 8192, 16384 tokens, every backend
+  python bench/bench_gmm.py --grad                # forward + backward
+  python bench/bench_gmm.py --small               # CPU: same structure, shapes / 16 and 32 experts
+  python bench/bench_gmm.py --backends xla pallas --tokens 4096
 """
 
 import argparse
@@ -21,20 +27,29 @@ import numpy as np
 import qwix
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from quant import gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
+from quant import errors, gmm_backends, gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
 
-DEFAULT_SIZES = ("4096x8:64:64:16", "4096x8:64:64:64", "4096x8:256:512:16")
 FP8_RULE = qwix.QtRule(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn, bwd_qtype=jnp.float8_e5m2)
+EMB, MLP, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3: emb_dim, moe_mlp_dim, num_experts, experts per token
+TOKENS = (4096, 8192, 16384)
+SMALL = 16  # --small divides K, N and tokens by this and uses 32 experts
+
+# Dense peak TFLOP/s (bf16, fp8; None: no FP8 units) by a substring of jax's device_kind, vendors' data sheets.
+PEAKS = (
+    ("H200", 989.0, 1979.0), ("H100", 989.0, 1979.0), ("H800", 989.0, 1979.0), ("GH200", 989.0, 1979.0),
+    ("B200", 2250.0, 4500.0), ("GB200", 2500.0, 5000.0), ("L40S", 362.0, 733.0), ("A100", 312.0, None),
+    ("MI300X", 1307.0, 2615.0), ("MI325X", 1307.0, 2615.0),
+    ("TPU v5 lite", 197.0, None), ("TPU v5e", 197.0, None), ("TPU v5", 459.0, None), ("TPU v6", 918.0, None),
+    ("TPU7x", 2307.0, 4614.0),
+)
 
 
-def _parse_size(text: str) -> tuple[int, int, int, int]:
-  """'<tokens>x<topk>:<E>:<F>:<G>' -> (rows, K, N, G)."""
-  try:
-    tokens, emb, mlp, groups = text.split(":")
-    count, topk = tokens.split("x")
-    return int(count) * int(topk), int(emb), int(mlp), int(groups)
-  except ValueError as error:
-    raise argparse.ArgumentTypeError(f"size {text!r} is invalid; accepted: <tokens>x<topk>:<E>:<F>:<G>") from error
+def peak(device_kind: str):
+  """(bf16, fp8) dense peak TFLOP/s of a device kind, or (None, None) when unknown (CPU)."""
+  for key, bf16, fp8 in PEAKS:
+    if key.lower() in device_kind.lower():
+      return bf16, fp8
+  return None, None
 
 
 def _median_seconds(fn, args, warmup: int, repeats: int) -> float:
@@ -48,59 +63,77 @@ def _median_seconds(fn, args, warmup: int, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _ops(grad: bool, strategy: str):
-  """Jitted callables keyed by name: fp8 quantized gmm and bf16 ragged_dot (forward, optionally fwd+bwd)."""
-  ops = {
-      "fp8 quantized_gmm": jax.jit(lambda l, r, g: gmm_fp8.quantized_gmm(l, r, g, FP8_RULE, strategy=strategy)),
-      "bf16 ragged_dot": jax.jit(lambda l, r, g: jax.lax.ragged_dot(l, r, g, preferred_element_type=jnp.bfloat16)),
-  }
-  if grad:
-    def fwd_bwd(fn):
-      return jax.jit(jax.grad(lambda l, r, g: jnp.sum(fn(l, r, g).astype(jnp.float32)), (0, 1)))
-    ops["fp8 quantized_gmm fwd+bwd"] = fwd_bwd(
-        lambda l, r, g: gmm_fp8.quantized_gmm(l, r, g, FP8_RULE, strategy=strategy))
-    ops["bf16 ragged_dot fwd+bwd"] = fwd_bwd(
-        lambda l, r, g: jax.lax.ragged_dot(l, r, g, preferred_element_type=jnp.bfloat16))
-  return ops
+def _op(backend: str, rule, grad: bool):
+  def forward(lhs, rhs, groups):
+    return gmm_fp8.quantized_gmm(lhs, rhs, groups, rule, jnp.bfloat16, backend=backend)
+  if not grad:
+    return jax.jit(forward)
+  return jax.jit(jax.grad(lambda l, r, g: jnp.sum(forward(l, r, g).astype(jnp.float32)), (0, 1)))
 
 
-def run(sizes, warmup: int, repeats: int, grad: bool, seed: int, strategy: str = "loop") -> None:
-  backend = jax.default_backend()
-  print(f"backend: {backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
-        f"gmm strategy: {strategy}, tile rows: {gmm_fp8.DEFAULT_TILE_ROWS}")
-  print(f"median of {repeats} runs after {warmup} warmup; ratio = ragged_dot time / fp8 time")
+def available_backends(requested) -> list[str]:
+  out = []
+  for name in requested:
+    try:
+      out.append(gmm_backends.resolve(name))
+    except errors.QuantError as error:
+      print(f"  {name}: not available ({error})")
+  return list(dict.fromkeys(out))
+
+
+def _routing(rng, rows: int, experts: int):
+  return jnp.asarray(np.bincount(rng.integers(0, experts, rows), minlength=experts), jnp.int32)
+
+
+def run(backends, tokens, *, small: bool, grad: bool, warmup: int, repeats: int, seed: int) -> None:
+  device = jax.devices()[0]
+  bf16_peak, fp8_peak = peak(device.device_kind)
+  scale = SMALL if small else 1
+  emb, mlp, experts = EMB // scale, MLP // scale, EXPERTS // 8 if small else EXPERTS
+  print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; peak TFLOP/s bf16 {bf16_peak}, "
+        f"fp8 {fp8_peak}; {'fwd+bwd' if grad else 'fwd'}; median of {repeats} after {warmup} warmup")
+  print(f"shapes: tokens x top-{TOP_K} rows over {experts} experts, wi K {emb} -> N {mlp}, wo K {mlp} -> N {emb}"
+        + (" (--small)" if small else ""))
+  names = available_backends(backends)
+  print(f"{'backend':10s} {'tokens':>7s} {'matmul':6s} {'bf16 ms':>9s} {'TF/s':>7s} {'%peak':>6s} "
+        f"{'fp8 ms':>9s} {'TF/s':>7s} {'%peak':>6s} {'speedup':>8s}")
   rng = np.random.default_rng(seed)
-  for rows, emb, mlp, num_groups in sizes:
-    lhs = jnp.asarray(rng.normal(size=(rows, emb)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.normal(size=(num_groups, emb, mlp)) / np.sqrt(emb), jnp.bfloat16)
-    groups = jnp.asarray(np.bincount(rng.integers(0, num_groups, rows), minlength=num_groups), jnp.int32)
-    ops = _ops(grad, strategy)
-    times = {name: _median_seconds(fn, (lhs, rhs, groups), warmup, repeats) for name, fn in ops.items()}
-    exact = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), groups,
-                               precision=jax.lax.Precision.HIGHEST)
-    fp8_out = ops["fp8 quantized_gmm"](lhs, rhs, groups).astype(jnp.float32)
-    rel = float(jnp.linalg.norm(fp8_out - exact) / jnp.linalg.norm(exact))
-    print(f"rows={rows} K(E)={emb} N(F)={mlp} G={num_groups}: fp8 rel. error vs float {rel:.4f}")
-    for kind in ("", " fwd+bwd"):
-      if f"fp8 quantized_gmm{kind}" not in times:
-        continue
-      ours, theirs = times[f"fp8 quantized_gmm{kind}"], times[f"bf16 ragged_dot{kind}"]
-      print(f"  {kind.strip() or 'fwd':8s} fp8 quantized_gmm {ours * 1e3:9.2f} ms | bf16 ragged_dot "
-            f"{theirs * 1e3:9.2f} ms | ratio {theirs / ours:6.2f}x")
+  for count in tokens:
+    rows = count // scale * TOP_K
+    groups = _routing(rng, rows, experts)
+    for name, (k, n) in (("wi", (emb, mlp)), ("wo", (mlp, emb))):
+      lhs = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
+      rhs = jnp.asarray(rng.normal(size=(experts, k, n)) / np.sqrt(k), jnp.bfloat16)
+      flops = 2 * rows * k * n * (3 if grad else 1)
+      for backend in names:
+        row = []
+        for rule, top in ((None, bf16_peak), (FP8_RULE, fp8_peak or bf16_peak)):
+          seconds = _median_seconds(_op(backend, rule, grad), (lhs, rhs, groups), warmup, repeats)
+          tflops = flops / seconds / 1e12
+          row.append((seconds, tflops, f"{100 * tflops / top:5.1f}%" if top else "   n/a"))
+        (b_s, b_tf, b_pk), (f_s, f_tf, f_pk) = row
+        print(f"{backend:10s} {count // scale:7d} {name:6s} {b_s * 1e3:9.2f} {b_tf:7.2f} {b_pk:>6s} "
+              f"{f_s * 1e3:9.2f} {f_tf:7.2f} {f_pk:>6s} {b_s / f_s:7.2f}x", flush=True)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", nargs="+", type=_parse_size, default=None,
-                      help=f"<tokens>x<topk>:<E>:<F>:<G> (default: {' '.join(DEFAULT_SIZES)})")
+  parser.add_argument("--backends", nargs="+", choices=gmm_backends.KERNELS, default=None,
+                      help="default: every backend available here (pallas only on TPU unless named)")
+  parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+  parser.add_argument("--small", action="store_true", help=f"K, N and tokens / {SMALL}, 32 experts (for CPU)")
+  parser.add_argument("--grad", action="store_true", help="time forward + backward (3 matmuls)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--grad", action="store_true", help="also time forward+backward (sum of outputs)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--strategy", choices=gmm_fp8.STRATEGIES, default="loop", help="work-item execution")
   args = parser.parse_args(argv)
-  sizes = args.sizes or [_parse_size(s) for s in DEFAULT_SIZES]
-  run(sizes, args.warmup, args.repeats, args.grad, args.seed, args.strategy)
+  backends = args.backends
+  if backends is None:  # Pallas off TPU is interpret mode: a correctness tool, not a kernel to time
+    backends = [b for b in gmm_backends.KERNELS if b != "pallas" or jax.default_backend() == "tpu"]
+    if jax.default_backend() != "cpu":
+      backends = [b for b in backends if b != "reference"]  # a loop of tiles: for CPU only
+  run(backends, args.tokens, small=args.small, grad=args.grad, warmup=args.warmup, repeats=args.repeats,
+      seed=args.seed)
 
 
 if __name__ == "__main__":
