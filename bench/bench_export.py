@@ -10,7 +10,7 @@ follows the largest array, not the checkpoint.
 
   .venv/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|unscanned] [--keep]
 
-Sources have random weights and are written one array at a time (`quant.export.OrbaxStreamWriter`), so the
+Sources have random weights and are written one array at a time (`quant.ptq_weights.OrbaxStreamWriter`), so the
 benchmark itself needs about one array's worth of memory. Everything is deleted afterwards unless --keep.
 """
 
@@ -34,8 +34,9 @@ QUANT = ["quantization=fp8_full", "quantize_mtp=true"]
 
 _PLAN_ONLY = r"""
 import sys
-from inspect_tool import config, export
-plan = export.plan_export(config.resolve_config(sys.argv[1:]))
+from inspect_tool import config
+from inspect_tool.fp8_export import plan as export_plan
+plan = export_plan.plan_export(config.resolve_config(sys.argv[1:]))
 print(len(plan.weights))
 """
 
@@ -47,13 +48,14 @@ def write_source(step_dir: str, tokens: list[str]) -> tuple[int, int]:
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import config, export, tree  # pylint: disable=import-outside-toplevel
-  from quant import export as qexport  # pylint: disable=import-outside-toplevel
+  from inspect_tool import config, tree  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import plan as export_plan  # pylint: disable=import-outside-toplevel
+  from quant import ptq_weights as qexport  # pylint: disable=import-outside-toplevel
 
   rng = np.random.default_rng(0)
   writer = qexport.OrbaxStreamWriter(step_dir, flush_bytes=1)  # every array is its own partial save
   total = largest = 0
-  for leaf in export.model_leaves(config.resolve_config(tokens)):
+  for leaf in export_plan.model_leaves(config.resolve_config(tokens)):
     if leaf.key[-1] == "scale":
       array = np.ones(leaf.shape, np.float32)
     elif leaf.key[-1] == "bias":

@@ -10,7 +10,7 @@ from inspect_tool import config as config_lib
 from inspect_tool import listings
 
 
-def expected_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
+def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
   """The leaves a checkpoint of this config holds: Params and non-Param state, or their exported FP8 form.
 
   `quantized`: the layout `inspect_checkpoint export` writes for the config's quantization (every weight a
@@ -20,8 +20,8 @@ def expected_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
   from inspect_tool import params  # pylint: disable=import-outside-toplevel
 
   if quantized:
-    from inspect_tool import export  # pylint: disable=import-outside-toplevel
-    return export.expected_leaves(cfg)
+    from inspect_tool.fp8_export import plan  # pylint: disable=import-outside-toplevel
+    return plan.orbax_export_leaves(cfg)
   return params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
 
 
@@ -29,16 +29,16 @@ def diff_config_checkpoint(tokens, path: str):
   """Returns (model description, `DiffResult`) for `key=value` tokens and an Orbax checkpoint path."""
   from inspect_tool.checkpoint import diff, locate, orbax_metadata  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(tokens)
   resolved = locate.resolve_orbax_path(path)
   ckpt_leaves = orbax_metadata.read_leaves(resolved.items_dir)
-  export = quantized_load.is_export(resolved.items_dir)  # quantization_report.json beside the steps
+  export = export_load.is_export(resolved.items_dir)  # quantization_report.json beside the steps
   quantized = export and bool(cfg.quantization)
-  result = diff.diff_leaves(expected_leaves(cfg, quantized=quantized), ckpt_leaves)
+  result = diff.diff_leaves(config_checkpoint_leaves(cfg, quantized=quantized), ckpt_leaves)
   if export and not result.agree:
-    hint = quantized_load.export_keys_hint(resolved.items_dir)
+    hint = export_load.export_keys_hint(resolved.items_dir)
     if not quantized:
       result.causes.append(diff.Cause("quantization", "the checkpoint is an FP8 export but the model has no "
                                       "quantization", hint or "quantization=fp8_full"))

@@ -1,4 +1,5 @@
-"""Progress messages for long work: on stderr when it is a terminal, silent in pipes and files."""
+"""Progress messages for long work on stderr: steps and bars on a terminal, a few plain lines of byte progress
+otherwise (`ByteProgress`), nothing with `--quiet` (`set_quiet`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 
 def enabled() -> bool:
-  return sys.stderr.isatty()
+  return not _QUIET and sys.stderr.isatty()
 
 
 @contextlib.contextmanager
@@ -25,3 +26,74 @@ def step(message: str):
   finally:
     sys.stderr.write(f" {time.perf_counter() - start:.1f}s\n")
     sys.stderr.flush()
+
+
+_QUIET = False
+
+
+def set_quiet(quiet: bool) -> None:
+  """`--quiet`: no progress output at all (steps and bars)."""
+  global _QUIET  # pylint: disable=global-statement
+  _QUIET = bool(quiet)
+
+
+class ByteProgress:
+  """Progress of work measured in bytes and arrays: a tqdm bar on a terminal (arrays and bytes done, bytes/s,
+  ETA), otherwise a plain line at the start, every quarter and the end; nothing with `--quiet`."""
+
+  def __init__(self, description: str, total_bytes: int, total_arrays: int):
+    self.description, self.total_bytes, self.total_arrays = description, max(int(total_bytes), 1), total_arrays
+    self.done_bytes = self.done_arrays = 0
+    self._start = time.perf_counter()
+    self._bar = None
+    self._next_quarter = 1
+    if _QUIET:
+      return
+    if enabled():
+      import tqdm  # pylint: disable=import-outside-toplevel
+      self._bar = tqdm.tqdm(total=self.total_bytes, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, dynamic_ncols=True, leave=True)
+      self._bar.set_postfix_str(f"arrays 0/{total_arrays}")
+    else:
+      self._line(f"{description}: {total_arrays} arrays, {_size(self.total_bytes)}")
+
+  def update(self, nbytes: int, arrays: int = 0) -> None:
+    self.done_bytes += int(nbytes)
+    self.done_arrays += arrays
+    if self._bar is not None:
+      self._bar.update(int(nbytes))
+      if arrays:
+        self._bar.set_postfix_str(f"arrays {self.done_arrays}/{self.total_arrays}", refresh=False)
+    elif not _QUIET:
+      while self._next_quarter < 4 and self.done_bytes >= self.total_bytes * self._next_quarter / 4:
+        elapsed = time.perf_counter() - self._start
+        rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_bytes - self.done_bytes) / rate if rate else 0.0
+        self._line(f"{self.description}: {self._next_quarter * 25}% ({self.done_arrays}/{self.total_arrays} arrays, "
+                   f"{_size(self.done_bytes)}, {_size(rate)}/s, ETA {eta:.0f}s)")
+        self._next_quarter += 1
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    elif not _QUIET:
+      elapsed = time.perf_counter() - self._start
+      self._line(f"{self.description}: done, {self.done_arrays} arrays, {_size(self.done_bytes)} in {elapsed:.1f}s")
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  @staticmethod
+  def _line(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _size(nbytes: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= size:
+      return f"{nbytes / size:.1f} {unit}"
+  return f"{int(nbytes)} B"

@@ -14,7 +14,7 @@ between the lookup and the module's method.
 
 Each record also keeps the weight operand as the op consumes it: its shape (inside a scanned stack, the
 per-layer slice), its dtype (after the layer's cast), and the axes the op contracts (for a grouped op the
-[G, K, N] convention gives (1,)). Quantization granularity and numerics follow from these (`quant.export`).
+[G, K, N] convention gives (1,)). Quantization granularity and numerics follow from these (`quant.ptq_weights`).
 
 FLOPs per token are a property of the weight, not of the traced shapes: 2 × (weight parameters one token
 uses). A dense weight is used whole: 2 × params. A grouped (expert) weight of G groups is used for

@@ -83,14 +83,6 @@ def quantized_keys(key: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]
   return key + (ARRAY, QVALUE), key + (ARRAY, SCALE)
 
 
-def split_quantized_key(key: Sequence[str]) -> tuple[tuple[str, ...], str] | None:
-  """(float leaf key, 'qvalue' | 'scale') for a quantized leaf key, else None."""
-  key = tuple(key)
-  if len(key) >= 3 and key[-2] == ARRAY and key[-1] in (QVALUE, SCALE):
-    return key[:-2], key[-1]
-  return None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Granularity.
 
@@ -187,12 +179,6 @@ def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYT
   parts = [_quantize(jax.lax.slice_in_dim(x, int(lo), int(hi), axis=axis), **kwargs)
            for lo, hi in zip(bounds[:-1], bounds[1:])]
   return (jnp.concatenate([q for q, _ in parts], axis=axis), jnp.concatenate([s for _, s in parts], axis=axis))
-
-
-def dequantize_weight(qvalue, scale, dtype=None):
-  """The float weight an exported pair stands for (`qvalue * scale`, in `dtype` or the scale's dtype)."""
-  out = fp8.dequantize(qvalue, scale)
-  return out if dtype is None else out.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ import tensorstore as ts
 
 from inspect_tool import cli
 from inspect_tool import errors
-from inspect_tool import export
-from inspect_tool import export_report
+from inspect_tool.fp8_export import pipeline as export
+from inspect_tool.fp8_export import plan as export_plan
+from inspect_tool.fp8_export import validate as export_validate
 from inspect_tool import metrics
 from inspect_tool.checkpoint import orbax_metadata
-from quant import export as qexport
+from quant import ptq_weights as qexport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data")
@@ -204,9 +205,9 @@ def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys
   def failing(cfg, source, exported, data, *, min_top1, mesh=None, tokens="fixed"):
     del cfg, source, exported, mesh
     row = metrics.HeadComparison("main", 0.9, 0.5, 0.1, 0.3, 32)
-    return export_report.Validation((row,), (row,), min_top1, tuple(data.tokens.shape), tokens)
+    return export_validate.Validation((row,), (row,), min_top1, tuple(data.tokens.shape), tokens)
 
-  monkeypatch.setattr(export_report, "validate", failing)
+  monkeypatch.setattr(export_validate, "validate", failing)
   tokens = tmp_path / "tokens.npy"
   np.save(tokens, (np.arange(24).reshape(2, 12) * 7 % 1024).astype(np.int32))
   dst = tmp_path / "out"
@@ -308,7 +309,7 @@ def test_an_export_is_not_accepted_as_source_and_quantization_is_required(export
   with pytest.raises(errors.InputError, match="already an FP8 export"):
     export.export(_tokens(True), str(tmp_path / "again"), source=exports[True].dst)
   with pytest.raises(errors.ConfigError, match="quantization=fp8_full"):
-    export.plan_export(export.config_lib.resolve_config(TINY))
+    export_plan.plan_export(export.config_lib.resolve_config(TINY))
 
 
 # Sharding ------------------------------------------------------------------------------------------------------
@@ -316,9 +317,9 @@ def test_an_export_is_not_accepted_as_source_and_quantization_is_required(export
 _SHARDED = """
 import json, sys
 import jax
-from inspect_tool import export
+from inspect_tool.fp8_export import pipeline
 assert jax.device_count() == 4, jax.devices()
-result = export.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
+result = pipeline.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
 print(json.dumps(result.report["mesh"]))
 """ % CKPT
 

@@ -1,4 +1,4 @@
-"""Tests for inspect_tool.export_hf: MaxText → Hugging Face DeepSeek FP8 (128×128 block scales) export."""
+"""Tests for inspect_tool.fp8_export.write_hf: MaxText → Hugging Face DeepSeek FP8 (128×128 block scales) export."""
 
 import json
 import math
@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from inspect_tool import config, errors, export_hf, model, params, tree
+from inspect_tool import config, errors, model, params, tree
+from inspect_tool.fp8_export import write_hf as export_hf
 from inspect_tool.checkpoint import safetensors_header
 from quant import fp8
 
@@ -143,7 +144,7 @@ def v2_like(tmp_path_factory):
 def test_expected_leaves_are_exactly_the_model_tree(overrides):
   cfg = config.resolve_config(overrides)
   leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
-  assert export_hf.expected_leaves(cfg) == {leaf.key: leaf.shape for leaf in leaves}
+  assert export_hf.source_shapes(cfg) == {leaf.key: leaf.shape for leaf in leaves}
 
 
 def _expected_listing(cfg):

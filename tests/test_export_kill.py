@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from inspect_tool import atomic, export
+from inspect_tool import atomic
+from inspect_tool.fp8_export import pipeline as export
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")

@@ -36,12 +36,12 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   Example: inspect_checkpoint export model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full
   --checkpoint CKPT --output OUT
   """
-  from inspect_tool import export as export_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import export_report  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
   from inspect_tool.cli import options  # pylint: disable=import-outside-toplevel
 
   if layout == "deepseek-fp8":
-    summary = export_lib.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite)
+    summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite)
     if fmt == "json":
       click.echo(json.dumps(summary, indent=1))
     else:
@@ -54,10 +54,10 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
     cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
-  result = export_lib.export(overrides, dst, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file,
+  result = pipeline.export(overrides, dst, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file,
                              min_top1=min_top1, run_validation=validate, command=options.command_line())
   if fmt == "json":
     click.echo(json.dumps(result.report, indent=1))
   else:
-    click.echo(export_report.format_text(result), nl=False)
+    click.echo(report.format_text(result), nl=False)
   return 0 if result.passed else 1

@@ -19,16 +19,16 @@ def rules(overrides, rules_file, fmt, strict, explain_path):
 
   Example: inspect_checkpoint rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full quantize_mtp=true
   """
-  from inspect_tool import config, coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import config, model_coverage  # pylint: disable=import-outside-toplevel
   from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(overrides)
-  report = coverage.trace_coverage(cfg, rules_file)
+  report = model_coverage.trace_coverage(cfg, rules_file)
   if explain_path:
     _check_traced(report, explain_path)
     click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)
   elif fmt == "html":
-    click.echo(coverage.coverage_html(cfg, report), nl=False)
+    click.echo(model_coverage.coverage_html(cfg, report), nl=False)
   else:
     formatter = {"text": coverage_format.to_text, "json": coverage_format.to_json,
                  "markdown": coverage_format.to_markdown}[fmt]

@@ -100,12 +100,12 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
 
   from inspect_tool import params  # pylint: disable=import-outside-toplevel
   from quant import compat  # pylint: disable=import-outside-toplevel
-  from quant import export as qexport  # pylint: disable=import-outside-toplevel
+  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   stored = {l.key: l for l in listing.leaves}
   replaced = []
   for leaf in params.param_leaves(model):
-    qkey, skey = qexport.quantized_keys(leaf.key)
+    qkey, skey = ptq_weights.quantized_keys(leaf.key)
     if qkey not in stored or skey not in stored:
       continue
     qleaf, sleaf = stored[qkey], stored[skey]
@@ -130,11 +130,11 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
     errors.MismatchError: the checkpoint does not fit the quantized model (e.g. other quantize_* keys).
     errors.CheckpointError: the checkpoint cannot be read.
   """
-  from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model_coverage  # pylint: disable=import-outside-toplevel
   from inspect_tool import params  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
 
-  rules = coverage.config_rules(cfg)
+  rules = model_coverage.config_rules(cfg)
   if not rules:
     hint = export_keys_hint(path) or "the quantization keys it was exported with"
     raise errors.InputError(f"checkpoint {path!r} is an FP8 export; load it into the quantized model: add {hint}")

@@ -1,67 +1,20 @@
-"""What an export says about itself: validation against its source, `quantization_report.json`, the summary.
+"""Export stage 6, the report: what an export says about itself (`quantization_report.json`) and the summary.
 
-Validation runs the source under the config's rules on the fly (Qwix QT: the quantization-applied model) and
-unquantized, then the exported checkpoint loaded into the quantized model (`quantized_load`), one model after
-the other, and compares them per head (main, each MTP depth): cosine, top-1 agreement, KL, relative error. The
-gate (`min_top1`) is the top-1 agreement of every head with the quantization-applied source; the comparison
-with the unquantized source is information (the cost of quantizing).
+The report holds the rules, coverage summary, each quantized weight (qtype, scale shape, granularity), the copied
+leaves, the validation results, the producer, the source and the command.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
-from inspect_tool import progress
 from inspect_tool import tree
 
 FORMAT_VERSION = 1
-DEFAULT_MIN_TOP1 = 0.9
 STEP = 0
 ITEM = "items"
-
-
-@dataclasses.dataclass(frozen=True)
-class Validation:
-  """Exported model vs the source under the same rules (gated) and vs the unquantized source (information)."""
-
-  vs_quantized: tuple  # metrics.HeadComparison per head
-  vs_unquantized: tuple
-  min_top1: float
-  batch_shape: tuple[int, int]
-  tokens: str  # "fixed" or the tokens file
-  result: Any = dataclasses.field(default=None, compare=False, repr=False)  # the exported model's ForwardResult
-
-  @property
-  def passed(self) -> bool:
-    return all(row.top1_agreement >= self.min_top1 for row in self.vs_quantized)
-
-  def to_dict(self) -> dict:
-    return {"batch_shape": list(self.batch_shape), "tokens": self.tokens, "min_top1": self.min_top1,
-            "passed": self.passed, "gate": "top1_agreement of every head vs the source under the same rules (QT)",
-            "vs_quantized_source": [r.to_dict() for r in self.vs_quantized],
-            "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
-
-
-def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
-             tokens: str = "fixed") -> Validation:
-  """Runs source (QT and unquantized) and the exported checkpoint on `data` and compares them per head."""
-  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
-  from inspect_tool import running  # pylint: disable=import-outside-toplevel
-
-  model = running.load_model(cfg, source, mesh=mesh)
-  quantized = running.forward(running.quantize_for_training(model, cfg), data)
-  plain = running.forward(model, data)
-  del model
-  with progress.step("loading the exported checkpoint"):
-    exported_model = quantized_load.load_quantized_model(cfg, exported, mesh=mesh)
-  result = running.forward(exported_model, data)
-  del exported_model
-  return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
-                    float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result)
 
 
 def _producer() -> dict:
@@ -85,7 +38,7 @@ def _coverage_summary(report) -> dict:
 
 def build_report(plan, *, tokens: Sequence[str], source: str | None, command: str | None,
                  copied: Sequence[tree.Leaf], source_bytes: int, written_bytes: int, mesh_devices: int,
-                 validation: Validation | None) -> dict:
+                 validation) -> dict:
   from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
 
   cfg = plan.cfg

@@ -1,4 +1,4 @@
-"""Export to Hugging Face DeepSeek safetensors in DeepSeek-V3's FP8 release layout (`--layout deepseek-fp8`).
+"""Export stage 4, `--layout deepseek-fp8`: Hugging Face DeepSeek safetensors in DeepSeek-V3's FP8 release layout.
 
 `write_deepseek_fp8(arrays, cfg, dst_dir)` maps every MaxText leaf to its Hugging Face DeepSeek-V3 (or V2)
 tensor(s), quantizes the Linear weights to float8_e4m3fn with one float32 `weight_scale_inv` per 128×128 block
@@ -174,8 +174,8 @@ def _plan(cfg, mtp_shared_copies: bool) -> dict[tuple[str, ...], _Entry]:
   return plan
 
 
-def expected_leaves(cfg, *, mtp_shared_copies: bool = True) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """MaxText leaf key -> shape that `write_deepseek_fp8` expects for `cfg` (gate bias under its nnx_aux key)."""
+def source_shapes(cfg, *, mtp_shared_copies: bool = True) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """MaxText leaf key -> shape that `write_deepseek_fp8` needs for `cfg` (gate bias under its nnx_aux key)."""
   return {key: entry.shape for key, entry in _plan(cfg, mtp_shared_copies).items()}
 
 

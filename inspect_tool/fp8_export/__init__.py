@@ -1,0 +1,13 @@
+"""`inspect_checkpoint export`: the quantization-applied model of a config, written as an FP8 checkpoint.
+
+One module per stage of the flow, in order:
+
+* `plan`: which weights a quantizing op consumes, and at which granularity (traces the config's Qwix rules);
+* `read`: the source arrays (an Orbax checkpoint or the seeded init), a bounded group at a time;
+* `write_orbax`: quantize (`quant.ptq_weights`) and write the Orbax checkpoint (Qwix PTQ layout);
+  `write_hf`: the Hugging Face DeepSeek-V3 FP8 release layout (`--layout deepseek-fp8`) instead;
+* `validate`: the export, loaded back, against its source on a batch;
+* `report`: `quantization_report.json` and the printed summary;
+* `load`: an export loaded into the quantized model (`forward --checkpoint`, `diff`, validation);
+* `pipeline`: the stages run in order inside a claimed, locked destination that appears atomically.
+"""

@@ -1,0 +1,58 @@
+"""Export stage 5, validation: the export loaded back, against its source on a batch.
+
+The source is run under the config's rules on the fly (Qwix QT: the quantization-applied model) and
+unquantized, then the exported checkpoint loaded into the quantized model (`load`), one model after the other,
+and they are compared per head (main, each MTP depth): cosine, top-1 agreement, KL, relative error. The gate
+(`min_top1`) is the top-1 agreement of every head with the quantization-applied source; the comparison with the
+unquantized source is information (the cost of quantizing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from inspect_tool import progress
+
+DEFAULT_MIN_TOP1 = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+  """Exported model vs the source under the same rules (gated) and vs the unquantized source (information)."""
+
+  vs_quantized: tuple  # metrics.HeadComparison per head
+  vs_unquantized: tuple
+  min_top1: float
+  batch_shape: tuple[int, int]
+  tokens: str  # "fixed" or the tokens file
+  result: Any = dataclasses.field(default=None, compare=False, repr=False)  # the exported model's ForwardResult
+
+  @property
+  def passed(self) -> bool:
+    return all(row.top1_agreement >= self.min_top1 for row in self.vs_quantized)
+
+  def to_dict(self) -> dict:
+    return {"batch_shape": list(self.batch_shape), "tokens": self.tokens, "min_top1": self.min_top1,
+            "passed": self.passed, "gate": "top1_agreement of every head vs the source under the same rules (QT)",
+            "vs_quantized_source": [r.to_dict() for r in self.vs_quantized],
+            "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
+
+
+def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
+             tokens: str = "fixed") -> Validation:
+  """Runs source (QT and unquantized) and the exported checkpoint on `data` and compares them per head."""
+  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
+  from inspect_tool import running  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
+
+  model = running.load_model(cfg, source, mesh=mesh)
+  quantized = running.forward(running.quantize_for_training(model, cfg), data)
+  plain = running.forward(model, data)
+  del model
+  with progress.step("loading the exported checkpoint"):
+    exported_model = load.load_quantized_model(cfg, exported, mesh=mesh)
+  result = running.forward(exported_model, data)
+  del exported_model
+  return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
+                    float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result)
