@@ -23,14 +23,14 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
   import qwix  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model_coverage  # pylint: disable=import-outside-toplevel
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
   from quant import fp8_providers  # pylint: disable=import-outside-toplevel
 
-  if quantized_load.is_quantized_model(model):
+  if export_load.is_quantized_model(model):
     return model  # an FP8 export under Qwix PTQ: its quantization is in its weights
-  rules = coverage.config_rules(cfg) if rules is None else list(rules)
+  rules = model_coverage.config_rules(cfg) if rules is None else list(rules)
   if not rules:
     return model
   args, kwargs = model_lib.qwix_init_inputs(cfg)
@@ -41,18 +41,22 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
 def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):
   """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init.
 
-  An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`quantized_load`): Qwix PTQ for
+  An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`fp8_export.load`): Qwix PTQ for
   dense ops, pre-quantized experts in our gmm.
   """
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
   if checkpoint is None:
     with progress.step(f"initialising {cfg.model_name} (seed {cfg.init_weights_seed})"):
       return model_lib.build_model(cfg, abstract=False)
-  if quantized_load.is_export(checkpoint):
+  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
+  if hf_restore.is_hf_checkpoint(checkpoint):  # bf16 or FP8 DeepSeek safetensors, dequantized to float weights
+    with progress.step(f"loading Hugging Face checkpoint {checkpoint}"):
+      return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
+  if export_load.is_export(checkpoint):
     with progress.step(f"loading FP8 export {checkpoint}"):
-      return quantized_load.load_quantized_model(cfg, checkpoint, mesh=mesh)
+      return export_load.load_quantized_model(cfg, checkpoint, mesh=mesh)
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
 
   with progress.step(f"loading {checkpoint}"):
@@ -75,9 +79,9 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
-  if quantized_load.is_quantized_model(model):
+  if export_load.is_quantized_model(model):
     raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -109,13 +113,13 @@ class Run:
 def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
         compare: bool = False, grad: bool = False) -> Run:
   """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
-  from inspect_tool import quantized_load  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
   model = load_model(cfg, checkpoint, mesh=mesh)
-  if (compare or grad) and quantized_load.is_quantized_model(model):
+  if (compare or grad) and export_load.is_quantized_model(model):
     raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
-                            f"{quantized_load.REPORT_NAME} holds the comparison with its source)")
+                            f"{export_load.REPORT_NAME} holds the comparison with its source)")
   quantized = quantize_for_training(model, cfg)
   return Run(result=forward(quantized, batch), reference=forward(model, batch) if compare else None,
              grad=loss_and_grad_norm(quantized, batch) if grad else None)
