@@ -196,3 +196,21 @@ def test_index_shard_symlink_leading_outside_is_refused(capsys, tmp_path):
   os.symlink(outside, inner / "shard.safetensors")
   index = _index(inner, {"w": "shard.safetensors"})
   refused(capsys, ["hf", "--path", index], "shard 'shard.safetensors' leads outside")
+
+
+def test_fifo_or_hostile_config_json_does_not_block_the_summary(tmp_path):
+  from inspect_tool.checkpoint import hf_layout  # pylint: disable=import-outside-toplevel
+  _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+  (tmp_path / "config.json").write_text('{"num_experts_per_tok": NaN, "n_routed_experts": 256}')
+  assert hf_layout.routed_fraction(str(tmp_path)) is None
+  (tmp_path / "config.json").write_text('{"num_experts_per_tok": 8, "n_routed_experts": ' + DEEP + "}")
+  assert hf_layout.routed_fraction(str(tmp_path)) is None
+  (tmp_path / "config.json").write_text('{"num_experts_per_tok": 8, "n_routed_experts": 256}')
+  assert hf_layout.routed_fraction(str(tmp_path)) == 8 / 256  # the control
+  os.remove(tmp_path / "config.json")
+  os.mkfifo(tmp_path / "config.json")
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  result = subprocess.run([sys.executable, "-m", "inspect_tool", "hf", "--path", str(tmp_path), "--summary"],
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -7,12 +7,13 @@ routed-expert fraction for active parameters.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Callable, Iterable
 
+from inspect_tool import errors
 from inspect_tool import tree
+from inspect_tool.checkpoint import files
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_MARKERS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -51,11 +52,17 @@ def classifier(leaves: Iterable[tree.Leaf]) -> Callable[[tree.Leaf], tuple[str, 
 
 
 def routed_fraction(path: str) -> float | None:
-  """num_experts_per_tok / n_routed_experts from the `config.json` beside the safetensors files, if any."""
+  """num_experts_per_tok / n_routed_experts from the `config.json` beside the safetensors files, if any.
+
+  A config.json that is not a small regular file of strict JSON with a fraction in (0, 1] is ignored (None).
+  """
   directory = path if os.path.isdir(path) else os.path.dirname(path)
+  config_path = os.path.join(directory, "config.json")
   try:
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-      config = json.load(f)
-    return float(config["num_experts_per_tok"]) / float(config["n_routed_experts"])
-  except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    if files.kind(config_path) != "file":
+      return None
+    config = files.parse_json(files.read_bytes(config_path, 1 << 20), errors.CheckpointError)
+    fraction = float(config["num_experts_per_tok"]) / float(config["n_routed_experts"])
+  except (errors.CheckpointError, ValueError, KeyError, TypeError, ZeroDivisionError, OverflowError):
     return None
+  return fraction if 0 < fraction <= 1 else None
