@@ -73,6 +73,8 @@ UNMODELLED = {
     "use_mrope": "uses multimodal RoPE",
     "weight_block_size": "stores fp8 weights with block scales",
     "model_call_mode": "selects the inference paths (e.g. softmax-probability token dropping)",
+    "checkpoint_is_quantized": "loads AQT-quantized serving weights (another parameter tree)",
+    "use_manual_quantization": "quantizes the batch-split model by hand instead of through Qwix rules",
 }
 
 
