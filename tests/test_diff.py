@@ -9,6 +9,8 @@ from inspect_tool import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 
+import maxtext_listings
+
 REF_CKPT = os.path.join(os.path.dirname(__file__), "data", "ckpt_deepseek3-tiny-L4-V1024")
 
 
@@ -28,20 +30,10 @@ def _causes(result):
   return {c.kind: c.suggestion for c in result.causes}
 
 
-def _unscan(leaves, axis=1):
-  """Splits scanned stacks into per-layer leaves (moe_layers -> moe_layers_0, ...)."""
-  out = []
-  for leaf in leaves:
-    stack = next((p for p in leaf.key if p in ("dense_layers", "moe_layers")), None)
-    if stack is None:
-      out.append(leaf)
-      continue
-    layer_axis = 0 if leaf.key[-2:] == ("gate", "bias") else axis
-    shape = leaf.shape[:layer_axis] + leaf.shape[layer_axis + 1:]
-    for i in range(leaf.shape[layer_axis]):
-      key = tuple(f"{p}_{i}" if p == stack else p for p in leaf.key)
-      out.append(tree.Leaf(key, shape, leaf.dtype))
-  return out
+def _maxtext_unscanned():
+  """MaxText's own unscanned tree of the reference checkpoint's model (its listing: Params only)."""
+  return [tree.Leaf(tuple(key.split(".")), shape, dtype)
+          for key, shape, dtype in sorted(maxtext_listings.entries("deepseek3-tiny-L4-V1024_noscan_mtp1.txt"))]
 
 
 def test_model_agrees_with_its_checkpoint_through_the_gate_bias_alias(ckpt):
@@ -64,7 +56,7 @@ def test_training_only_items_are_ignored(ckpt):
 
 
 def test_unscanned_checkpoint_for_scanned_model_suggests_scan_layers_false(ckpt):
-  result = diff.diff_leaves(_as_model(ckpt), _unscan(ckpt))
+  result = diff.diff_leaves(_as_model(ckpt), _maxtext_unscanned())
   assert not result.agree
   assert _causes(result) == {"scan_layers": "scan_layers=false"}
   assert "params.params.decoder.moe_layers_0.self_attention.wq_a.kernel" in {l.dotted for l in result.unexpected}
@@ -72,7 +64,7 @@ def test_unscanned_checkpoint_for_scanned_model_suggests_scan_layers_false(ckpt)
 
 
 def test_scanned_checkpoint_for_unscanned_model_suggests_scan_layers_true(ckpt):
-  assert _causes(diff.diff_leaves(_as_model(_unscan(ckpt)), ckpt)) == {"scan_layers": "scan_layers=true"}
+  assert _causes(diff.diff_leaves(_maxtext_unscanned(), ckpt)) == {"scan_layers": "scan_layers=true"}
 
 
 def test_mtp_in_checkpoint_but_not_in_model_and_vice_versa(ckpt):
