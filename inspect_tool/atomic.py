@@ -27,6 +27,11 @@ def _umask() -> int:
   return mask
 
 
+def new_file_mode() -> int:
+  """The permissions `open()` gives a new file: 0o666 less the umask."""
+  return 0o666 & ~_umask()
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes `data` to `path` through a temporary file in the same directory and a rename."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -35,7 +40,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
   except OSError as e:
     raise errors.InputError(_os_error_message(path, e)) from None
   try:
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the permissions open() would
+    os.chmod(tmp, new_file_mode())  # mkstemp creates 0600; give the file the permissions open() would
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
