@@ -60,13 +60,15 @@ def quiet_closed_event_loop() -> None:
   each read that completes afterwards calls `loop.call_soon_threadsafe` from a tensorstore thread, which raises
   `RuntimeError('Event loop is closed')` and is printed through `sys.excepthook`; and the read coroutines left
   unfinished raise again when they are garbage-collected ("Exception ignored in: <coroutine ...>", through
-  `sys.unraisablehook`); the futures gathering them log "exception was never retrieved" (asyncio's logger).
+  `sys.unraisablehook`, or as a "coroutine ... was never awaited" warning); the futures gathering them log
+  "exception was never retrieved" (asyncio's logger).
   Thousands of tracebacks would follow the error line. Those kinds are dropped; every other exception still
   reaches the previous hooks.
   """
   import inspect  # pylint: disable=import-outside-toplevel
   import logging  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
+  import warnings  # pylint: disable=import-outside-toplevel
 
   def closed_loop(value) -> bool:
     return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
@@ -86,3 +88,4 @@ def quiet_closed_event_loop() -> None:
   hook.quiet_closed_event_loop = True
   sys.excepthook, sys.unraisablehook = hook, unraisable_hook
   logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)

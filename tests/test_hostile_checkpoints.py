@@ -214,3 +214,28 @@ def test_fifo_or_hostile_config_json_does_not_block_the_summary(tmp_path):
   result = subprocess.run([sys.executable, "-m", "inspect_tool", "hf", "--path", str(tmp_path), "--summary"],
                           capture_output=True, text=True, timeout=60, check=False)
   assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_teardown_noise_is_dropped_and_other_errors_kept(monkeypatch):
+  """The hooks `quiet_closed_event_loop` installs (the race that triggers them cannot be forced in a test)."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(str(value)))
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(str(unraisable.exc_value)))
+  errors.quiet_closed_event_loop()
+
+  async def pending():
+    return None
+
+  coroutine = pending()
+  sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+  sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("late read"), object=coroutine))
+  sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None))
+  coroutine.close()
+  assert not seen
+  sys.excepthook(ValueError, ValueError("a real error"), None)
+  sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("kept"), object=None))
+  assert seen == ["a real error", "kept"]
