@@ -317,8 +317,9 @@ def test_config_json_describes_deepseek_v3_with_fp8_quantization(tiny):
               "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False,
               "max_position_embeddings": 163840, "hidden_act": "silu"}
   assert {k: doc[k] for k in expected} == expected
-  assert doc["rope_scaling"] == {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+  assert doc["rope_scaling"] == {"type": "yarn", "rope_type": "yarn", "factor": 40,
+                                 "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.0, "truncate": True}
   # HF's softmax scale (dq^-0.5 * mscale_all_dim term squared) equals MaxText's.
   m = 0.1 * doc["rope_scaling"]["mscale_all_dim"] * math.log(doc["rope_scaling"]["factor"]) + 1
   assert math.isclose((128 + 64) ** -0.5 * m * m, cfg.softmax_scale)
