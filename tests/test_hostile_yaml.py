@@ -130,3 +130,18 @@ def test_explain_of_an_untraced_module_names_the_closest(capsys):
   assert "closest: 'decoder/moe_layers/self_attention/out'" in line
   line = refused(capsys, ["rules", "model_name=deepseek3-tiny", "--explain", "no/such/module"],
                  "no traced op has this module path; closest: '")
+
+
+def test_regex_probe_leaves_the_callers_alarm_alone():
+  import signal  # pylint: disable=import-outside-toplevel
+
+  def handler(*_):
+    raise AssertionError("the caller's alarm fired during the probe")
+
+  previous = signal.signal(signal.SIGALRM, handler)
+  try:
+    safe_regex.check("decoder/.*layers.*")
+    assert signal.getsignal(signal.SIGALRM) is handler
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+  finally:
+    signal.signal(signal.SIGALRM, previous)
