@@ -71,7 +71,7 @@ def _bad_metadata(items_dir: str, why: str) -> errors.CheckpointError:
   return errors.CheckpointError(f"{os.path.join(items_dir, locate.TREE_METADATA)}: corrupt Orbax metadata ({why})")
 
 
-MAX_METADATA_BYTES = 256 << 20  # _METADATA of the 671B model is ~1 MB
+MAX_METADATA_BYTES = 256 << 20  # generous: one entry of a few hundred bytes per stored array
 
 
 def read_tree_metadata(items_dir: str) -> tuple[list[Entry], dict[str, Any]]:
