@@ -1,0 +1,57 @@
+"""MaxText's golden forward outputs (tests/data/golden/) and how close our logits must come to them.
+
+Golden a is MaxText's unquantized forward pass on the reference checkpoint, b fp8_full with quantize_mtp=false, c
+fp8_full with quantize_mtp=true. Measured figures and bounds: tests/README.md.
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+GOLDEN_DIR = pathlib.Path(__file__).parent / "data" / "golden"
+UNQUANTIZED = "a_noquant.npz"
+FP8 = {False: "b_fp8full_mtpfalse.npz", True: "c_fp8full_mtptrue.npz"}  # by quantize_mtp
+AWAY = 0.05  # an fp8 result must stand at least this far (relative error) from the unquantized golden
+# MaxText's own stack (jax 0.12) reproduces the fp8 goldens bit for bit. jax 0.10 (the Python 3.11 venv) rounds a few
+# bf16 values differently: measured there main 8.5e-8, MTP 4.3e-5 (b) / 2.2e-5 (c) relative error, top-1 32/32.
+GOLDEN_STACK = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+OTHER_STACK_BOUND = {"main": 1.3e-7, "mtp": 6.6e-5}
+
+
+def load(name: str) -> dict:
+  return dict(np.load(GOLDEN_DIR / name))
+
+
+def rel(x, y) -> float:
+  """‖x − y‖ / ‖y‖ over the whole array, in float64."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+def assert_fp8_reproduces(logits, golden, head: str) -> None:
+  """fp8 logits: bit for bit on MaxText's stack, within the error measured on the older stack elsewhere."""
+  if GOLDEN_STACK:
+    np.testing.assert_array_equal(np.asarray(logits), golden)
+  else:
+    assert rel(logits, golden) <= OTHER_STACK_BOUND[head]
+
+
+def maxtext_fp8_cost() -> list:
+  """Per head (main, mtp_1): how far MaxText's fp8 logits (golden c) are from its unquantized ones (golden a),
+  as `metrics.HeadComparison` rows; measured cosine 0.99390 / 0.99221, top-1 29 / 25 of 32, KL 0.00588 / 0.00758,
+  relative error 0.1107 / 0.1249."""
+  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
+
+  plain, golden = load(UNQUANTIZED), load(FP8[True])
+  return [metrics.compare_logits("main", plain["logits"], golden["logits"]),
+          metrics.compare_logits("mtp_1", plain["mtp_logits"], golden["mtp_logits"])]
+
+
+def assert_same_cost(row: dict, want) -> None:
+  """An unquantized-vs-fp8 comparison row equals MaxText's (`maxtext_fp8_cost`) and stands clearly away."""
+  assert row["head"] == want.head and row["positions"] == want.positions
+  assert row["top1_agreement"] == want.top1_agreement and row["rel_error"] >= AWAY
+  for field in ("cosine", "kl", "rel_error"):
+    assert row[field] == pytest.approx(getattr(want, field), rel=1e-5, abs=0), field
