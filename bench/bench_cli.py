@@ -1,7 +1,8 @@
 """Benchmark: whole-process wall time and peak RSS of CLI commands (median of N runs).
 
 Run: .venv-py3.12/bin/python bench/bench_cli.py [--runs 5] [--only CASE] [--peer MAXTEXT_PYTHON]
-Targets: 671B and Kimi K2 1T scanned listings ≤ 1.5 s and ≤ 250 MB; unscanned ≤ 2.5 s; --help ≤ 0.3 s;
+Targets: 671B and Kimi K2 1T scanned listings ≤ 1.5 s and ≤ 250 MB; unscanned (671B, DeepSeek-V4 284B) ≤ 2.5 s;
+--help ≤ 0.3 s;
 rules report for 671B fp8_full with quantize_mtp ≤ 3 s and ≤ 400 MB.
 `--peer` names the Python of a MaxText 0.2.5 venv: the listing cases then also run MaxText's own
 `inspect_checkpoint` (JAX_PLATFORMS=cpu) and print its figures and ours as ratios.
@@ -25,6 +26,7 @@ CASES = {
     "671b unscanned --html": [BIN, "maxtext", "model_name=deepseek3-671b", "scan_layers=false", "mtp_num_layers=1",
                               "--html", os.path.join(tempfile.gettempdir(), "bench_cli_671b_unscanned.html")],
     "kimi-k2-1t scanned + MTP": [BIN, "maxtext", "model_name=kimi-k2-1t", "mtp_num_layers=1"],
+    "deepseek4-284b unscanned": [BIN, "maxtext", "model_name=deepseek4-284b", "scan_layers=false"],
     "671b rules fp8_full MTP": [BIN, "rules", "model_name=deepseek3-671b", "mtp_num_layers=1", "quantization=fp8_full",
                                 "quantize_mtp=true"],
 }
