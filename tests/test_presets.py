@@ -137,3 +137,15 @@ def test_cli_json_echoes_ignored_keys_and_they_do_not_change_the_listing(capsys)
       "ici_fsdp_parallelism": 4, "mesh_axes": ["data", "fsdp"], "opt_type": "sgd", "run_name": "r1",
       "use_batch_split_schedule": True, "dropout_rate": 0.1}
   assert "ici_fsdp_parallelism" not in plain["config"] and plain["config"]["model_name"] == "deepseek3-tiny"
+
+
+def test_cli_verbose_lists_the_keys_ignored_for_structure(capsys):
+  from inspect_tool import cli  # pylint: disable=import-outside-toplevel
+
+  assert cli.main(["maxtext", "model_name=deepseek3-tiny", "dropout_rate=0.1", "capacity_factor=2",
+                   "opt_type=sgd", "--verbose"]) == 0
+  err = capsys.readouterr().err
+  assert "shape the parameter tree: model_name" in err
+  assert "ignored for structure (used by forward, rules and export): capacity_factor" in err
+  assert "ignored for structure and by the forward pass: dropout_rate" in err
+  assert "kept in --format json's config): opt_type" in err

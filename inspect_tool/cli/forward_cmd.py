@@ -17,8 +17,9 @@ from inspect_tool.cli import options
 @click.option("--compare", is_flag=True, help="Also run unquantized and report cosine, top-1 agreement and KL per head.")
 @click.option("--grad", is_flag=True, help="Also compute the training loss gradient (norm, finiteness).")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
+@click.option("--verbose", is_flag=True, help="Say on stderr which given keys the pass uses and which it ignores.")
 @options.overwrite_option
-def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt):
+def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt, verbose):
   """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
 
   With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
@@ -28,6 +29,8 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
 
   options.check_output_files(save_logits)
   cfg = config.resolve_config(overrides)
+  if verbose:
+    click.echo("\n".join(config.describe_keys(overrides)), err=True)
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)

@@ -14,7 +14,8 @@ import click
 @click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight.")
 @click.option("--explain", "explain_path", metavar="MODULE_PATH",
               help="Show each rule tried for one module path (e.g. decoder/moe_layers/self_attention/out).")
-def rules(overrides, rules_file, fmt, strict, explain_path):
+@click.option("--verbose", is_flag=True, help="Say on stderr which given keys the trace uses and which it ignores.")
+def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
   """Report Qwix rule coverage of the model given as key=value overrides (abstract trace, no memory).
 
   Example: inspect_checkpoint rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full quantize_mtp=true
@@ -23,6 +24,8 @@ def rules(overrides, rules_file, fmt, strict, explain_path):
   from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(overrides)
+  if verbose:
+    click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report = model_coverage.trace_coverage(cfg, rules_file)
   if explain_path:
     _check_traced(report, explain_path)
