@@ -14,14 +14,24 @@ from typing import Callable
 from inspect_tool import tree
 
 # (group, part, pattern over the '/'-joined module path); first match wins.
+# DeepSeek-V4's layers (`layers_<i>`, `scanned_blocks`) are all MoE layers; V3.2's indexer, V4's compressors, mHC
+# mixing matrices and V4's hash-routing tables (`tid2eid`, not Params: listed with --all) are parts of their stack.
+_MOE = r"decoder/(moe_layers[^/]*|layers_\d+|scanned_blocks)"
 _GROUPS = (
     ("embedding", "", r"token_embedder/.*"),
-    ("head", "", r"decoder/(logits_dense|decoder_norm)/.*"),
+    ("head", "", r"decoder/(logits_dense|decoder_norm|hc_head)/.*"),
+    ("dense stack", "mHC mixing", r"decoder/dense_layers[^/]*/mhc_(attention|mlp)/.*"),
+    ("dense stack", "indexer", r"decoder/dense_layers[^/]*/self_attention/indexer/.*"),
     ("dense stack", "", r"decoder/dense_layers.*"),
-    ("moe stack", "router", r"decoder/moe_layers[^/]*/.*/MoeBlock_0/gate/.*"),
-    ("moe stack", "routed experts", r"decoder/moe_layers[^/]*/.*/MoeBlock_0/.*"),
-    ("moe stack", "shared experts", r"decoder/moe_layers[^/]*/.*/shared_experts/.*"),
-    ("moe stack", "attention and norms", r"decoder/moe_layers.*"),
+    ("moe stack", "mHC mixing", _MOE + r"/(layers_\d+/)?mhc_(attention|mlp)/.*"),
+    ("moe stack", "indexer", _MOE + r"/.*/indexer/.*"),
+    ("moe stack", "compressors", _MOE + r"/.*/(hca|csa)_compressor/.*"),
+    ("moe stack", "hash routing tables", _MOE + r"/.*/MoeBlock_0/tid2eid"),
+    ("moe stack", "router", _MOE + r"/.*/MoeBlock_0/gate/.*"),
+    ("moe stack", "routed experts", _MOE + r"/.*/MoeBlock_0/.*"),
+    ("moe stack", "shared experts", _MOE + r"/.*/shared_experts/.*"),
+    ("moe stack", "attention and norms", _MOE + r".*"),
+    ("mtp block", "indexer", r"mtp_block/.*/indexer/.*"),
     ("mtp block", "router", r"mtp_block/.*/MoeBlock_0/gate/.*"),
     ("mtp block", "routed experts", r"mtp_block/.*/MoeBlock_0/.*"),
     ("mtp block", "shared experts", r"mtp_block/.*/shared_experts/.*"),

@@ -15,6 +15,7 @@ from inspect_tool import forward
 from inspect_tool import model as model_lib
 from inspect_tool import model_coverage as coverage
 from inspect_tool import params
+from inspect_tool import summary
 from inspect_tool.fp8_export import plan
 from inspect_tool.model import compressed_attention
 
@@ -51,6 +52,17 @@ def test_hash_layers_hold_a_token_to_expert_table_outside_the_params():
   assert tables == {f"nnx_aux.model.decoder.layers_{i}.mlp.MoeBlock_0.tid2eid": (512, 4) for i in range(3)}
   biases = {leaf.dotted for leaf in leaves if leaf.key[-1] == "bias" and "gate" in leaf.key}
   assert biases == {f"nnx_aux.model.decoder.scanned_blocks.layers_{i}.mlp.MoeBlock_0.gate.bias" for i in (0, 1)}
+
+
+def test_summary_names_the_v4_parts_and_counts_routed_experts_as_moe():
+  leaves = params.param_leaves(model_lib.build_model(config.resolve_config(["model_name=deepseek4-tiny"])),
+                               include_non_params=True)
+  rows = {(r.group, r.part): r.params for r in summary.summarize(leaves, routed_fraction=0.25, all_leaves=True).rows}
+  assert rows[("moe stack", "routed experts")] == 43 * 3 * 16 * 64 * 64
+  assert rows[("moe stack", "hash routing tables")] == 3 * 129280 * 4
+  assert rows[("moe stack", "mHC mixing")] == 43 * 2 * (256 + 2 * 256 * 4 + 256 * 16 + 3 + 4 + 4 + 16)
+  assert rows[("moe stack", "indexer")] == 21 * (64 * 64 * 2 + 32 + 4 * 64 + 16 * 128 + 64 * 4)
+  assert ("other", "") not in rows
 
 
 def test_mtp_is_refused_with_maxtexts_reason():
