@@ -9,7 +9,8 @@ from inspect_tool.cli import options
 
 @click.command()
 @click.argument("overrides", nargs=-1)
-@click.option("--checkpoint", type=str, help="MaxText-layout Orbax checkpoint to load (default: seeded random init).")
+@click.option("--checkpoint", type=str, help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek directory "
+              "(config.json + safetensors, bf16 or FP8), to load (default: seeded random init).")
 @click.option("--tokens", "tokens_file", type=str, help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
 @click.option("--targets", "targets_file", type=str, help="int targets .npy (default: tokens shifted left).")
 @click.option("--save-logits", "--save_logits", "save_logits", type=click.Path(dir_okay=False),
