@@ -143,6 +143,8 @@ class CSACompressor(_Compressor):
   def __init__(self, cfg, ratio: int, make: inits.VariableFactory):
     super().__init__(cfg, ratio, 2, cfg.head_dim, make)
     self.indexer = V4Indexer(cfg, ratio, make) if cfg.use_indexer else None
+    # The indexer's dense warm-up (a loss weight without sparse training): MaxText attends to every visible block.
+    self.dense_warmup = cfg.indexer_loss_scaling_factor > 0 and not cfg.indexer_sparse_training
 
   def __call__(self, x, q_latent, positions, rope, segment_mask):
     top = None if self.indexer is None else self.indexer(x, q_latent, positions, rope, segment_mask)
@@ -154,9 +156,9 @@ class CSACompressor(_Compressor):
                     positions[:, : n * self.ratio: self.ratio], None)
     else:
       pooled = self._empty(x)
-    if n == 0 or top is None:
+    if n == 0 or top is None or self.dense_warmup:
       mask = jnp.zeros((b, 1, s, n), self.dtype)
-      if top is None and n > 0:  # no indexer: MaxText falls back to the causal block mask
+      if n > 0:  # no indexer (or its dense warm-up): MaxText falls back to the causal block mask
         mask = jnp.where(future_blocks(positions, n, self.ratio), DEFAULT_MASK_VALUE, 0.0).astype(self.dtype)
         mask = mask[:, None]
       return pooled[:, :, None, :], mask
