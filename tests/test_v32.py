@@ -54,6 +54,8 @@ def _rel(ours, golden):
     (DATA / "listings" / "deepseek3.2-671b_scan_mtp1.txt", ["model_name=deepseek3.2-671b", "mtp_num_layers=1"],
      683501956608),
     (CKPT / "listing.txt", SMALL, 382656),
+    (DATA / "listings" / "deepseek3.2-671b_noscan_mtp1.txt",
+     ["model_name=deepseek3.2-671b", "mtp_num_layers=1", "scan_layers=false"], 683501956608),
 ])
 def test_param_tree_equals_maxtext_listing(listing, tokens, total):
   leaves = _leaves(tokens)
