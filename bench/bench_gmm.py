@@ -112,8 +112,8 @@ def run(backends, tokens, *, small: bool, grad: bool, warmup: int, repeats: int,
           tflops = flops / seconds / 1e12
           row.append((seconds, tflops, f"{100 * tflops / top:5.1f}%" if top else "   n/a"))
         (b_s, b_tf, b_pk), (f_s, f_tf, f_pk) = row
-        print(f"{backend:10s} {count // scale:7d} {name:6s} {b_s * 1e3:9.2f} {b_tf:7.2f} {b_pk:>6s} "
-              f"{f_s * 1e3:9.2f} {f_tf:7.2f} {f_pk:>6s} {b_s / f_s:7.2f}x", flush=True)
+        print(f"{backend:10s} {count // scale:7d} {name:6s} {b_s * 1e3:9.2f} {b_tf:7.3g} {b_pk:>6s} "
+              f"{f_s * 1e3:9.2f} {f_tf:7.3g} {f_pk:>6s} {b_s / f_s:7.2f}x", flush=True)
 
 
 def main(argv=None) -> None:
