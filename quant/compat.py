@@ -14,7 +14,8 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * `qwix._src.core.qarray.HowToQuantize`, `qwix._src.providers.ptq.WithAux`: an abstract PTQ weight (loading
   an FP8 export).
 * Orbax's v1 PyTree handler class name, written into a step's metadata (export).
-* `QuantizationProvider._get_current_rule_and_op_id`: the rule a provider matched (FP8 providers).
+* `QuantizationProvider._get_current_rule_and_op_id`, `._rules`, `._rule_matches`: the rule a provider matches
+  for an op, and its rule counts (coverage, FP8 providers).
 * JAX tracer internals (`parent.in_tracers`, `get_const`): which Param a traced value came from (coverage).
 * `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
   custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
@@ -120,10 +121,29 @@ def megablox_kernels():
   return module
 
 
+def _provider_attr(provider, name: str):
+  value = getattr(provider, name, None)
+  if value is None:
+    raise CompatError(f"qwix {installed_version('qwix')} providers have no {name}, which this tool needs; "
+                      f"accepted: qwix {TESTED['qwix']} (tested)")
+  return value
+
+
+def provider_lookup(provider, op_name: str, **kwargs):
+  """(rule, op_id) a Qwix provider matches for the `op_name` op being intercepted (Qwix's protected lookup)."""
+  return _provider_attr(provider, "_get_current_rule_and_op_id")(op_name, **kwargs)
+
+
 def provider_rule(provider, op_name: str):
-  """The rule a Qwix provider matched for the `op_name` op being intercepted (Qwix's protected lookup)."""
-  lookup = getattr(provider, "_get_current_rule_and_op_id", None)
-  if lookup is None:
-    raise CompatError(f"qwix {installed_version('qwix')} providers have no _get_current_rule_and_op_id, which this "
-                      f"tool needs; accepted: qwix {TESTED['qwix']} (tested)")
-  return lookup(op_name)[0]
+  """The rule a Qwix provider matches for the `op_name` op being intercepted, or None."""
+  return provider_lookup(provider, op_name)[0]
+
+
+def provider_rules(provider) -> list:
+  """A Qwix provider's rules as it matches them."""
+  return _provider_attr(provider, "_rules")
+
+
+def provider_rule_matches(provider) -> list:
+  """How many ops each of a Qwix provider's rules has matched."""
+  return _provider_attr(provider, "_rule_matches")

@@ -105,7 +105,7 @@ def trace_model(model: nnx.Module, rules: Sequence[qwix.QtRule], *inputs: Any, e
     if (op.module, op.op) not in seen:
       seen.add((op.module, op.op))
       ops.append(op)
-  return Trace(rules=tuple(rules), ops=tuple(ops), rule_matches=tuple(recorder._rule_matches),  # pylint: disable=protected-access
+  return Trace(rules=tuple(rules), ops=tuple(ops), rule_matches=tuple(compat.provider_rule_matches(recorder)),
                param_shapes=shapes, provider=provider)
 
 
@@ -136,7 +136,7 @@ class _Recorder(qwix.QtProvider):
 
   def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
                   out_sharding=None):
-    rule, op_id = self._get_current_rule_and_op_id("dot_general")
+    rule, op_id = compat.provider_lookup(self, "dot_general")
     (lhs_contract, rhs_contract), _ = dimension_numbers
     self._record_op("dot_general", op_id, rule, [(lhs, lhs_contract), (rhs, rhs_contract)],
                     lowering=_inside_jax_ragged_dot())
@@ -145,14 +145,14 @@ class _Recorder(qwix.QtProvider):
 
   def einsum(self, einsum_str, *operands, precision=None, preferred_element_type=None,
              _dot_general=jax.lax.dot_general, out_sharding=None):  # pylint: disable=invalid-name
-    rule, op_id = self._get_current_rule_and_op_id("einsum")
+    rule, op_id = compat.provider_lookup(self, "einsum")
     self._record_op("einsum", op_id, rule, _einsum_contractions(einsum_str, operands), by_shape=False)
     return jax.numpy.einsum(einsum_str, *operands, precision=precision,
                             preferred_element_type=preferred_element_type, _dot_general=_dot_general,
                             out_sharding=out_sharding)
 
   def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
-    rule, op_id = self._get_current_rule_and_op_id("ragged_dot")
+    rule, op_id = compat.provider_lookup(self, "ragged_dot")
     module = compat.current_module()
     name = _find_param_name(module, rhs, by_shape=False)
     self._append(module, "ragged_dot", op_id, rule, name, grouped=True, operand=rhs, contracting=(1,))
@@ -160,7 +160,7 @@ class _Recorder(qwix.QtProvider):
                               preferred_element_type=preferred_element_type, group_offset=group_offset)
 
   def conv_general_dilated(self, lhs, rhs, *args, **kwargs):
-    rule, op_id = self._get_current_rule_and_op_id("conv_general_dilated")
+    rule, op_id = compat.provider_lookup(self, "conv_general_dilated")
     module = compat.current_module()
     self._append(module, "conv_general_dilated", op_id, rule, _find_param_name(module, rhs, by_shape=True),
                  operand=rhs)
@@ -168,7 +168,7 @@ class _Recorder(qwix.QtProvider):
 
   def _lookup(self, op_name: str):
     """`get_current_rule(op_name)`: Qwix's only_rule match (counted, not numbered), recorded with an id."""
-    rule, _ = self._get_current_rule_and_op_id(op_name, only_rule=True)
+    rule, _ = compat.provider_lookup(self, op_name, only_rule=True)
     module = compat.current_module()
     _, counts = self._lookup_counts.setdefault(id(module), (module, {}))
     count = counts.get(op_name, 0)
@@ -200,7 +200,7 @@ class _Recorder(qwix.QtProvider):
               lookup: bool = False, matmul: bool | None = None, lowering: bool = False, operand: Any = None,
               contracting: tuple[int, ...] | None = None) -> None:
     module_path = "/".join(map(str, module.qwix_path))
-    index = next((i for i, r in enumerate(self._rules) if r is rule), None)
+    index = next((i for i, r in enumerate(compat.provider_rules(self)) if r is rule), None)
     weight = shape = None
     params = flops = 0
     if param_name is not None:

@@ -68,7 +68,7 @@ def nanoo_dot_general(lhs, rhs, dimension_numbers):
 
 
 class _VendorFp8Provider(qwix.QtProvider):
-  """A dot_general whose rule is not None runs `fp8_dot_general`; one without runs plain (MaxText's vendor providers)."""
+  """MaxText's vendor providers: a dot_general with a rule runs `fp8_dot_general`, one without runs plain."""
 
   fp8_dot_general = staticmethod(nvidia_dot_general)
 

@@ -1,11 +1,11 @@
 """Which kernel runs the grouped matmul: the `gmm_backend` key, its resolution, and the kernels behind it.
 
-| gmm_backend | kernel | where |
-|---|---|---|
-| reference | tiled `dot_general`s (`quant.gmm_tiled`) | anywhere; `auto` on CPU |
-| pallas | JAX's Pallas Megablox `gmm` / `tgmm` (`quant.gmm_pallas`) | compiled on TPU (`auto` there), interpret mode elsewhere |
-| xla | XLA's `ragged_dot_general` (`quant.gmm_ragged`) | anywhere; `auto` on a GPU without Tokamax |
-| tokamax | Tokamax's `ragged_dot_general` (`quant.gmm_ragged`) | where the tokamax package is installed; `auto` on a GPU with FP8 units and Tokamax |
+* reference: tiled `dot_general`s (`quant.gmm_tiled`); runs anywhere; `auto` on CPU.
+* pallas: JAX's Pallas Megablox `gmm` / `tgmm` (`quant.gmm_pallas`); compiled on TPU (`auto` there),
+  interpret mode elsewhere.
+* xla: XLA's `ragged_dot_general` (`quant.gmm_ragged`); runs anywhere; `auto` on a GPU without Tokamax.
+* tokamax: Tokamax's `ragged_dot_general` (`quant.gmm_ragged`); where the tokamax package is installed;
+  `auto` on a GPU with FP8 units and Tokamax.
 
 MaxText's `use_tokamax_backend=true` selects tokamax (then gmm_backend must be auto or tokamax). Every kernel
 returns float32 products of the operands it is given (fp8 values, unscaled); `quant.gmm_fp8` quantizes, applies
