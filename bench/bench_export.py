@@ -1,17 +1,17 @@
-"""Benchmarks `inspect_checkpoint export` (fp8_full) on >= 1 GB MaxText-layout Orbax checkpoints written for it.
+"""Benchmarks `inspect_checkpoint export` beside Orbax's own restore + save of the same source, in one run.
 
-For each source checkpoint: the export process (`python -m inspect_tool export ... --no-validate`, and for the
-first checkpoint again with validation): wall time and peak RSS (/usr/bin/time), against the checkpoint's size
-and its largest array, and the export's throughput (source bytes / wall seconds) as a ratio to copying the same
-checkpoint directory (`cp -r`, page cache warm for both). A process that only imports and plans (traces the
-rules) gives the RSS floor. The two default checkpoints share their largest array (the 265 MB embedding) but
-differ 1.8x in size (scanned 4 layers, 1.36 GB; unscanned 9 layers, 2.39 GB): streaming shows as a peak RSS that
-follows the largest array, not the checkpoint.
+For each source checkpoint (float32, MaxText converter layout, chunked in 16 MB blocks as a checkpoint written by
+many devices is; `tests/export_sources.py`): wall time and peak RSS (/usr/bin/time) of
+  * Orbax: `orbax.checkpoint.PyTreeCheckpointer` restore of the whole pytree, then save to a new directory;
+  * `export --no-validate` with the default --max-memory (half of the available memory: big slices);
+  * `export --no-validate --max-memory M` (bounded; for `embedding` M is under half its largest array): the arrays
+    of both exports are compared byte for byte afterwards;
+  * `export --layout deepseek-fp8` (Hugging Face FP8 safetensors), for the first source.
+Ratios are export / Orbax. The last lines extrapolate a 671B export (DeepSeek-V3 MaxText checkpoint, 671e9 float32
+parameters = 2.68 TB read) from the bounded export's throughput: one host like this one, and 16 such hosts (each
+process writes 1/16 of the slices; the merge of per-process databases is metadata only).
 
-  .venv/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|unscanned] [--keep]
-
-Sources have random weights and are written one array at a time (`quant.ptq_weights.OrbaxStreamWriter`), so the
-benchmark itself needs about one array's worth of memory. Everything is deleted afterwards unless --keep.
+  /tmp/v312/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--keep]
 """
 
 from __future__ import annotations
@@ -26,50 +26,26 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
 MODEL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_emb_dim=512",
          "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=64", "first_num_dense_layers=1"]
-VARIANTS = {"scanned": ["base_num_decoder_layers=4"],
-            "unscanned": ["base_num_decoder_layers=9", "scan_layers=false"]}
-QUANT = ["quantization=fp8_full", "quantize_mtp=true"]
+# scanned: 1.36 GB, experts (64, 3, 512, 512) 201 MB each; embedding: 1.58 GB with a 1.26 GB (tied) embedding.
+VARIANTS = {
+    "scanned": (MODEL + ["base_num_decoder_layers=4"], "500MB"),
+    "embedding": (["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=512",
+                   "vocab_size=614400", "logits_via_embedding=true", "base_moe_mlp_dim=256", "base_mlp_dim=1024",
+                   "num_experts=64", "base_num_decoder_layers=4", "first_num_dense_layers=1"], "600MB"),
+}
+QUANT = ["quantization=fp8_full"]
+PARAMS_671B = 671e9
 
-_PLAN_ONLY = r"""
+_ORBAX = r"""
 import sys
-from inspect_tool import config
-from inspect_tool.fp8_export import plan as export_plan
-plan = export_plan.plan_export(config.resolve_config(sys.argv[1:]))
-print(len(plan.weights))
+import orbax.checkpoint as ocp
+with ocp.PyTreeCheckpointer() as c:
+  tree = c.restore(sys.argv[1])
+  c.save(sys.argv[2], tree)
 """
-
-
-def write_source(step_dir: str, tokens: list[str]) -> tuple[int, int]:
-  """Random float32 weights for every leaf of the model, one array per Orbax partial save.
-
-  Returns (logical bytes, largest array bytes).
-  """
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool import config, tree  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import plan as export_plan  # pylint: disable=import-outside-toplevel
-  from quant import ptq_weights as qexport  # pylint: disable=import-outside-toplevel
-
-  rng = np.random.default_rng(0)
-  writer = qexport.OrbaxStreamWriter(step_dir, flush_bytes=1)  # every array is its own partial save
-  total = largest = 0
-  for leaf in export_plan.model_leaves(config.resolve_config(tokens)):
-    if leaf.key[-1] == "scale":
-      array = np.ones(leaf.shape, np.float32)
-    elif leaf.key[-1] == "bias":
-      array = np.zeros(leaf.shape, np.float32)
-    else:
-      fan_in = leaf.shape[0] if len(leaf.shape) > 1 else 1
-      array = rng.standard_normal(leaf.shape, dtype=np.float32)
-      array *= 1.0 / np.sqrt(fan_in)
-    writer.add(tree.param_key(leaf.module_path), array)  # converter layout: gate bias under params/params
-    total += array.nbytes
-    largest = max(largest, array.nbytes)
-    del array
-  writer.finalize()
-  return total, largest
 
 
 def _du(path: str) -> int:
@@ -87,57 +63,76 @@ def _timed(cmd: list[str], env) -> tuple[float, float, str]:
   return float(wall), int(rss_kb) * 1024, out.stdout
 
 
-def bench_variant(root: str, name: str, tokens: list[str], env, *, validate: bool) -> dict:
-  """Writes one source checkpoint and measures copy and export on it."""
-  out: dict = {"model": tokens + QUANT}
-  source = os.path.join(root, name)
-  start = time.perf_counter()
-  logical, largest = write_source(os.path.join(source, "0"), tokens)
-  on_disk = _du(source)
-  out["source"] = {"logical_bytes": logical, "on_disk_bytes": on_disk, "largest_array_bytes": largest,
-                   "write_seconds": round(time.perf_counter() - start, 2)}
-  print(f"[{name}] source: {logical / 1e9:.2f} GB float32 ({on_disk / 1e9:.2f} GB on disk), largest array "
-        f"{largest / 1e6:.0f} MB; written in {out['source']['write_seconds']} s")
+def _same_arrays(a: str, b: str) -> bool:
+  """Every array of two Orbax exports equal byte for byte (read by tensorstore in 16-row blocks)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
+  def stores(path):
+    base = {"driver": "file", "path": os.path.join(path, "0", "items") + "/"}
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    names = {k.decode().rsplit("/zarr.json", 1)[0] for k in kv.list().result() if k.endswith(b"/zarr.json")}
+    return {n: ts.open({"driver": "zarr3", "kvstore": dict(driver="ocdbt", base=base, path=n + "/")},
+                       open=True).result() for n in names}
+
+  x, y = stores(a), stores(b)
+  if sorted(x) != sorted(y):
+    return False
+  for name, store in x.items():
+    rows = store.shape[0] if store.shape else 1
+    step = max(1, rows // 16)
+    for start in range(0, rows, step):
+      index = (slice(start, start + step),) if store.shape else ()
+      if np.asarray(store[index].read().result()).tobytes() != np.asarray(y[name][index].read().result()).tobytes():
+        return False
+  return True
+
+
+def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, hf: bool) -> dict:
+  """Writes one source checkpoint and measures Orbax and the exports on it."""
+  import export_sources  # pylint: disable=import-outside-toplevel
+
+  out: dict = {"model": tokens + QUANT}
+  source = os.path.join(root, name, "0")
+  start = time.perf_counter()
+  logical, largest = export_sources.write_source(source, tokens)
+  out["source"] = {"bytes": logical, "largest_array_bytes": largest, "on_disk_bytes": _du(source),
+                   "write_seconds": round(time.perf_counter() - start, 2)}
+  print(f"[{name}] source: {logical / 1e9:.2f} GB float32, largest array {largest / 1e6:.0f} MB")
   subprocess.run(["sh", "-c", 'cat "$@" > /dev/null', "cat"]
                  + [os.path.join(r, f) for r, _, fs in os.walk(source) for f in fs], check=True)  # warm cache
-  start = time.perf_counter()
-  subprocess.run(["cp", "-r", source, os.path.join(root, "copy")], check=True)
-  copy_s = time.perf_counter() - start
-  shutil.rmtree(os.path.join(root, "copy"))
-  out["copy_seconds"] = round(copy_s, 3)
-  print(f"[{name}] cp -r: {copy_s:.2f} s = {on_disk / copy_s / 1e9:.2f} GB/s")
-
-  plan_s, plan_rss, _ = _timed([sys.executable, "-c", _PLAN_ONLY] + tokens + QUANT, env)
-  out["floor"] = {"wall_seconds": plan_s, "peak_rss_bytes": plan_rss}
-  print(f"[{name}] floor (imports + rule trace, no arrays): {plan_s:.1f} s, peak RSS {plan_rss / 1e6:.0f} MB")
 
   runs = {}
-  for label, extra in (("export --no-validate", ["--no-validate"]), ("export with validation", [])):
-    if not validate and not extra:
-      continue
-    dst = os.path.join(root, "out")
+  orbax_dst = os.path.join(root, "orbax")
+  wall, rss, _ = _timed([sys.executable, "-c", _ORBAX, os.path.join(source, "items"), orbax_dst], env)
+  shutil.rmtree(orbax_dst, ignore_errors=True)
+  runs["orbax restore+save"] = {"wall_seconds": wall, "peak_rss_bytes": rss}
+  cases = [("export", [], "unbounded"), (f"export --max-memory {bound}", ["--max-memory", bound], "bounded")]
+  if hf:
+    cases.append(("export --layout deepseek-fp8", ["--layout", "deepseek-fp8"], "hf"))
+  for label, extra, dst_name in cases:
     cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", source, "--output",
-           dst, "--overwrite", "--format", "json", *extra]
-    wall, rss, stdout = _timed(cmd, env)
-    report = json.loads(stdout)
-    written = report["bytes"]["written"]
-    r = runs[label] = {
-        "wall_seconds": wall, "peak_rss_bytes": rss, "written_bytes": written,
-        "rss_over_checkpoint": round(rss / logical, 3), "rss_over_largest_array": round(rss / largest, 2),
-        "rss_above_floor_over_largest_array": round((rss - plan_rss) / largest, 2),
-        "throughput_bytes_per_s": round(logical / wall), "throughput_ratio_to_copy": round(copy_s / wall, 3)}
-    if not extra:
-      r["validation_passed"] = report["validation"]["passed"]
-      r["vs_quantized_source"] = report["validation"]["vs_quantized_source"]
-    print(f"[{name}] {label}: {wall:.1f} s, peak RSS {rss / 1e6:.0f} MB = {r['rss_over_checkpoint']:.2f} x "
-          f"checkpoint = {r['rss_over_largest_array']:.1f} x largest array "
-          f"({r['rss_above_floor_over_largest_array']:.1f} x above the floor); {logical / 1e9:.2f} GB -> "
-          f"{written / 1e9:.2f} GB; throughput {logical / wall / 1e9:.3f} GB/s = "
-          f"{r['throughput_ratio_to_copy']:.3f} x cp -r")
-    shutil.rmtree(dst, ignore_errors=True)
+           os.path.join(root, dst_name), "--format", "json", "--no-validate", "--quiet", *extra]
+    wall, rss, _ = _timed(cmd, env)
+    runs[label] = {"wall_seconds": wall, "peak_rss_bytes": rss}
+  bounded_label = cases[1][0]
+  out["bounded_equals_unbounded"] = _same_arrays(os.path.join(root, "unbounded"), os.path.join(root, "bounded"))
+  orbax_s = runs["orbax restore+save"]["wall_seconds"]
+  for label, r in runs.items():
+    r["time_ratio_to_orbax"] = round(r["wall_seconds"] / orbax_s, 3)
+    r["throughput_bytes_per_s"] = round(logical / r["wall_seconds"])
+    print(f"[{name}] {label:34s} {r['wall_seconds']:7.1f} s  peak RSS {r['peak_rss_bytes'] / 1e6:6.0f} MB  "
+          f"{r['time_ratio_to_orbax']:.2f} x Orbax's time  {logical / r['wall_seconds'] / 1e6:.0f} MB/s")
+  print(f"[{name}] bounded export (peak RSS {runs[bounded_label]['peak_rss_bytes'] / 1e6:.0f} MB, largest array "
+        f"{largest / 1e6:.0f} MB) equals the unbounded one byte for byte: {out['bounded_equals_unbounded']}")
+  rate = runs[bounded_label]["throughput_bytes_per_s"]
+  one = PARAMS_671B * 4 / rate
+  out["extrapolated_671b_seconds"] = {"one_host": round(one), "16_hosts": round(one / 16)}
+  print(f"[{name}] 671B (2.68 TB float32) at {rate / 1e6:.0f} MB/s: one host {one / 3600:.1f} h, 16 hosts "
+        f"{one / 16 / 3600:.2f} h")
   out["runs"] = runs
-  shutil.rmtree(source, ignore_errors=True)
+  for d in ("unbounded", "bounded", "hf", name):
+    shutil.rmtree(os.path.join(root, d), ignore_errors=True)
   return out
 
 
@@ -149,11 +144,12 @@ def main() -> int:
   args = parser.parse_args()
   root = tempfile.mkdtemp(prefix="bench_export_", dir=args.dir)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  results = {}
+  results = {"machine": f"{os.cpu_count()} CPUs"}
   try:
     names = [args.only] if args.only else list(VARIANTS)
     for i, name in enumerate(names):
-      results[name] = bench_variant(root, name, MODEL + VARIANTS[name], env, validate=i == 0)
+      tokens, bound = VARIANTS[name]
+      results[name] = bench_variant(root, name, tokens, bound, env, hf=i == 0)
     print(json.dumps(results, indent=1))
   finally:
     if args.keep:

@@ -37,9 +37,13 @@ def set_quiet(quiet: bool) -> None:
   _QUIET = bool(quiet)
 
 
+PLAIN_AFTER_SECONDS = 10.0
+
+
 class ByteProgress:
   """Progress of work measured in bytes and arrays: a tqdm bar on a terminal (arrays and bytes done, bytes/s,
-  ETA), otherwise a plain line at the start, every quarter and the end; nothing with `--quiet`."""
+  ETA); otherwise, once the work has taken `PLAIN_AFTER_SECONDS`, a plain line at each quarter and at the end;
+  nothing with `--quiet`."""
 
   def __init__(self, description: str, total_bytes: int, total_arrays: int):
     self.description, self.total_bytes, self.total_arrays = description, max(int(total_bytes), 1), total_arrays
@@ -47,6 +51,7 @@ class ByteProgress:
     self._start = time.perf_counter()
     self._bar = None
     self._next_quarter = 1
+    self._plain_lines = 0
     if _QUIET:
       return
     if enabled():
@@ -54,8 +59,6 @@ class ByteProgress:
       self._bar = tqdm.tqdm(total=self.total_bytes, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
                             file=sys.stderr, dynamic_ncols=True, leave=True)
       self._bar.set_postfix_str(f"arrays 0/{total_arrays}")
-    else:
-      self._line(f"{description}: {total_arrays} arrays, {_size(self.total_bytes)}")
 
   def update(self, nbytes: int, arrays: int = 0) -> None:
     self.done_bytes += int(nbytes)
@@ -67,6 +70,9 @@ class ByteProgress:
     elif not _QUIET:
       while self._next_quarter < 4 and self.done_bytes >= self.total_bytes * self._next_quarter / 4:
         elapsed = time.perf_counter() - self._start
+        if elapsed < PLAIN_AFTER_SECONDS:  # short work stays silent in pipes and logs
+          self._next_quarter += 1
+          continue
         rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
         eta = (self.total_bytes - self.done_bytes) / rate if rate else 0.0
         self._line(f"{self.description}: {self._next_quarter * 25}% ({self.done_arrays}/{self.total_arrays} arrays, "
@@ -76,7 +82,7 @@ class ByteProgress:
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
-    elif not _QUIET:
+    elif not _QUIET and self._plain_lines:
       elapsed = time.perf_counter() - self._start
       self._line(f"{self.description}: done, {self.done_arrays} arrays, {_size(self.done_bytes)} in {elapsed:.1f}s")
 
@@ -86,8 +92,8 @@ class ByteProgress:
   def __exit__(self, *exc):
     self.close()
 
-  @staticmethod
-  def _line(text: str) -> None:
+  def _line(self, text: str) -> None:
+    self._plain_lines += 1
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
 
@@ -97,3 +103,10 @@ def _size(nbytes: float) -> str:
     if nbytes >= size:
       return f"{nbytes / size:.1f} {unit}"
   return f"{int(nbytes)} B"
+
+
+def note(text: str) -> None:
+  """One line on stderr that the user should see (unless `--quiet`), terminal or not."""
+  if not _QUIET:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

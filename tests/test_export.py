@@ -234,7 +234,7 @@ def test_export_without_checkpoint_exports_the_seeded_init(tmp_path, capsys):
   assert "validation skipped" in out
   report = json.loads((dst / "quantization_report.json").read_text())
   assert report["source"] == {"checkpoint": None, "init": "random (seed 0)"} and report["validation"] == {
-      "skipped": True}
+      "skipped": True, "reason": "--no-validate"}
   init = model.build_model(config.resolve_config(_tokens(False)), abstract=False)
   np.testing.assert_array_equal(_read(str(dst), "params.params.token_embedder.embedding"),
                                 np.asarray(init.token_embedder.embedding.get_value()))
@@ -274,12 +274,16 @@ def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, 
 
 
 def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path, capsys, monkeypatch):
-  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_orbax  # pylint: disable=import-outside-toplevel
 
-  def full(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
+  class _Full:  # a destination array whose every write fails as a full disk makes tensorstore fail
+    def __getitem__(self, index):
+      return self
 
-  monkeypatch.setattr(partial, "save_async", full)
+    def write(self, value):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(write_orbax.OrbaxArrayWriter, "create", lambda self, *args, **kwargs: _Full())
   dst = _previous(tmp_path)
   code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
                       "--overwrite", "--no-validate")

@@ -12,7 +12,8 @@ from inspect_tool.cli import options
 @click.option("--path", required=True, help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @click.option("--format", "fmt", type=click.Choice(options.FORMATS), default="text", show_default=True)
-def diff(overrides, path, fmt):
+@options.distributed_options
+def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -21,7 +22,11 @@ def diff(overrides, path, fmt):
   from inspect_tool.checkpoint import hf_diff, hf_restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import diff_format  # pylint: disable=import-outside-toplevel
 
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+
+  options.start_processes(coordinator, num_processes, process_id, quiet)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
-  source, result = compare(overrides, path)
-  click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path), nl=False)
+  source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
+  if distributed.process_index() == 0:
+    click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path), nl=False)
   return 0 if result.agree else 1

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from inspect_tool.cli import options as cli_options
+
 LAYOUTS = ("orbax", "deepseek-fp8")
 
 
@@ -25,8 +27,13 @@ LAYOUTS = ("orbax", "deepseek-fp8")
               help="Run source and export on the batch and compare them (recorded in the report).")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="orbax", show_default=True,
               help="orbax: Qwix PTQ layout loadable by `forward`; deepseek-fp8: HF safetensors, 128x128 block scales.")
+@click.option("--max-memory", "--max_memory", "max_memory", type=str,
+              help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); arrays "
+                   "are read, quantized and written by slices that fit.")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
-def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout, fmt):
+@cli_options.distributed_options
+def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout, max_memory, fmt,
+           coordinator, num_processes, process_id, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
@@ -38,8 +45,11 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   """
   from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
-  from inspect_tool.cli import options  # pylint: disable=import-outside-toplevel
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
 
+  max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
+  cli_options.start_processes(coordinator, num_processes, process_id, quiet)
   if layout == "deepseek-fp8":
     summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite)
     if fmt == "json":
@@ -49,13 +59,16 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
                  f"128x128 block scales) in {len(summary['files'])} file(s), {summary['total_size']:,} bytes")
     return 0
   data = None
-  if validate:
+  if validate and distributed.process_count() == 1:
     from inspect_tool import batch, config  # pylint: disable=import-outside-toplevel
     cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
   result = pipeline.export(overrides, dst, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file,
-                             min_top1=min_top1, run_validation=validate, command=options.command_line())
+                           min_top1=min_top1, run_validation=validate, command=cli_options.command_line(),
+                           max_memory=max_bytes)
+  if distributed.process_index() != 0:
+    return 0  # process 0 reports
   if fmt == "json":
     click.echo(json.dumps(result.report, indent=1))
   else:

@@ -82,3 +82,25 @@ def write_html(path: str, html: str) -> None:
   check_output_files(path)
   atomic.atomic_write_text(path, html)
   click.echo(f"wrote {path}", err=True)
+
+
+def distributed_options(func):
+  """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed) and --quiet."""
+  options = [
+      click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
+                   "default: JAX's cluster detection, else one process."),
+      click.option("--num-processes", "--num_processes", "num_processes", type=int, help="Processes in the job."),
+      click.option("--process-id", "--process_id", "process_id", type=int, help="This process's index (0 first)."),
+      click.option("--quiet", is_flag=True, help="No progress output on stderr."),
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
+
+
+def start_processes(coordinator, num_processes, process_id, quiet) -> None:
+  """Applies `distributed_options`: --quiet, then joins the jax.distributed job (if any)."""
+  from inspect_tool import distributed, progress  # pylint: disable=import-outside-toplevel
+
+  distributed.initialize(coordinator, num_processes, process_id)
+  progress.set_quiet(quiet or distributed.process_index() != 0)  # process 0 speaks for the job

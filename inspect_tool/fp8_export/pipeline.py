@@ -6,12 +6,14 @@ included (see `inspect_tool.atomic` and `inspect_tool.destination`: what DST may
 temporaries). `INSPECT_EXPORT_KILL_AT=<point>` makes the process SIGKILL itself at a named point (`KILL_POINTS`),
 for tests.
 
-Streaming: source arrays are restored a small group at a time (each onto the mesh), quantized and handed to
-`quant.ptq_weights.OrbaxStreamWriter`, then dropped. Validation runs after writing, before DST appears.
+Bounded memory: every array is read, quantized and written by slices sized by `--max-memory` (`budget`,
+`write_orbax`). Validation runs after writing, before DST appears, when the models fit (`validate`); otherwise it
+is skipped with a line saying how to run it elsewhere, and the report says which happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +24,7 @@ from inspect_tool import config as config_lib
 from inspect_tool import destination
 from inspect_tool import errors
 from inspect_tool import progress
+from inspect_tool.fp8_export import budget
 from inspect_tool.fp8_export import load
 from inspect_tool.fp8_export import plan as plan_lib
 from inspect_tool.fp8_export import read
@@ -46,7 +49,7 @@ class ExportResult:
 def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False, data=None,
            tokens_file: str | None = None, min_top1: float = validate_lib.DEFAULT_MIN_TOP1,
            run_validation: bool = True, mesh=None, command: str | None = None,
-           read_group_bytes: int = read.READ_GROUP_BYTES, flush_bytes: int | None = None) -> ExportResult:
+           max_memory: int | None = None) -> ExportResult:
   """Exports the quantization-applied model of `tokens` (key=value) from `source` (None: seeded init) to `dst`.
 
   Args:
@@ -58,79 +61,129 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     tokens_file: where `data` came from (recorded in the report).
     min_top1: the validation gate (top-1 agreement of every head with the source under the same rules).
     run_validation: False skips validation (recorded as skipped).
-    mesh: `jax.sharding.Mesh` to restore, quantize and write on (default: all devices on one axis).
+    mesh: `jax.sharding.Mesh` for validation (default: all devices on one axis).
     command: the command line (recorded in the report).
-    read_group_bytes: source bytes restored per group.
-    flush_bytes: output bytes buffered per Orbax write (default `quant.ptq_weights.DEFAULT_FLUSH_BYTES`).
+    max_memory: the peak resident memory to stay under, in bytes (default `budget.default_max_memory()`).
+
+  Under `jax.distributed` with several processes, every process calls this with the same arguments: process 0
+  claims DST, each process writes the slices it owns, process 0 completes the checkpoint, validates and reports.
   """
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
+  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+              run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory)
+  if distributed.process_index() != 0:
+    return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
-    return _export(cfg, tokens, claimed.path, source=source, overwrite=overwrite, data=data,
-                   tokens_file=tokens_file, min_top1=min_top1, run_validation=run_validation, mesh=mesh,
-                   command=command, read_group_bytes=read_group_bytes, flush_bytes=flush_bytes)
+    return _export(cfg, tokens, claimed.path, **args)
+
+
+def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
+  """Why validation cannot run here (None: it can): several processes, or the models do not fit."""
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+
+  if distributed.process_count() > 1:
+    return f"validation runs in one process; this export ran in {distributed.process_count()}"
+  need = validate_lib.memory_needed(source_bytes)
+  have = max_memory - budget.current_rss()
+  if need > have:
+    return (f"validation needs about {budget.format_size(need)} (the float model, then the export, one at a time) "
+            f"and --max-memory leaves {budget.format_size(max(have, 0))}")
+  return None
 
 
 def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
-            read_group_bytes, flush_bytes) -> ExportResult:
-  """`export` once DST is claimed (checked against the inputs and locked)."""
+            max_memory) -> ExportResult:
+  """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
   from inspect_tool import batch as batch_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
   from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
 
-  if source is not None:
-    read.check_source(source)
   plan = plan_lib.plan_export(cfg)
   leaves = plan_lib.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
-  if run_validation and data is None:
-    data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
-  with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
+  max_memory = int(max_memory or budget.default_max_memory())
+  budget.return_freed_memory()
+  src = read.open_source(cfg, source, leaves)
+  index, count = distributed.process_index(), distributed.process_count()
+  held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
+  jobs = write_orbax.plan_jobs(plan, src, max_memory, held)
+  source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
+  skipped = None
+  if run_validation:
+    skipped = _validation_skip(source_bytes, max_memory)
+    if skipped and distributed.process_index() == 0:
+      progress.note(f"validation skipped: {skipped}; run it where the model fits: inspect_checkpoint forward "
+                    f"{' '.join(tokens)} --checkpoint {dst} --compare")
+    if not skipped and data is None:
+      data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
+  else:
+    skipped = "--no-validate"
+  with _temporary(dst, overwrite) as tmp:
     atomic.test_point("start")
     step_dir = os.path.join(tmp, str(report_lib.STEP))
-    arrays = (read.checkpoint_arrays(source, leaves, mesh, read_group_bytes) if source is not None
-              else read.init_arrays(cfg, leaves, mesh))
+    items_dir = os.path.join(step_dir, report_lib.ITEM)
+    os.makedirs(items_dir, exist_ok=True)
     try:
-      with progress.step(f"exporting {len(leaves)} arrays ({len(plan.weights)} quantized)"):
-        written = write_orbax.write_arrays(plan, arrays, len(leaves), step_dir, item=report_lib.ITEM,
-                                           flush_bytes=flush_bytes)
+      with progress.ByteProgress(f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)", source_bytes,
+                                 len(jobs)) as bar:
+        writer, written = write_orbax.write_arrays(jobs, src, items_dir, process_index=index, process_count=count,
+                                                   on_slice=bar.update)
+      distributed.barrier("fp8_export written")
+      if index == 0:
+        writer.finalize(step_dir, report_lib.ITEM)
     except quant_errors.QuantError as e:  # name the destination, not its temporary directory
       raise errors.InputError(str(e).replace(tmp, dst)) from None
+    if index != 0:
+      return ExportResult(os.path.abspath(dst), {}, None)
     atomic.test_point("written")
     validation = None
-    if run_validation:
+    if not skipped:
       validation = validate_lib.validate(cfg, source, step_dir, data, min_top1=min_top1, mesh=mesh,
                                          tokens=tokens_file or "fixed")
     atomic.test_point("validated")
+    memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
+              "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0), "processes": count}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
-                                     source_bytes=written.source_bytes, written_bytes=written.written_bytes,
-                                     mesh_devices=int(mesh.size), validation=validation)
+                                     source_bytes=source_bytes, written_bytes=written.written_bytes,
+                                     mesh_devices=int(mesh.size), validation=validation,
+                                     validation_skipped=skipped, memory=memory, dst=dst)
     atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
   return ExportResult(os.path.abspath(dst), report, validation)
 
 
+@contextlib.contextmanager
+def _temporary(dst: str, overwrite: bool):
+  """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+
+  if distributed.process_index() != 0:
+    yield distributed.broadcast_text(None)
+    return
+  with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
+    distributed.broadcast_text(tmp)
+    yield tmp
+
+
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
-                        mesh=None) -> dict:
+                        mesh=None) -> dict:  # pylint: disable=unused-argument
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales).
 
   The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read one at a time and the
   output directory appears only when complete. Its quantization is the release's, not the config's rules,
   and our model cannot load that layout, so there is no validation run.
   """
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
-    if source is not None:
-      read.check_source(source)
-    leaves = plan_lib.model_leaves(cfg)
-    mesh = mesh if mesh is not None else restore.default_mesh()
-    arrays = (read.LazyArrays(source, leaves, mesh) if source is not None
-              else {leaf.key: array for leaf, array in read.init_arrays(cfg, leaves, mesh)})
+    arrays = read.open_source(cfg, source, plan_lib.model_leaves(cfg))  # tensorstore views: read when indexed
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
-      with progress.step(f"writing DeepSeek FP8 safetensors ({len(leaves)} arrays)"):
+      with progress.step(f"writing DeepSeek FP8 safetensors ({len(arrays)} arrays)"):
         summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp)
   summary = dict(summary, dst=claimed.path)
   summary.pop("config", None)

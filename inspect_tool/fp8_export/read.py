@@ -1,87 +1,80 @@
-"""Export stage 2, reading: the source arrays, from an Orbax checkpoint or the seeded random init.
+"""Export stage 2, reading: the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
 
-Arrays are restored a group at a time (`read_group_bytes` of source bytes), each onto the mesh, and handed on one
-by one; `LazyArrays` restores each array only when it is asked for (the Hugging Face writer's access pattern).
+A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files), without a chunk cache,
+and read one slice (`budget.Slicing`) at a time: memory holds the slice and the source chunks it touches, never a
+whole array. The random init (no `--checkpoint`) builds the whole model: it is for small models.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import math
+import os
+from typing import Any
+
+import numpy as np
 
 from inspect_tool import errors
 from inspect_tool import tree
 
-READ_GROUP_BYTES = 64 * 1024 * 1024
-
 
 def nbytes(leaf: tree.Leaf) -> int:
   """Bytes of a leaf's array (shape × dtype)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
   return leaf.size * np.dtype(leaf.dtype).itemsize
 
 
-def _groups(pairs, budget: int):
-  group, size = [], 0
-  for pair in pairs:
-    if group and size + nbytes(pair.checkpoint) > budget:
-      yield group
-      group, size = [], 0
-    group.append(pair)
-    size += nbytes(pair.checkpoint)
-  if group:
-    yield group
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return (lines[0] if lines else type(e).__name__)[:300]
 
 
-def checkpoint_arrays(source: str, leaves, mesh, budget: int = READ_GROUP_BYTES) -> Iterator[tuple[tree.Leaf, Any]]:
-  """(model leaf, jax.Array) for every model leaf, restored a group at a time onto `mesh`."""
-  from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
+class CheckpointSource:
+  """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
 
-  listing = orbax_metadata.read_listing(source)
-  for group in _groups(restore.plan(listing, leaves), budget):
-    arrays = restore.restore_pairs(listing, group, mesh=mesh)
-    for pair in group:
-      yield pair.model, arrays.pop(pair.model.key)
-
-
-def init_arrays(cfg, leaves, mesh) -> Iterator[tuple[tree.Leaf, Any]]:
-  """(model leaf, array) of the seeded random init (the whole model is built: for small models)."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
-
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  model = model_lib.build_model(cfg, abstract=False)
-  values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()
-            for path, variable in nnx.to_flat_state(nnx.state(model))}
-  del model
-  for leaf in leaves:
-    yield leaf, jax.device_put(values.pop(leaf.key), restore.array_sharding(leaf.shape, mesh))
-
-
-def check_source(source: str) -> None:
-  """Refuses a source that is itself an FP8 export."""
-  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
-
-  if load.find_report(source):
-    raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
-
-
-class LazyArrays:
-  """Mapping leaf key -> array that restores each array from the checkpoint only when asked (one at a time)."""
-
-  def __init__(self, source: str, leaves, mesh):
+  def __init__(self, path: str, leaves, context=None):
     from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
+    from inspect_tool.fp8_export import write_orbax  # pylint: disable=import-outside-toplevel
 
-    self._listing = orbax_metadata.read_listing(source)
+    self._listing = orbax_metadata.read_listing(path)
+    self.items_dir = os.path.abspath(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves)}
-    self._mesh = mesh
+    self._context = context or write_orbax.ts_context()
+
+  def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
+    """The checkpoint's leaf (shape, stored dtype) for a model leaf key."""
+    return self._pairs[key].checkpoint
 
   def keys(self):
     return list(self._pairs)
+
+  def open(self, key: tuple[str, ...]):
+    """The tensorstore handle of the array for model leaf `key` (indexing it is lazy; `np.asarray` reads)."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    pair = self._pairs[key]
+    name = ".".join(str(k) for k in self._listing.raw_keys[pair.checkpoint.key])
+    base = {"driver": "file", "path": self.items_dir + "/"}
+    kvstore = {"driver": "ocdbt", "base": base} if self._listing.use_ocdbt else base
+    spec = {"driver": "zarr3" if self._listing.use_zarr3 else "zarr", "kvstore": dict(kvstore, path=name + "/")}
+    try:
+      return ts.open(spec, open=True, read=True, context=self._context).result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.CheckpointError(f"{self.items_dir}: cannot open the data of {name} ({_first_line(e)})") from None
+
+  def chunk_bytes(self, store) -> int:
+    """Bytes of one decoded source chunk (what reading any part of it holds at once)."""
+    shape = store.chunk_layout.read_chunk.shape or store.shape
+    return math.prod(int(d) for d in shape) * np.dtype(store.dtype.numpy_dtype).itemsize
+
+  def read(self, store, index: tuple[slice, ...]) -> np.ndarray:
+    """The slice `index` of `store` as a numpy array; a missing or corrupt chunk is one line naming the source."""
+    try:
+      return store[index].read().result() if index else store.read().result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.CheckpointError(f"{self.items_dir}: cannot read array data: a data file is missing, truncated "
+                                   f"or corrupt ({_first_line(e)})") from None
+
+  def __getitem__(self, key):
+    return self.open(key)
 
   def __iter__(self):
     return iter(self._pairs)
@@ -92,7 +85,62 @@ class LazyArrays:
   def __contains__(self, key):
     return key in self._pairs
 
-  def __getitem__(self, key):
-    from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
 
-    return restore.restore_pairs(self._listing, [self._pairs[key]], mesh=self._mesh)[key]
+class InitSource:
+  """The seeded random init of the config's model (the whole model is built: for small models)."""
+
+  def __init__(self, cfg, leaves):
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+
+    from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+    from inspect_tool import params  # pylint: disable=import-outside-toplevel
+
+    model = model_lib.build_model(cfg, abstract=False)
+    values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()
+              for path, variable in nnx.to_flat_state(nnx.state(model))}
+    del model
+    self._arrays = {leaf.key: np.asarray(values.pop(leaf.key)) for leaf in leaves}
+
+  def leaf(self, key):
+    array = self._arrays[key]
+    return tree.Leaf(key, tuple(array.shape), array.dtype.name)
+
+  def keys(self):
+    return list(self._arrays)
+
+  def open(self, key):
+    return self._arrays[key]
+
+  def chunk_bytes(self, store) -> int:  # pylint: disable=unused-argument
+    return 0  # already in memory
+
+  def read(self, store, index):
+    return store[index] if index else store
+
+  def __getitem__(self, key):
+    return self._arrays[key]
+
+  def __iter__(self):
+    return iter(self._arrays)
+
+  def __len__(self):
+    return len(self._arrays)
+
+  def __contains__(self, key):
+    return key in self._arrays
+
+
+def check_source(source: str) -> None:
+  """Refuses a source that is itself an FP8 export."""
+  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
+
+  if load.find_report(source):
+    raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
+
+
+def open_source(cfg, source: str | None, leaves) -> Any:
+  """`CheckpointSource` of `source`, or `InitSource` of the config's seeded init when `source` is None."""
+  if source is None:
+    return InitSource(cfg, leaves)
+  check_source(source)
+  return CheckpointSource(source, leaves)

@@ -38,7 +38,9 @@ def _coverage_summary(report) -> dict:
 
 def build_report(plan, *, tokens: Sequence[str], source: str | None, command: str | None,
                  copied: Sequence[tree.Leaf], source_bytes: int, written_bytes: int, mesh_devices: int,
-                 validation) -> dict:
+                 validation, validation_skipped: str | None = None, memory: dict | None = None,
+                 dst: str | None = None) -> dict:
+  """`quantization_report.json`: what was exported, how, from what, and what validation found (or why not)."""
   from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
 
   cfg = plan.cfg
@@ -63,8 +65,19 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
       "copied": [{"key": "/".join(l.key), "shape": list(l.shape), "dtype": l.dtype} for l in copied],
       "bytes": {"source": source_bytes, "written": written_bytes},
       "mesh": {"devices": mesh_devices},
-      "validation": validation.to_dict() if validation is not None else {"skipped": True},
+      "memory": memory or {},
+      "validation": _validation_record(validation, validation_skipped, tokens, dst),
   }
+
+
+def _validation_record(validation, skipped: str | None, tokens: Sequence[str], dst: str | None) -> dict:
+  if validation is not None:
+    return dict(validation.to_dict(), method="whole models, one at a time: the source (under the rules, then "
+                                             "unquantized), then the export")
+  record = {"skipped": True, "reason": skipped or "--no-validate"}
+  if skipped and skipped != "--no-validate":
+    record["run_elsewhere"] = f"inspect_checkpoint forward {' '.join(tokens)} --checkpoint {dst} --compare"
+  return record
 
 
 def format_text(result) -> str:
@@ -83,7 +96,7 @@ def format_text(result) -> str:
                                         f"({g['params_share']:.1%} of params)" for g in groups))
   v = result.validation
   if v is None:
-    lines.append("validation skipped")
+    lines.append(f"validation skipped ({r['validation'].get('reason', '--no-validate')})")
     return "\n".join(lines) + "\n"
   lines.append(f"validation on a {v.batch_shape[0]}x{v.batch_shape[1]} batch ({v.tokens}):")
   lines.append("exported vs source under the same rules (gate: top-1 >= "

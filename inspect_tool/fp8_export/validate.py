@@ -56,3 +56,9 @@ def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = 
   del exported_model
   return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
                     float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result)
+
+
+def memory_needed(source_bytes: int) -> int:
+  """About the peak bytes validation adds: one model at a time (the float source is the larger) and its forward
+  pass's temporaries, counted as a second copy."""
+  return 2 * int(source_bytes)

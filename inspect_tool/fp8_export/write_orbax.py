@@ -1,4 +1,4 @@
-"""Export stages 3 and 4, quantize and write: every array into the Orbax checkpoint, in Qwix PTQ's layout.
+"""Export stages 3 and 4, quantize and write: every array into an Orbax checkpoint, slice by slice.
 
 Layout (Orbax, OCDBT + zarr3, the MaxText converter layout): `DST/0/items/params/params/<module path>/<name>`
 for copied arrays, `.../<name>/array/qvalue` (float8_e4m3fn, the weight's shape) and `.../<name>/array/scale`
@@ -8,73 +8,302 @@ a scale of shape (1, L, 1, F) and a dense `wq_b/kernel` (R, L, H, D) one of (1, 
 the dtype the forward pass quantizes in (the compute dtype, bfloat16 by default): exactly Qwix PTQ's scales, and
 exactly (in value) the float32 scales of the FP8 grouped matmul. Everything, the gate bias included, is written
 under `params/params` (MaxText's params-only loaders find the bias there too).
+
+Writing: each array is cut into slices that fit the memory budget (`budget`); a slice is read from the source,
+quantized (`quant.ptq_weights.quantize_weight`: a slice along channel axes gets exactly the whole weight's
+scales) and written into the destination zarr3 array, chunked by the slice block, through tensorstore. As Orbax
+does, each process writes into its own OCDBT database (`items/ocdbt.process_<i>/`), and process 0 merges them
+into the checkpoint's root database and writes `_METADATA` (the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`)
+and the step's `_CHECKPOINT_METADATA`. With several processes (`jax.distributed`), process `i` handles every
+slice whose running number is `i` modulo the process count.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from typing import Any, Iterable
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from inspect_tool import atomic
 from inspect_tool import tree
-from inspect_tool.fp8_export import read
+from inspect_tool.fp8_export import budget as budget_lib
+
+ZSTD_LEVEL = 3  # Orbax's
+PROCESS_DIR = "ocdbt.process_{}"
+
+
+def ts_context():
+  """A tensorstore context without a chunk cache (every byte read is used once) and bounded copy threads."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
+                     "file_io_concurrency": {"limit": 16}})
+
+
+def _ocdbt(path: str) -> dict:
+  return {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(path) + "/"}}
 
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-  """What `write_arrays` wrote: the copied leaves and the bytes read and written."""
+  """What `write_arrays` wrote: the copied leaves and the bytes read and written (by this process)."""
 
   copied: list
   source_bytes: int
   written_bytes: int
 
 
-@contextlib.contextmanager
-def _write_errors_raised():
-  """Orbax logs a failed background write (e.g. disk full) with tracebacks from each of its threads, then
-  raises it: the raised error becomes our one line, so those log records are not printed."""
-  logger = logging.getLogger("absl")
-  level = logger.level
-  logger.setLevel(logging.CRITICAL)
-  try:
-    yield
-  finally:
-    logger.setLevel(level)
+class OrbaxArrayWriter:
+  """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
+
+  def __init__(self, items_dir: str, *, process_index: int = 0, context=None):
+    self.items_dir = os.path.abspath(items_dir)
+    self.process_index = process_index
+    self._context = context or ts_context()
+    self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
+    self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
+    self._in_flight = None
+    self.written_bytes = 0
+
+  def create(self, key: Sequence[str], shape: Sequence[int], dtype, chunk: Sequence[int]):
+    """Opens a new zarr3 array at `key` (chunked by `chunk`); returns its tensorstore handle."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    key = tuple(str(k) for k in key)
+    if key in self._created:
+      raise ValueError(f"array {'/'.join(key)} created twice")
+    self._created.add(key)
+    shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
+    self._entries[key] = tuple(chunk)
+    kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
+                   path=".".join(key) + "/")
+    metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                           {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}],
+                "fill_value": 0}
+    try:
+      return ts.open({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata,
+                      "store_data_equal_to_fill_value": True},  # Orbax reads a missing chunk as an error
+                     create=True, open=True, context=self._context).result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+
+  def register(self, key: Sequence[str], chunk: Sequence[int]) -> None:
+    """Records an array another process creates (for `_METADATA`)."""
+    self._entries.setdefault(tuple(str(k) for k in key), tuple(int(c) for c in chunk))
+
+  def write(self, store, index: tuple[slice, ...], value) -> None:
+    """Writes `value` at `index` of `store` in the background (one write in flight at a time)."""
+    self.wait()
+    value = np.ascontiguousarray(value)
+    try:
+      self._in_flight = store[index].write(value) if index else store.write(value)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+    self.written_bytes += value.nbytes
+
+  def wait(self) -> None:
+    """Blocks until the background write (if any) is on disk."""
+    in_flight, self._in_flight = self._in_flight, None
+    if in_flight is not None:
+      try:
+        in_flight.result()
+      except Exception as e:  # pylint: disable=broad-except
+        raise _write_error(self.items_dir, e) from None
+
+  def abandon(self) -> None:
+    """Waits for the background write, ignoring its outcome (the work is being abandoned)."""
+    try:
+      self.wait()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def finalize(self, step_dir: str, item: str) -> None:
+    """Merges every process's database into the root one and writes `_METADATA` and `_CHECKPOINT_METADATA`.
+
+    Called by process 0 once every process has finished writing.
+    """
+    from quant import compat  # pylint: disable=import-outside-toplevel
+
+    self.wait()
+    try:
+      self._merge()
+      _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries))
+      _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(self._entries))
+      now = time.time_ns()
+      _write_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"),
+                  {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+                   "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+
+  def _merge(self) -> None:
+    """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    children = sorted(d for d in os.listdir(self.items_dir) if d.startswith(PROCESS_DIR.format("")))
+    parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
+    txn = ts.Transaction(atomic=True)
+    for child in children:
+      store = ts.KvStore.open(_ocdbt(os.path.join(self.items_dir, child)), context=self._context).result()
+      store.experimental_copy_range_to(parent.with_transaction(txn)).result()
+    txn.commit_async().result()
 
 
-def write_arrays(plan, arrays: Iterable[tuple[tree.Leaf, Any]], num_arrays: int, step_dir: str, *, item: str,
-                 flush_bytes: int | None = None) -> Written:
-  """Quantizes the planned weights among `arrays` ((model leaf, array) pairs) and writes all of them to `step_dir`.
+def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]]) -> dict:
+  """Orbax's `_METADATA` for a pytree of nested dicts of arrays (keys → write/chunk shape)."""
+  nodes = {}
+  for key, chunk in sorted(entries.items()):
+    nodes[str(key)] = {"key_metadata": [{"key": k, "key_type": 2} for k in key],
+                       "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
+                                          "write_shape": list(chunk)}}
+  return {"tree_metadata": nodes, "use_ocdbt": True, "use_zarr3": True,
+          "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+def _write_error(path: str, e: BaseException):
+  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
+
+  return ptq_weights.write_error(path, e)
+
+
+def _default_shardings(entries) -> dict:
+  """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
+  import base64  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})
+  return {base64.urlsafe_b64encode(".".join(key).encode()).decode(): device for key in sorted(entries)}
+
+
+def _write_json(path: str, doc: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(doc, f)
+  os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayJob:
+  """One source array: where it goes, how it is quantized (None: copied) and how it is cut."""
+
+  leaf: tree.Leaf  # the model leaf key with the source's shape and stored dtype
+  out_key: tuple[str, ...]
+  quant: Any  # quant.ptq_weights.WeightQuant or None
+  slicing: budget_lib.Slicing
+
+  @property
+  def slice_bytes(self) -> int:
+    return int(np.prod(self.slicing.block, dtype=np.int64)) * np.dtype(self.leaf.dtype).itemsize
+
+
+RESERVE_BYTES = 96 * 2**20  # compiled quantizers, tensorstore's buffers and the rest beside the slices
+
+
+def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
+  """Cuts every source array into slices so that the process stays under `max_memory` bytes.
+
+  What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
+  the plan; plus `RESERVE_BYTES`) must hold a decoded source chunk and `budget.SLICE_FACTOR` times a slice.
+
+  Raises:
+    errors.InputError: `max_memory` is smaller than what the smallest slice of some array needs.
+  """
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
+  held = (budget_lib.current_rss() if held is None else held) + RESERVE_BYTES
+  jobs = []
+  for key in source.keys():
+    leaf = source.leaf(key)
+    wq = plan.weights.get(key)
+    itemsize = np.dtype(leaf.dtype).itemsize
+    cuttable = tuple(wq.channel_axes) if wq is not None else tuple(range(len(leaf.shape)))
+    chunk = source.chunk_bytes(source.open(key))
+    slice_budget = (max_memory - held - chunk) // budget_lib.SLICE_FACTOR
+    cut = budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable) if slice_budget > 0 else None
+    if cut is None:
+      need = held + chunk + budget_lib.smallest_slice(leaf.shape, itemsize, cuttable) * budget_lib.SLICE_FACTOR
+      raise errors.InputError(
+          f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
+          f"{'/'.join(key)} {tuple(leaf.shape)} needs (with the {budget_lib.format_size(held)} the process holds"
+          f"{' and a source chunk of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
+          f"{budget_lib.format_size(need)}")
+    out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
+    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut))
+  return jobs
+
+
+def _scale_index(index: tuple[slice, ...], wq) -> tuple[slice, ...]:
+  """The part of the scale array that the weight slice `index` determines."""
+  return tuple(s if axis in wq.channel_axes else slice(0, 1) for axis, s in enumerate(index))
+
+
+def _scale_chunk(block: tuple[int, ...], wq) -> tuple[int, ...]:
+  return tuple(b if axis in wq.channel_axes else 1 for axis, b in enumerate(block))
+
+
+def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
+                 process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
+  """Reads, quantizes and writes every slice of `jobs` that this process owns into `items_dir`'s arrays.
+
+  `on_slice(source_bytes, arrays_done)` is called after each slice and array (progress). The checkpoint is
+  complete once every process has returned and process 0 has called `finalize` on the returned writer.
+
+  Returns:
+    (OrbaxArrayWriter, Written).
 
   Raises:
     quant.errors.QuantError: a write failed (e.g. disk full) or a weight cannot be quantized.
+    errors.CheckpointError: the source cannot be read.
   """
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
-  writer = ptq_weights.OrbaxStreamWriter(step_dir, item=item,
-                                         flush_bytes=flush_bytes or ptq_weights.DEFAULT_FLUSH_BYTES)
-  copied, source_bytes = [], 0
+  writer = OrbaxArrayWriter(items_dir, process_index=process_index)
+  copied, source_bytes, running = [], 0, 0
   try:
-    with _write_errors_raised():
-      for index, (leaf, array) in enumerate(arrays):
-        source_bytes += read.nbytes(leaf)
-        out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
-        wq = plan.weights.get(leaf.key)
+    for number, job in enumerate(jobs):
+      wq, leaf, block = job.quant, job.leaf, job.slicing.block
+      if wq is None:
+        copied.append(tree.Leaf(job.out_key, leaf.shape, leaf.dtype))
+        writer.register(job.out_key, block)
+      else:
+        writer.register(wq.qvalue_key, block)
+        writer.register(wq.scale_key, _scale_chunk(block, wq))
+      owned = [index for i, index in enumerate(job.slicing.slices())
+               if (running + i) % process_count == process_index]
+      running += job.slicing.count
+      if owned:
+        store = source.open(leaf.key)
         if wq is None:
-          writer.add(out_key, array)
-          copied.append(tree.Leaf(out_key, leaf.shape, leaf.dtype))
+          out = writer.create(job.out_key, leaf.shape, leaf.dtype, block)
         else:
-          qvalue, scale = ptq_weights.quantize_weight(array, wq)
-          writer.add(wq.qvalue_key, qvalue)
-          writer.add(wq.scale_key, scale)
-        del array
-        if index == num_arrays // 2:
-          atomic.test_point("arrays", before=lambda: (writer.flush(), writer.wait()))
-      writer.finalize()
+          out = writer.create(wq.qvalue_key, leaf.shape, wq.qtype, block)
+          out_scale = writer.create(wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))
+      for index in owned:
+        value = source.read(store, index)
+        nbytes = value.nbytes
+        source_bytes += nbytes
+        if wq is None:
+          writer.write(out, index, value)
+        else:
+          qvalue, scale = ptq_weights.quantize_weight(value, dataclasses.replace(wq, shape=tuple(value.shape)))
+          del value
+          writer.write(out, index, np.asarray(qvalue))
+          writer.write(out_scale, _scale_index(index, wq), np.asarray(scale))
+          del qvalue, scale
+        if on_slice is not None:
+          on_slice(nbytes, 0)
+      if on_slice is not None:
+        on_slice(0, 1)
+      if number == len(jobs) // 2:
+        atomic.test_point("arrays", before=writer.wait)
+    writer.wait()
   except BaseException:
-    with contextlib.suppress(Exception):
-      writer.wait()  # no background write may outlive the temporary directory
+    writer.abandon()  # no background write may outlive the temporary directory
     raise
-  return Written(copied, source_bytes, writer.written_bytes)
+  return writer, Written(copied, source_bytes, writer.written_bytes)

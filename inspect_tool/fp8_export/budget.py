@@ -1,0 +1,149 @@
+"""Export's memory budget: `--max-memory`, and how each array is cut into slices that fit it.
+
+Every array is read, quantized and written one slice at a time; the slice is a block of the array that spans
+every axis a scale is computed over (a quantized weight may only be cut along its channel axes, so that each slice
+gets exactly the scales the whole weight would) and is cut first along the outermost axes it may be cut along (a
+layer, a range of experts, a range of rows). A slice of `b` source bytes costs about `SLICE_FACTOR * b` of memory
+(the source slice, its compute-dtype cast, the quantizer's temporaries and the encoded output), so the slice size
+is `(max_memory - memory the process already holds) / SLICE_FACTOR`. The destination array is chunked by that
+block, so every write fills whole chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import re
+from typing import Iterator, Sequence
+
+from inspect_tool import errors
+
+SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
+DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+  """Bytes of a size like `600MB`, `2GiB`, `1.5G` or `1000000`.
+
+  Raises:
+    errors.InputError: not such a size.
+  """
+  match = _SIZE.match(str(text))
+  unit = match.group(2).lower() if match else None
+  if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+    raise errors.InputError(f"--max-memory {text!r} is not a size; accepted: a positive number with an optional "
+                            "unit, e.g. 600MB, 2GiB, 1.5G")
+  return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= size:
+      return f"{nbytes / size:.1f} {unit}"
+  return f"{int(nbytes)} B"
+
+
+def _cgroup_limit() -> int | None:
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path, encoding="ascii") as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    if text.isdigit() and int(text) < 2**60:
+      return int(text)
+  return None
+
+
+def available_memory() -> int:
+  """Memory this process may use: MemAvailable, capped by its memory cgroup's limit."""
+  available = None
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          available = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  if available is None:
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  limit = _cgroup_limit()
+  return min(available, limit) if limit else available
+
+
+def default_max_memory() -> int:
+  """The default `--max-memory`: half of what is available."""
+  return int(available_memory() * DEFAULT_SHARE)
+
+
+def current_rss() -> int:
+  """Resident bytes of this process now."""
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    import resource  # pylint: disable=import-outside-toplevel
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Slicing:
+  """How one array is cut: the block shape (also the destination chunk shape) and the grid of blocks."""
+
+  shape: tuple[int, ...]
+  block: tuple[int, ...]
+
+  @property
+  def count(self) -> int:
+    return math.prod(-(-d // b) for d, b in zip(self.shape, self.block)) if self.shape else 1
+
+  def slices(self) -> Iterator[tuple[slice, ...]]:
+    """Index tuples of every block, in C order."""
+    ranges = [range(0, d, b) for d, b in zip(self.shape, self.block)]
+    for starts in itertools.product(*ranges):
+      yield tuple(slice(s, min(s + b, d)) for s, b, d in zip(starts, self.block, self.shape))
+
+
+def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence[int]) -> Slicing | None:
+  """The largest block of `shape` within `budget` bytes, cutting only `cuttable` axes, outermost first.
+
+  None when even a block of 1 along every cuttable axis is over the budget.
+  """
+  shape = tuple(int(d) for d in shape)
+  block = list(shape)
+  for axis in sorted(set(cuttable)):
+    size = math.prod(block) * itemsize
+    if size <= budget:
+      break
+    per_index = size // max(block[axis], 1)
+    block[axis] = max(1, min(block[axis], budget // max(per_index, 1)))
+  if math.prod(block) * itemsize > budget:
+    return None
+  return Slicing(shape, tuple(block))
+
+
+def smallest_slice(shape: Sequence[int], itemsize: int, cuttable: Sequence[int]) -> int:
+  """Bytes of the smallest block `slicing` can cut."""
+  return math.prod(1 if i in set(cuttable) else int(d) for i, d in enumerate(shape)) * itemsize
+
+
+def return_freed_memory() -> None:
+  """Makes glibc hand large freed buffers back to the system at once (a fixed 1 MiB mmap threshold).
+
+  By default glibc raises its mmap threshold after each large free, up to 32 MiB, so slice-sized buffers end up
+  in heap arenas that are not given back and the resident size creeps up over many slices. No-op without glibc.
+  """
+  import ctypes  # pylint: disable=import-outside-toplevel
+
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return
+  m_trim_threshold, m_mmap_threshold = -1, -3
+  libc.mallopt(m_mmap_threshold, 1 << 20)
+  libc.mallopt(m_trim_threshold, 1 << 20)

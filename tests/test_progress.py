@@ -1,0 +1,60 @@
+"""`progress.ByteProgress`: a tqdm bar on a terminal, a few plain lines in pipes (after a while), none with --quiet."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from inspect_tool import progress
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _loud():
+  progress.set_quiet(False)
+  yield
+  progress.set_quiet(False)
+
+
+def _work(total=4 << 20):
+  with progress.ByteProgress("exporting 4 arrays", total, 4) as bar:
+    for _ in range(4):
+      bar.update(total // 4, 1)
+
+
+def test_terminal_gets_a_tqdm_bar_with_bytes_arrays_rate_and_eta(monkeypatch):
+  err = _Terminal()
+  monkeypatch.setattr("sys.stderr", err)
+  _work()
+  text = err.getvalue()
+  assert "exporting 4 arrays" in text and "100%" in text and "4.00M/4.00M" in text and "arrays 4/4" in text
+  assert "B/s" in text and "<" in text  # rate and the elapsed<remaining (ETA) field
+
+
+def test_pipe_gets_a_few_plain_lines_only_for_long_work(monkeypatch):
+  err = io.StringIO()
+  monkeypatch.setattr("sys.stderr", err)
+  _work()
+  assert err.getvalue() == ""  # short work: silent
+  monkeypatch.setattr(progress, "PLAIN_AFTER_SECONDS", 0.0)
+  _work()
+  lines = err.getvalue().splitlines()
+  assert [l.split(": ")[1].split(" ")[0] for l in lines] == ["25%", "50%", "75%", "done,"]
+  assert "(1/4 arrays, 1.0 MiB, " in lines[0] and "/s, ETA " in lines[0]
+
+
+def test_quiet_silences_bars_lines_and_steps(monkeypatch):
+  err = _Terminal()
+  monkeypatch.setattr("sys.stderr", err)
+  monkeypatch.setattr(progress, "PLAIN_AFTER_SECONDS", 0.0)
+  progress.set_quiet(True)
+  _work()
+  with progress.step("tracing"):
+    pass
+  progress.note("validation skipped")
+  assert err.getvalue() == ""
