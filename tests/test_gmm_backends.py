@@ -89,21 +89,19 @@ def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values():
 
 
 def test_pallas_forward_of_the_fp8_model_matches_maxtexts_golden_as_the_reference_does():
-  """`forward ... quantization=fp8_full quantize_mtp=true gmm_backend=pallas` on MaxText's checkpoint."""
+  """`forward ... quantization=fp8_full quantize_mtp=true gmm_backend=pallas` on MaxText's checkpoint.
+
+  The reference path reproduces these golden logits exactly (measured; tests/test_running.py holds it to its
+  tolerance), and so does Pallas: measured 0 on both stacks.
+  """
   golden = np.load(os.path.join(DATA, "golden", "c_fp8full_mtptrue.npz"))
-  data = batch.make_batch(batch.fixed_tokens(2, 16, 1024))
-  results = {}
-  for backend in ("pallas", "reference"):
-    cfg = config.resolve_config(TINY + [f"gmm_backend={backend}"])
-    model = running.load_model(cfg, os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024"))
-    assert model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gmm_backend == backend
-    results[backend] = running.forward(running.quantize_for_training(model, cfg), data)
-  pallas, reference = results["pallas"], results["reference"]
+  cfg = config.resolve_config(TINY + ["gmm_backend=pallas"])
+  model = running.load_model(cfg, os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024"))
+  assert model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gmm_backend == "pallas"
+  result = running.forward(running.quantize_for_training(model, cfg), batch.make_batch(batch.fixed_tokens(2, 16, 1024)))
   rel = lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(y))
-  assert rel(pallas.logits, golden["logits"]) <= rel(reference.logits, golden["logits"]) + FP8_NOISE
-  assert rel(pallas.mtp_logits[0], golden["mtp_logits"]) <= rel(reference.mtp_logits[0], golden["mtp_logits"]) + 1e-6
-  assert rel(pallas.logits, golden["logits"]) <= 1e-5  # measured 0: the golden's own numerics
-  assert (np.asarray(pallas.top1) == golden["top1"]).sum() == 32
+  assert rel(result.logits, golden["logits"]) <= 1e-5 and rel(result.mtp_logits[0], golden["mtp_logits"]) <= 1e-5
+  assert (np.asarray(result.top1) == golden["top1"]).sum() == 32
 
 
 def test_auto_picks_pallas_on_tpu_ragged_dot_on_gpu_and_the_reference_on_cpu():
