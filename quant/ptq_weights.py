@@ -1,5 +1,5 @@
 """Post-training FP8 export, model-agnostic: which granularity a weight gets, its (qvalue, scale), the key layout,
-and a streaming Orbax writer.
+and the one-line message of a failed write.
 
 Granularity is what the quantized forward pass (Qwix QT) uses for the op that consumes the weight:
 
@@ -26,22 +26,18 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-import json
-import os
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quant import compat
 from quant import errors
 from quant import fp8
 
 ARRAY, QVALUE, SCALE = "array", "qvalue", "scale"
 DENSE_OPS = ("dot_general", "einsum")
 GROUPED_OPS = ("gmm", "ragged_dot")
-DEFAULT_FLUSH_BYTES = 64 * 1024 * 1024
 QUANTIZE_CHUNK_BYTES = 32 * 1024 * 1024
 
 
@@ -182,7 +178,7 @@ def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYT
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Streaming Orbax writer.
+# Write errors.
 
 
 _WRITE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -205,106 +201,3 @@ def write_error(path: str, e: BaseException) -> errors.QuantError:
         return errors.QuantError(f"cannot write {path!r}: {reason}")
   first = (str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__])[0][:300]
   return errors.QuantError(f"cannot write {path!r}: {first}")
-
-
-class OrbaxStreamWriter:
-  """Writes one Orbax pytree array by array: `<step_dir>/<item>/<key...>`, readable by Orbax and MaxText.
-
-  Arrays are buffered up to `flush_bytes` and then written with Orbax's partial save (each flush adds leaves
-  to the same checkpoint; one flush is written in the background while the caller prepares the next);
-  `finalize()` merges the partial saves into one checkpoint and names its pytree
-  `item`. Memory stays at about one flush worth of output plus what the caller holds. Nothing at `step_dir`
-  is complete before `finalize()` returns; write it inside a temporary directory.
-  """
-
-  def __init__(self, step_dir: str, *, item: str = "items", flush_bytes: int = DEFAULT_FLUSH_BYTES):
-    self.step_dir = os.path.abspath(step_dir)
-    self.item = item
-    self.flush_bytes = int(flush_bytes)
-    self._pending: dict[tuple[str, ...], Any] = {}
-    self._pending_bytes = 0
-    self._keys: set[tuple[str, ...]] = set()
-    self.written_bytes = 0
-    self.flushes = 0
-    self._in_flight = None  # the Orbax response of the last flush, until it is awaited
-
-  def add(self, key: Sequence[str], array) -> None:
-    """Queues one array under `key` (a tuple of dict keys); flushes when the buffer is full."""
-    key = tuple(str(k) for k in key)
-    if key in self._keys:
-      raise errors.QuantError(f"array {'/'.join(key)} was written twice")
-    self._keys.add(key)
-    self._pending[key] = array
-    nbytes = int(np.prod(array.shape, dtype=np.int64)) * np.dtype(array.dtype).itemsize
-    self._pending_bytes += nbytes
-    self.written_bytes += nbytes
-    if self._pending_bytes >= self.flush_bytes:
-      self.flush()
-
-  def flush(self) -> None:
-    """Writes the buffered arrays (one Orbax partial save)."""
-    if not self._pending:
-      return
-    from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
-
-    tree: dict = {}
-    for key, array in self._pending.items():
-      node = tree
-      for part in key[:-1]:
-        node = node.setdefault(part, {})
-      node[key[-1]] = array
-    self.wait()  # at most one write in flight: it overlaps with reading and quantizing the next arrays
-    try:
-      self._in_flight = partial.save_async(self.step_dir, tree)
-    except Exception as e:  # orbax/tensorstore wrap OS errors in their own types
-      raise write_error(self.step_dir, e) from None
-    self._pending = {}
-    self._pending_bytes = 0
-    self.flushes += 1
-
-  def wait(self) -> None:
-    """Blocks until the background write (if any) is on disk."""
-    in_flight, self._in_flight = self._in_flight, None
-    if in_flight is not None:
-      try:
-        in_flight.result()
-      except Exception as e:  # pylint: disable=broad-except
-        raise write_error(self.step_dir, e) from None
-
-  def finalize(self) -> None:
-    """Flushes, merges the partial saves into `step_dir` and names the pytree directory `item`."""
-    from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
-
-    self.flush()
-    self.wait()
-    if not self.flushes:
-      raise errors.QuantError(f"nothing to write to {self.step_dir!r}")
-    try:
-      partial.finalize(self.step_dir)
-      _rename_pytree(self.step_dir, self.item)
-    except errors.QuantError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise write_error(self.step_dir, e) from None
-
-
-_STATE = "state"  # the pytree name Orbax's partial save uses
-_PYTREE_HANDLER = compat.ORBAX_PYTREE_HANDLER
-
-
-def _rename_pytree(step_dir: str, item: str) -> None:
-  """Renames Orbax's partial-save pytree directory to `item` and records it in the step metadata."""
-  if item != _STATE:
-    os.replace(os.path.join(step_dir, _STATE), os.path.join(step_dir, item))
-  meta_path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
-  with open(meta_path, encoding="utf-8") as f:
-    meta = json.load(f)
-  handlers = meta.get("item_handlers") or {}
-  handlers.pop(_STATE, None)
-  handlers[item] = _PYTREE_HANDLER
-  meta["item_handlers"] = handlers
-  tmp = meta_path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(meta, f)
-  os.replace(tmp, meta_path)
-

@@ -1,15 +1,11 @@
-"""quant.ptq_weights: granularity from ops, bit-exact quantization, key layout, the streaming Orbax writer; and the
+"""quant.ptq_weights: granularity from ops, bit-exact quantization, key layout and write errors; and the
 pre-quantized grouped matmul (quant.gmm / quant.gmm_fp8) an export's experts run in."""
 
-import errno
-import json
-import os
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import qwix
 from qwix._src.core import qarray
@@ -100,60 +96,7 @@ def test_quantize_weight_refuses_a_weight_of_another_shape():
     qexport.quantize_weight(jnp.ones((4, 5)), wq)
 
 
-# Streaming writer ----------------------------------------------------------------------------------------------
-
-
-def test_stream_writer_writes_one_orbax_pytree_over_several_flushes(tmp_path):
-  step = tmp_path / "0"
-  writer = qexport.OrbaxStreamWriter(str(step), flush_bytes=64)
-  qvalue = jnp.asarray(_rng().standard_normal((8, 8)), jnp.float8_e4m3fn)
-  arrays = {("params", "params", "a", "array", "qvalue"): qvalue,
-            ("params", "params", "a", "array", "scale"): jnp.ones((1, 8), jnp.bfloat16),
-            ("params", "params", "b"): jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
-  for key, value in arrays.items():
-    writer.add(key, value)
-  writer.finalize()
-  assert writer.flushes >= 2 and writer.written_bytes == 64 + 16 + 48
-  assert sorted(os.listdir(tmp_path)) == ["0"]  # Orbax's partial-save directories are gone
-  meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())
-  assert list(meta["item_handlers"]) == ["items"]
-  restored = ocp.StandardCheckpointer().restore(str(step / "items"))
-  for key, value in arrays.items():
-    node = restored
-    for part in key:
-      node = node[part]
-    assert node.dtype == value.dtype
-    np.testing.assert_array_equal(np.asarray(node).astype(np.float32), np.asarray(value).astype(np.float32))
-  with pytest.raises(errors.QuantError, match="twice"):
-    writer.add(("params", "params", "b"), jnp.ones(2))
-
-
-def test_stream_writer_reports_disk_full_in_one_line(tmp_path, monkeypatch):
-  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
-
-  def full(*args, **kwargs):
-    raise ValueError("write failed") from OSError(errno.ENOSPC, "No space left on device")
-
-  monkeypatch.setattr(partial, "save_async", full)
-  writer = qexport.OrbaxStreamWriter(str(tmp_path / "0"))
-  writer.add(("params", "x"), jnp.ones(3))
-  with pytest.raises(errors.QuantError) as info:
-    writer.finalize()
-  assert str(info.value) == f"cannot write {str(tmp_path / '0')!r}: no space left on device"
-
-
-def test_stream_writer_reports_a_failure_of_a_background_write(tmp_path, monkeypatch):
-  from orbax.checkpoint.experimental.v1 import partial  # pylint: disable=import-outside-toplevel
-
-  class Failed:
-    def result(self):
-      raise PermissionError(errno.EACCES, "Permission denied")
-
-  monkeypatch.setattr(partial, "save_async", lambda *args, **kwargs: Failed())
-  writer = qexport.OrbaxStreamWriter(str(tmp_path / "0"), flush_bytes=1)
-  writer.add(("params", "x"), jnp.ones(3))  # flushed in the background
-  with pytest.raises(errors.QuantError, match="permission denied"):
-    writer.add(("params", "y"), jnp.ones(3))  # the next flush waits for the first
+# Write errors -----------------------------------------------------------------------------------------------
 
 
 def test_write_errors_name_the_reason_from_messages_too():
