@@ -9,7 +9,9 @@ string from process 0 to all.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 from inspect_tool import errors
 
@@ -76,11 +78,25 @@ def process_count() -> int:
   return jax.process_count()
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+  """Gloo prints its connection lines on the C stdout; stdout is for data, so they go to stderr."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  try:
+    os.dup2(2, 1)
+    yield
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
 def barrier(name: str) -> None:
   """Returns once every process has reached the barrier `name`."""
   if process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    multihost_utils.sync_global_devices(name)
+    with _stdout_to_stderr():
+      multihost_utils.sync_global_devices(name)
 
 
 def broadcast_text(text: str | None) -> str:
@@ -94,5 +110,6 @@ def broadcast_text(text: str | None) -> str:
   if len(raw) > _TEXT_BYTES:
     raise errors.InputError(f"path too long for the other processes ({len(raw)} bytes; accepted: {_TEXT_BYTES})")
   buffer = np.frombuffer(raw.ljust(_TEXT_BYTES, b"\0"), np.uint8)
-  out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  with _stdout_to_stderr():
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
   return bytes(out).rstrip(b"\0").decode()

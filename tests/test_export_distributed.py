@@ -1,0 +1,75 @@
+"""`export` under jax.distributed: 2 processes x 2 CPU devices on 127.0.0.1 write one Orbax checkpoint with the
+same arrays, byte for byte, as one process; `diff` runs the same way."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
+TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+          "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full", "quantize_mtp=true"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int):
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+
+
+def _run_processes(command: list[str], n: int = 2, timeout: int = 240):
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, "-m", "inspect_tool", *command, "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", str(n), "--process-id", str(i)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(2)) for i in range(n)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=timeout)
+      outs.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return outs
+
+
+def _arrays(path: str) -> dict:
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  base = {"driver": "file", "path": os.path.join(path, "0", "items") + "/"}
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+  names = sorted({k.decode().rsplit("/zarr.json", 1)[0] for k in kv.list().result() if k.endswith(b"/zarr.json")})
+  return {n: np.asarray(ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": n + "/"}},
+                                open=True).result().read().result()) for n in names}
+
+
+def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
+  one, two = tmp_path / "one", tmp_path / "two"
+  single = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *TOKENS, "--checkpoint", CKPT,
+                           "--output", str(one), "--no-validate", "--quiet"], capture_output=True, text=True,
+                          cwd=REPO, env=_env(2), check=False, timeout=240)
+  assert single.returncode == 0, single.stderr[-2000:]
+  outs = _run_processes(["export", *TOKENS, "--checkpoint", CKPT, "--output", str(two), "--no-validate"])
+  for code, _, err in outs:
+    assert code == 0, err[-3000:]
+  assert outs[0][1].startswith("wrote ") and outs[1][1] == ""  # process 0 reports for the job; stdout is data only
+  a, b = _arrays(str(one)), _arrays(str(two))
+  assert sorted(a) == sorted(b) and len(a) == 86
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+  processes = sorted(d for d in os.listdir(two / "0" / "items") if d.startswith("ocdbt.process_"))
+  assert processes == ["ocdbt.process_0", "ocdbt.process_1"]  # each process wrote its own slices
+  assert sorted(os.listdir(tmp_path)) == ["one", "two"]
+
+  diffs = _run_processes(["diff", *TOKENS, "--path", str(two)])
+  assert [code for code, _, _ in diffs] == [0, 0], diffs[0][2][-2000:]
