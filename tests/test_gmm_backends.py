@@ -91,8 +91,9 @@ def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values():
 def test_pallas_forward_of_the_fp8_model_matches_maxtexts_golden_as_the_reference_does():
   """`forward ... quantization=fp8_full quantize_mtp=true gmm_backend=pallas` on MaxText's checkpoint.
 
-  The reference path reproduces these golden logits exactly (measured; tests/test_running.py holds it to its
-  tolerance), and so does Pallas: measured 0 on both stacks.
+  Pallas gives what the reference path gives (tests/test_running.py holds that to MaxText's tolerance), measured
+  against the golden: 0 on jax 0.12.0.1; 8.5e-8 (main) and 2.2e-5 (MTP) on jax 0.10.2, where the reference path
+  shows the same figures. Bound: 1e-4, and every top-1 token.
   """
   golden = np.load(os.path.join(DATA, "golden", "c_fp8full_mtptrue.npz"))
   cfg = config.resolve_config(TINY + ["gmm_backend=pallas"])
@@ -100,8 +101,9 @@ def test_pallas_forward_of_the_fp8_model_matches_maxtexts_golden_as_the_referenc
   assert model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gmm_backend == "pallas"
   result = running.forward(running.quantize_for_training(model, cfg), batch.make_batch(batch.fixed_tokens(2, 16, 1024)))
   rel = lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(y))
-  assert rel(result.logits, golden["logits"]) <= 1e-5 and rel(result.mtp_logits[0], golden["mtp_logits"]) <= 1e-5
-  assert (np.asarray(result.top1) == golden["top1"]).sum() == 32
+  assert rel(result.logits, golden["logits"]) <= 1e-4 and rel(result.mtp_logits[0], golden["mtp_logits"]) <= 1e-4
+  assert np.array_equal(result.top1, golden["top1"])
+  assert np.array_equal(np.asarray(result.mtp_logits[0]).argmax(-1), golden["mtp_top1"])
 
 
 def test_auto_picks_pallas_on_tpu_ragged_dot_on_gpu_and_the_reference_on_cpu():
