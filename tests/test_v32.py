@@ -17,6 +17,7 @@ from inspect_tool.fp8_export import pipeline as export
 from inspect_tool import forward
 from inspect_tool import model as model_lib
 from inspect_tool import params
+from inspect_tool import running
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.model import indexer
 
@@ -112,8 +113,10 @@ def golden():
 
 
 def _forward(tokens, arrays, g):
-  model = model_lib.build_model(config.resolve_config(tokens))
+  cfg = config.resolve_config(tokens)
+  model = model_lib.build_model(cfg)
   assert params.assign_arrays(model, arrays) == []
+  model = running.quantize_for_training(model, cfg)  # unchanged without a quantization
   return forward.run_forward(model, g["tokens"], targets=g["targets"], target_mask=g["target_mask"],
                              positions=g["positions"], segment_ids=g["segment_ids"])
 
@@ -125,6 +128,14 @@ def test_forward_matches_maxtext_golden(arrays, golden):
   assert _rel(result.mtp_logits[0], golden["mtp_logits"]) <= 0.01
   assert int(np.sum(np.asarray(result.mtp_top1[0]) == golden["mtp_top1"])) >= 31
   np.testing.assert_allclose(np.asarray(result.mtp_losses), golden["mtp_losses__mtp_block__losses"], rtol=1e-3)
+
+
+def test_fp8_full_forward_matches_maxtexts_quantized_forward(arrays, golden):
+  """MaxText 0.2.5 under Qwix (quantization=fp8_full quantize_mtp=true, its model called op by op)."""
+  reference = dict(np.load(CKPT / "maxtext_fp8full_mtptrue_op_by_op.npz"))
+  result = _forward(SMALL + ["quantization=fp8_full", "quantize_mtp=true"], arrays, golden)
+  assert _rel(result.logits, reference["logits"]) <= 1e-3
+  assert _rel(reference["logits"], golden["logits"]) > 0.05  # the quantization is really there
 
 
 def test_sparsity_matters_keeping_every_key_misses_the_golden(arrays, golden):
