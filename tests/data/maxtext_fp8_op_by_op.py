@@ -1,3 +1,6 @@
+"""How the MaxText fp8_full op-by-op references were made (see README.md). Needs MaxText 0.2.5 (not the test env):
+  JAX_PLATFORMS=cpu python maxtext_fp8_op_by_op.py v32|v4 OUT.npz
+"""
 import os, sys, numpy as np, jax, jax.numpy as jnp
 from flax import nnx
 from maxtext.configs import pyconfig
@@ -7,7 +10,7 @@ which, out = sys.argv[1], sys.argv[2]
 tiles=[f"{a}_tile_{b}_{c}=32" for a in ("wi","wo") for b in ("fwd","dlhs","drhs") for c in ("batch_seq","embed_dim","mlp_dim")]
 if which == "v32":
   R='/work/shared/reference/ckpt_v32-small'; gold='golden_v32_a_noquant.npz'
-  keys=open('/tmp/w10/v32keys').read().split()
+  keys='model_name=deepseek3.2-671b override_model_config=true mtp_num_layers=1 base_emb_dim=64 base_num_query_heads=4 base_num_kv_heads=4 base_mlp_dim=128 base_moe_mlp_dim=32 base_num_decoder_layers=3 first_num_dense_layers=1 vocab_size=512 num_experts=8 num_experts_per_tok=2 q_lora_rank=32 kv_lora_rank=16 qk_nope_head_dim=32 qk_rope_head_dim=16 v_head_dim=32 indexer_n_heads=4 indexer_head_dim=32 indexer_topk=8'.split()
   keys+=["quantization=fp8_full","quantize_mtp=true"]
 else:
   R='/work/shared/reference/ckpt_v4-small'; gold='golden_v4_a_noquant.npz'
