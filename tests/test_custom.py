@@ -2,11 +2,12 @@
 MaxText 0.2.5's listings, MaxText's refusals, and the mHC mixing against a NumPy evaluation of its formula."""
 
 import pathlib
-import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import maxtext_listings
 
 from inspect_tool import config
 from inspect_tool import model_coverage as coverage
@@ -17,7 +18,6 @@ from inspect_tool.model import initializers as inits
 from inspect_tool.model import mhc
 
 DATA = pathlib.Path(__file__).parent / "data" / "listings"
-LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
 CUSTOM = ["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]"]
 SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
                   "base_moe_mlp_dim=16", "base_num_decoder_layers=2", "vocab_size=64", "num_experts=4",
@@ -25,21 +25,12 @@ SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_head
                   "indexer_n_heads=2", "indexer_head_dim=16", "indexer_topk=4", "max_target_length=16"]
 
 
-def _listing(name):
-  leaves = set()
-  for line in (DATA / name).read_text().splitlines():
-    match = LINE.match(line)
-    if match:
-      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
-      leaves.add((match.group(1), shape, match.group(3)))
-  return leaves
-
 
 @pytest.mark.parametrize("listing, extra", [("deepseek-custom_scan_mtp0.txt", []),
                                             ("deepseek-custom_noscan_mtp0.txt", ["scan_layers=false"])])
 def test_param_tree_equals_maxtext_listing(listing, extra):
   leaves = params.param_leaves(model_lib.build_model(config.resolve_config(CUSTOM + extra)))
-  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == _listing(listing)
+  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == maxtext_listings.entries(listing)
   assert sum(leaf.size for leaf in leaves) == 428491924  # MaxText 0.2.5's printed total for both
 
 

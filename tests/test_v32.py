@@ -2,13 +2,14 @@
 against MaxText 0.2.5's listings and its forward pass on a small MaxText-written checkpoint (`ckpt_v32-small`)."""
 
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+import maxtext_listings
 
 from inspect_tool import config
 from inspect_tool import model_coverage as coverage
@@ -23,7 +24,6 @@ from inspect_tool.model import indexer
 
 DATA = pathlib.Path(__file__).parent / "data"
 CKPT = DATA / "ckpt_v32-small"
-LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
 SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_layers=1", "base_emb_dim=64",
          "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "base_moe_mlp_dim=32",
          "base_num_decoder_layers=3", "first_num_dense_layers=1", "vocab_size=512", "num_experts=8",
@@ -31,15 +31,6 @@ SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_l
          "v_head_dim=32", "indexer_n_heads=4", "indexer_head_dim=32", "indexer_topk=8"]
 INDEXER = "params.params.decoder.moe_layers.self_attention.indexer"
 
-
-def _listing(path):
-  leaves = set()
-  for line in pathlib.Path(path).read_text().splitlines():
-    match = LINE.match(line)
-    if match:
-      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
-      leaves.add((match.group(1), shape, match.group(3)))
-  return leaves
 
 
 def _leaves(tokens, **kw):
@@ -52,15 +43,15 @@ def _rel(ours, golden):
 
 
 @pytest.mark.parametrize("listing, tokens, total", [
-    (DATA / "listings" / "deepseek3.2-671b_scan_mtp1.txt", ["model_name=deepseek3.2-671b", "mtp_num_layers=1"],
+    ("deepseek3.2-671b_scan_mtp1.txt", ["model_name=deepseek3.2-671b", "mtp_num_layers=1"],
      683501956608),
-    (CKPT / "listing.txt", SMALL, 382656),
-    (DATA / "listings" / "deepseek3.2-671b_noscan_mtp1.txt",
+    ("../ckpt_v32-small/listing.txt", SMALL, 382656),
+    ("deepseek3.2-671b_noscan_mtp1.txt",
      ["model_name=deepseek3.2-671b", "mtp_num_layers=1", "scan_layers=false"], 683501956608),
 ])
 def test_param_tree_equals_maxtext_listing(listing, tokens, total):
   leaves = _leaves(tokens)
-  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == _listing(listing)
+  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == maxtext_listings.entries(listing)
   assert sum(leaf.size for leaf in leaves) == total
 
 

@@ -2,12 +2,13 @@
 against MaxText's on its small checkpoint, MaxText's MTP refusal, the interleaved RoPE, and Qwix coverage."""
 
 import pathlib
-import re
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
+import maxtext_listings
 
 from inspect_tool import config
 from inspect_tool import errors
@@ -20,18 +21,8 @@ from inspect_tool.fp8_export import plan
 from inspect_tool.model import compressed_attention
 
 DATA = pathlib.Path(__file__).parent / "data"
-LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
 SMALL = ["model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512"]
 
-
-def _listing(name):
-  leaves = set()
-  for line in (DATA / "listings" / name).read_text().splitlines():
-    match = LINE.match(line)
-    if match:
-      shape = tuple(int(d) for d in match.group(2).replace(" ", "").split(",") if d)
-      leaves.add((match.group(1), shape, match.group(3)))
-  return leaves
 
 
 @pytest.mark.parametrize("listing, tokens, total", [
@@ -42,7 +33,7 @@ def _listing(name):
 ])
 def test_param_tree_equals_maxtext_listing(listing, tokens, total):
   leaves = params.param_leaves(model_lib.build_model(config.resolve_config(tokens)))
-  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == _listing(listing)
+  assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == maxtext_listings.entries(listing)
   assert sum(leaf.size for leaf in leaves) == total
 
 
