@@ -9,7 +9,6 @@ string from process 0 to all.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -58,6 +57,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
   _started = True
+  _keep_stdout_for_data()
+
+
+def _keep_stdout_for_data() -> None:
+  """Gloo (JAX's CPU collectives) prints connection lines on the C stdout: from now on the C stdout is stderr,
+  and Python's `sys.stdout` (the tool's data) keeps the real one."""
+  sys.stdout.flush()
+  data = os.dup(1)
+  os.dup2(2, 1)
+  sys.stdout = os.fdopen(data, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8")
 
 
 def _cpu_only() -> bool:
@@ -78,25 +87,11 @@ def process_count() -> int:
   return jax.process_count()
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-  """Gloo prints its connection lines on the C stdout; stdout is for data, so they go to stderr."""
-  sys.stdout.flush()
-  saved = os.dup(1)
-  try:
-    os.dup2(2, 1)
-    yield
-  finally:
-    os.dup2(saved, 1)
-    os.close(saved)
-
-
 def barrier(name: str) -> None:
   """Returns once every process has reached the barrier `name`."""
   if process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    with _stdout_to_stderr():
-      multihost_utils.sync_global_devices(name)
+    multihost_utils.sync_global_devices(name)
 
 
 def broadcast_text(text: str | None) -> str:
@@ -110,6 +105,30 @@ def broadcast_text(text: str | None) -> str:
   if len(raw) > _TEXT_BYTES:
     raise errors.InputError(f"path too long for the other processes ({len(raw)} bytes; accepted: {_TEXT_BYTES})")
   buffer = np.frombuffer(raw.ljust(_TEXT_BYTES, b"\0"), np.uint8)
-  with _stdout_to_stderr():
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
   return bytes(out).rstrip(b"\0").decode()
+
+
+def to_host(value):
+  """`value` (a dataclass or pytree of arrays) with every array as a whole numpy array on this process.
+
+  Arrays that span other processes' devices are gathered (`process_allgather`); every process takes part.
+  """
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  if value is None:
+    return None
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return dataclasses.replace(value, **{f.name: to_host(getattr(value, f.name))
+                                         for f in dataclasses.fields(value)})
+
+  def gather(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return x
+
+  return jax.tree.map(gather, value)

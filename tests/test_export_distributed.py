@@ -73,3 +73,14 @@ def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
 
   diffs = _run_processes(["diff", *TOKENS, "--path", str(two)])
   assert [code for code, _, _ in diffs] == [0, 0], diffs[0][2][-2000:]
+
+
+def test_forward_over_two_processes_prints_what_one_process_with_four_devices_prints():
+  model = [t for t in TOKENS if not t.startswith("quantiz")]
+  one = subprocess.run([sys.executable, "-m", "inspect_tool", "forward", *model, "--checkpoint", CKPT],
+                       capture_output=True, text=True, cwd=REPO, env=_env(4), check=False, timeout=240)
+  assert one.returncode == 0, one.stderr[-2000:]
+  outs = _run_processes(["forward", *model, "--checkpoint", CKPT])
+  assert [code for code, _, _ in outs] == [0, 0], outs[0][2][-2000:]
+  assert outs[0][1] == one.stdout and "main loss" in one.stdout  # the same shards, the same reductions
+  assert outs[1][1] == ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from inspect_tool.cli import options
@@ -20,7 +22,9 @@ from inspect_tool.cli import options
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the pass uses and which it ignores.")
 @options.overwrite_option
-def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt, verbose):
+@options.distributed_options
+def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt, verbose, coordinator,
+            num_processes, process_id, quiet):
   """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
 
   With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
@@ -28,6 +32,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   from inspect_tool import batch, config, listings, metrics, running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
+  options.start_processes(coordinator, num_processes, process_id, quiet)
   options.check_output_files(save_logits)
   cfg = config.resolve_config(overrides)
   if verbose:
@@ -35,6 +40,12 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
+  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  if distributed.process_count() > 1:  # results sharded over every process's devices: gather, process 0 reports
+    outcome = dataclasses.replace(outcome, result=distributed.to_host(outcome.result),
+                                  reference=distributed.to_host(outcome.reference))
+    if distributed.process_index() != 0:
+      return 0
   comparisons = metrics.compare_heads(outcome.reference, outcome.result) if outcome.reference is not None else ()
   if save_logits:
     options.check_output_files(save_logits)  # again: it may have appeared while the model ran
