@@ -89,8 +89,9 @@ class ByteProgress:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, *exc):
+    if exc_type is None or self._bar is not None:
+      self.close()  # a failed run says so in its error line, not with "done"
 
   def _line(self, text: str) -> None:
     self._plain_lines += 1

@@ -25,7 +25,7 @@ TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_confi
 
 def _argv(dst, *extra):
   return [sys.executable, "-m", "inspect_tool", "export", *TOKENS, "--checkpoint", CKPT, "--output", str(dst),
-          "--no-validate", *extra]
+          "--no-validate", "--quiet", *extra]  # --quiet: no progress lines beside the one error line
 
 
 def _env(**extra):
