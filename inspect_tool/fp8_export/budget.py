@@ -121,10 +121,18 @@ def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence
     if size <= budget:
       break
     per_index = size // max(block[axis], 1)
-    block[axis] = max(1, min(block[axis], budget // max(per_index, 1)))
+    block[axis] = _even_block(block[axis], max(1, min(block[axis], budget // max(per_index, 1))))
   if math.prod(block) * itemsize > budget:
     return None
   return Slicing(shape, tuple(block))
+
+
+def _even_block(length: int, most: int) -> int:
+  """`most`, or the largest divisor of `length` not below `most / 2`: equal slices, so one compiled quantizer."""
+  for size in range(most, max(1, most // 2) - 1, -1):
+    if length % size == 0:
+      return size
+  return most
 
 
 def smallest_slice(shape: Sequence[int], itemsize: int, cuttable: Sequence[int]) -> int:

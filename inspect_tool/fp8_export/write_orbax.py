@@ -202,7 +202,7 @@ class ArrayJob:
     return int(np.prod(self.slicing.block, dtype=np.int64)) * np.dtype(self.leaf.dtype).itemsize
 
 
-RESERVE_BYTES = 96 * 2**20  # compiled quantizers, tensorstore's buffers and the rest beside the slices
+RESERVE_BYTES = 160 * 2**20  # compiling and compiled quantizers, tensorstore's buffers, beside the slices
 
 
 def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
