@@ -1,7 +1,7 @@
 """MaxText's golden forward outputs (tests/data/golden/) and how close our logits must come to them.
 
 Golden a is MaxText's unquantized forward pass on the reference checkpoint, b fp8_full with quantize_mtp=false, c
-fp8_full with quantize_mtp=true. Measured figures and bounds: tests/README.md.
+fp8_full with quantize_mtp=true, d as c with megablox=false. Measured figures and bounds: tests/README.md.
 """
 
 import pathlib
@@ -13,6 +13,8 @@ import pytest
 GOLDEN_DIR = pathlib.Path(__file__).parent / "data" / "golden"
 UNQUANTIZED = "a_noquant.npz"
 FP8 = {False: "b_fp8full_mtpfalse.npz", True: "c_fp8full_mtptrue.npz"}  # by quantize_mtp
+# MaxText's fp8_full quantize_mtp=true forward with megablox=false (Qwix's ragged_dot): golden/make_golden_d.py
+MEGABLOX_FALSE = "d_fp8full_mtptrue_megablox_false.npz"
 AWAY = 0.05  # an fp8 result must stand at least this far (relative error) from the unquantized golden
 # MaxText's own stack (jax 0.12) reproduces the fp8 goldens bit for bit. jax 0.10 (the Python 3.11 venv) rounds a few
 # bf16 values differently: measured there main 8.5e-8, MTP 4.3e-5 (b) / 2.2e-5 (c) relative error, top-1 32/32.

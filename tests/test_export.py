@@ -161,11 +161,16 @@ def test_forward_loads_the_export_into_the_quantized_model_and_reproduces_maxtex
   assert code == 2 and "quantization=fp8_full quantize_mtp=true" in err and len(err.splitlines()) == 1
 
 
-def test_megablox_false_export_reproduces_qwix_quantized_ragged_dot(tmp_path):
+def test_megablox_false_export_reproduces_maxtexts_megablox_false_forward(tmp_path):
+  """The export run through Qwix's quantized ragged_dot equals its source under the same rules (measured 0) and
+  MaxText's own megablox=false forward (golden d, measured bit for bit)."""
   result = export.export(_tokens(True) + ["megablox=false"], str(tmp_path / "out"), source=CKPT)
   assert len(result.report["weights"]) == 33
   for row in result.validation.vs_quantized:
     assert row.top1_agreement == 1.0 and row.rel_error == 0.0
+  golden = golden_parity.load(golden_parity.MEGABLOX_FALSE)
+  np.testing.assert_array_equal(np.asarray(result.validation.result.logits), golden["logits"])
+  np.testing.assert_array_equal(np.asarray(result.validation.result.mtp_logits[0]), golden["mtp_logits"])
 
 
 def test_orbax_listing_shows_fp8_and_diff_understands_the_export(exports, capsys):
