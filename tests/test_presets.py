@@ -4,28 +4,19 @@ The references in tests/data/listings/ were written by MaxText itself (see its R
 MaxText command, whose key=value overrides are given to our tool unchanged.
 """
 
-import os
+import math
 import re
 
+import maxtext_listings
 import pytest
 
 from inspect_tool import config, listings, presets
 from inspect_tool.report import listing
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "listings")
 
-
-def _reference(name: str) -> tuple[list[str], list[str]]:
-  """(overrides, key lines) of a MaxText listing file."""
-  with open(os.path.join(DATA, name), encoding="utf-8") as f:
-    lines = f.read().splitlines()
-  command = lines[0].split(" maxtext ", 1)[1].split()
-  overrides = [t for t in command if not t.startswith("--")]
-  return overrides, [line for line in lines[1:] if line.startswith("key: ")]
-
-
-def _model_of(overrides) -> str:
-  return next(t.split("=", 1)[1] for t in overrides if t.startswith("model_name="))
+def _model_of(name: str) -> str:
+  """The model_name of MaxText's command that wrote listing `name`."""
+  return next(t.split("=", 1)[1] for t in maxtext_listings.model_keys(name) if t.startswith("model_name="))
 
 
 # MaxText's listings of the DeepSeek-family presets and the `Total Parameters` MaxText printed with each
@@ -46,33 +37,21 @@ FAMILY = ("deepseek2-16b", "deepseek2-236b", "deepseek3-671b", "deepseek3-671b-2
           "deepseek3-test", "deepseek3-tiny", "kimi-k2-1t")
 
 
-def _shape_total(lines: list[str]) -> int:
-  total = 0
-  for line in lines:
-    if line.startswith("key: params.params."):
-      dims = re.search(r"shape: \(([^)]*)\)", line).group(1)
-      size = 1
-      for d in (int(x) for x in dims.split(",") if x.strip()):
-        size *= d
-      total += size
-  return total
-
-
 def test_every_family_preset_is_built_and_has_a_scanned_and_an_unscanned_maxtext_listing():
   assert set(FAMILY) <= set(presets.names())
-  listed = {(_model_of(_reference(n)[0]), "_noscan_" in n) for n in os.listdir(DATA) if re.fullmatch(
-      r".+_(no)?scan_mtp\d\.txt", n)}
+  listed = {(_model_of(n), "_noscan_" in n) for n in (p.name for p in maxtext_listings.LISTINGS.iterdir())
+            if re.fullmatch(r".+_(no)?scan_mtp\d\.txt", n)}
   for name in FAMILY:
     assert (name, False) in listed and (name, True) in listed, name
 
 
 @pytest.mark.parametrize("name,total", sorted(CASES.items()))
 def test_listing_is_maxtexts(name, total):
-  overrides, want = _reference(name)
-  report, _ = listings.model_listing(config.resolve_config(overrides))
-  got = listing.listing_lines(report, check_dtype=True)
-  assert got == want
-  assert report.summary.total_params == _shape_total(want) == total
+  want = [line for line in (maxtext_listings.LISTINGS / name).read_text().splitlines() if line.startswith("key: ")]
+  report, _ = listings.model_listing(config.resolve_config(maxtext_listings.model_keys(name)))
+  assert listing.listing_lines(report, check_dtype=True) == want  # names, shapes, dtypes and MaxText's order
+  params = [shape for key, shape, _ in maxtext_listings.entries(name) if key.startswith("params.params.")]
+  assert report.summary.total_params == sum(math.prod(shape) for shape in params) == total
 
 
 def test_kimi_total():
