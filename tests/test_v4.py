@@ -130,6 +130,18 @@ def test_op_by_op_forward_equals_maxtexts_op_by_op_forward(reference, quantizati
   assert np.linalg.norm(logits - reference["logits"]) / np.linalg.norm(reference["logits"]) <= bound
 
 
+def test_jitted_fp8_full_forward_equals_maxtexts_jitted_forward():
+  """MaxText's model call under `nnx.jit` with fp8_full: our jitted forward fuses the same way here."""
+  reference = dict(np.load(DATA / "golden" / "v4_fp8full_maxtext_jit.npz"))
+  cfg = config.resolve_config(SMALL + ["quantization=fp8_full"])
+  model = model_lib.build_model(cfg)
+  assert params.assign_arrays(model, _arrays()) == []
+  result = forward.run_forward(running.quantize_for_training(model, cfg), reference["tokens"],
+                               positions=reference["positions"], segment_ids=reference["segment_ids"])
+  rel = np.linalg.norm(np.asarray(result.logits, np.float64) - reference["logits"]) / np.linalg.norm(reference["logits"])
+  assert rel <= BOUNDS["op_by_op_fp8"]
+
+
 def test_fp8_full_coverage_and_export_plan_reach_the_compressors():
   cfg = config.resolve_config(SMALL + ["quantization=fp8_full"])
   report = coverage.trace_coverage(cfg)

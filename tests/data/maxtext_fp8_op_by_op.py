@@ -22,7 +22,10 @@ g=dict(np.load(os.path.join(R,gold)))
 kw={}
 if config.mtp_num_layers>0:
   kw=dict(decoder_target_tokens=jnp.asarray(g['targets']), decoder_target_mask=jnp.asarray(g['target_mask']))
-logits=model(jnp.asarray(g['tokens']), jnp.asarray(g['positions']), jnp.asarray(g['segment_ids']), enable_dropout=False, **kw)
+call = lambda m, a, b, c: m(a, b, c, enable_dropout=False, **kw)
+if os.environ.get("JIT"):  # JIT=1: the call under nnx.jit (golden/v4_fp8full_maxtext_jit.npz)
+  call = nnx.jit(call)
+logits=call(model, jnp.asarray(g['tokens']), jnp.asarray(g['positions']), jnp.asarray(g['segment_ids']))
 inter=nnx.pop(model, nnx.Intermediate)
 flat={'/'.join(str(p) for p in k): v for k, v in nnx.to_flat_state(inter)}
 print([k for k in flat])
