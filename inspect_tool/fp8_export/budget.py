@@ -135,6 +135,21 @@ def _even_block(length: int, most: int) -> int:
   return most
 
 
+def chunk_within(block: Sequence[int], itemsize: int, limit: int, cuttable: Sequence[int]) -> tuple[int, ...]:
+  """A sub-block of `block` of about `limit` bytes whose sides divide `block`'s (so that every slice covers whole
+  chunks), cutting `cuttable` axes outermost first; an axis without a divisor near the wanted size stays whole."""
+  chunk = [int(b) for b in block]
+  for axis in sorted(set(cuttable)):
+    size = math.prod(chunk) * itemsize
+    if size <= limit:
+      break
+    want = max(1, limit // max(size // max(chunk[axis], 1), 1))
+    divisor = _even_block(chunk[axis], min(want, chunk[axis]))
+    if chunk[axis] % divisor == 0:
+      chunk[axis] = divisor
+  return tuple(chunk)
+
+
 def smallest_slice(shape: Sequence[int], itemsize: int, cuttable: Sequence[int]) -> int:
   """Bytes of the smallest block `slicing` can cut."""
   return math.prod(1 if i in set(cuttable) else int(d) for i, d in enumerate(shape)) * itemsize

@@ -196,12 +196,14 @@ class ArrayJob:
   out_key: tuple[str, ...]
   quant: Any  # quant.ptq_weights.WeightQuant or None
   slicing: budget_lib.Slicing
+  chunk: tuple[int, ...] = ()  # destination chunk: divides the slice block (tensorstore encodes chunks in parallel)
 
   @property
   def slice_bytes(self) -> int:
     return int(np.prod(self.slicing.block, dtype=np.int64)) * np.dtype(self.leaf.dtype).itemsize
 
 
+CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
 RESERVE_BYTES = 160 * 2**20  # compiling and compiled quantizers, tensorstore's buffers, beside the slices
 
 
@@ -234,7 +236,8 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
           f"{' and a source chunk of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
           f"{budget_lib.format_size(need)}")
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
-    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut))
+    chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, cuttable)
+    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk))
   return jobs
 
 
@@ -267,7 +270,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   copied, source_bytes, running = [], 0, 0
   try:
     for number, job in enumerate(jobs):
-      wq, leaf, block = job.quant, job.leaf, job.slicing.block
+      wq, leaf, block = job.quant, job.leaf, job.chunk or job.slicing.block
       if wq is None:
         copied.append(tree.Leaf(job.out_key, leaf.shape, leaf.dtype))
         writer.register(job.out_key, block)
@@ -291,7 +294,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
         if wq is None:
           writer.write(out, index, value)
         else:
-          qvalue, scale = ptq_weights.quantize_weight(value, dataclasses.replace(wq, shape=tuple(value.shape)))
+          qvalue, scale = ptq_weights.quantize_weight(  # one jitted call: the slice is already within budget
+              value, dataclasses.replace(wq, shape=tuple(value.shape)), chunk_bytes=1 << 62)
           del value
           writer.write(out, index, np.asarray(qvalue))
           writer.write(out_scale, _scale_index(index, wq), np.asarray(scale))
