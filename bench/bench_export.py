@@ -31,7 +31,7 @@ MODEL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config
          "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=64", "first_num_dense_layers=1"]
 # scanned: 1.36 GB, experts (64, 3, 512, 512) 201 MB each; embedding: 1.58 GB with a 1.26 GB (tied) embedding.
 VARIANTS = {
-    "scanned": (MODEL + ["base_num_decoder_layers=4"], "500MB"),
+    "scanned": (MODEL + ["base_num_decoder_layers=4"], "1GB"),
     "embedding": (["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=512",
                    "vocab_size=614400", "logits_via_embedding=true", "base_moe_mlp_dim=256", "base_mlp_dim=1024",
                    "num_experts=64", "base_num_decoder_layers=4", "first_num_dense_layers=1"], "600MB"),

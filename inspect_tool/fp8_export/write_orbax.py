@@ -204,6 +204,7 @@ class ArrayJob:
 
 
 CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
+DECODING_CHUNKS = 2  # source chunks tensorstore may hold decoded at once (its copy threads)
 RESERVE_BYTES = 160 * 2**20  # compiling and compiled quantizers, tensorstore's buffers, beside the slices
 
 
@@ -211,7 +212,9 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   """Cuts every source array into slices so that the process stays under `max_memory` bytes.
 
   What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
-  the plan; plus `RESERVE_BYTES`) must hold a decoded source chunk and `budget.SLICE_FACTOR` times a slice.
+  the plan; plus `RESERVE_BYTES`) must hold `DECODING_CHUNKS` decoded source chunks and `budget.SLICE_FACTOR`
+  times a slice. A slice that cuts across the source's chunks decodes each of them again: a source chunked along
+  an axis the scales are reduced over (experts, rows) is read several times when the budget is tight.
 
   Raises:
     errors.InputError: `max_memory` is smaller than what the smallest slice of some array needs.
@@ -225,7 +228,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     wq = plan.weights.get(key)
     itemsize = np.dtype(leaf.dtype).itemsize
     cuttable = tuple(wq.channel_axes) if wq is not None else tuple(range(len(leaf.shape)))
-    chunk = source.chunk_bytes(source.open(key))
+    chunk = source.chunk_bytes(source.open(key)) * DECODING_CHUNKS
     slice_budget = (max_memory - held - chunk) // budget_lib.SLICE_FACTOR
     cut = budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable) if slice_budget > 0 else None
     if cut is None:
@@ -233,7 +236,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
       raise errors.InputError(
           f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
           f"{'/'.join(key)} {tuple(leaf.shape)} needs (with the {budget_lib.format_size(held)} the process holds"
-          f"{' and a source chunk of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
+          f"{' and decoded source chunks of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
           f"{budget_lib.format_size(need)}")
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
     chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, cuttable)
