@@ -89,11 +89,20 @@ def test_kill_at_every_stage_leaves_no_output_or_the_previous_one(tmp_path, poin
 def test_terminate_cleans_up_and_says_so_in_one_line(tmp_path, signum):
   dst, flag = _out_dir(tmp_path) / "dst", tmp_path / "paused"
   before = _previous(dst)
-  proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=_env(**{atomic.PAUSE_ENV: f"arrays:{flag}"}), cwd=REPO)
-  _wait_for(flag, proc)
-  proc.send_signal(signum)
-  _, err = proc.communicate(timeout=120)
+  # A shell without job control starts background jobs (CI runs the two stacks side by side) with SIGINT ignored,
+  # and the child would inherit that; a Python handler here makes the child start with the default disposition.
+  previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(**{atomic.PAUSE_ENV: f"arrays:{flag}"}), cwd=REPO)
+  finally:
+    signal.signal(signal.SIGINT, previous_handler)
+  try:
+    _wait_for(flag, proc)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
   assert proc.returncode == (130 if signum == signal.SIGINT else 128 + signum), err
   assert len(err.strip().splitlines()) == 1 and "nothing was left half-written" in err
   assert _tree(dst) == before and os.listdir(dst.parent) == ["dst"]
