@@ -144,6 +144,22 @@ def test_diff_agrees_with_the_fp8_export_and_names_what_differs(fp8_dir, capsys)
   assert out.rstrip().endswith("try vocab_size=1024 mtp_num_layers=1")
 
 
+def test_diff_does_not_read_a_fifo_in_place_of_config_json(fp8_dir, tmp_path):
+  """A FIFO would block the reader forever: it is named, not read."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  copy = tmp_path / "copy"
+  shutil.copytree(fp8_dir, copy)
+  os.remove(copy / "config.json")
+  os.mkfifo(copy / "config.json")
+  for command in (["diff", *L4, "vocab_size=512", "--path"], ["forward", *L4, "--checkpoint"]):
+    out = subprocess.run([sys.executable, "-m", "inspect_tool", *command, str(copy)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 2 and out.stderr == f"error: {copy / 'config.json'}: is not a regular file\n", out.stderr
+
+
 def test_hf_summary_reads_the_export(fp8_dir, capsys):
   code, out, err = _run(capsys, "hf", "--path", fp8_dir, "--summary")
   assert code == 0, err

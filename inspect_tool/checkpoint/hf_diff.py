@@ -13,9 +13,11 @@ import json
 import os
 
 from inspect_tool import config as config_lib
+from inspect_tool import errors
 from inspect_tool import listings
 from inspect_tool import tree
 from inspect_tool.checkpoint import diff
+from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.checkpoint import safetensors_header
@@ -35,11 +37,11 @@ _CONFIG_FIELDS = (
 
 
 def _config_causes(path: str, cfg) -> list[diff.Cause]:
-  try:
-    with open(os.path.join(path, hf_restore.CONFIG_NAME), encoding="utf-8") as f:
-      doc = json.load(f)
-  except (OSError, ValueError):
+  config_path = os.path.join(path, hf_restore.CONFIG_NAME)
+  if files.kind(config_path) != "file":  # optional; a FIFO in its place must not block the diff
     return []
+  doc = files.parse_json(files.read_bytes(config_path, 1 << 20, "Hugging Face config"),
+                         lambda why: errors.CheckpointError(f"{config_path}: {why}"))
   causes = []
   for field, attr, key in _CONFIG_FIELDS:
     value = doc.get(field) if isinstance(doc, dict) else None

@@ -40,10 +40,14 @@ def is_hf_checkpoint(path: str | None) -> bool:
   """A directory with `config.json` and safetensors files (or their index): a Hugging Face checkpoint."""
   if not path or files.kind(path) != "dir":
     return False
-  if files.kind(os.path.join(path, CONFIG_NAME)) != "file":
+  config = files.kind(os.path.join(path, CONFIG_NAME))
+  if config not in ("file", "other"):
     return False
-  return bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
-              or glob.glob(os.path.join(glob.escape(path), "*" + safetensors_header.INDEX_SUFFIX)))
+  found = bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
+               or glob.glob(os.path.join(glob.escape(path), "*" + safetensors_header.INDEX_SUFFIX)))
+  if found and config == "other":
+    raise errors.CheckpointError(f"{os.path.join(path, CONFIG_NAME)}: is not a regular file")
+  return found
 
 
 def block_size(path: str) -> tuple[int, int]:

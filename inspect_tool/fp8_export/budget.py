@@ -19,6 +19,7 @@ import re
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
+from inspect_tool import limits
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
@@ -48,37 +49,38 @@ def format_size(nbytes: float) -> str:
   return f"{int(nbytes)} B"
 
 
-def _cgroup_limit() -> int | None:
-  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-    try:
-      with open(path, encoding="ascii") as f:
-        text = f.read().strip()
-    except OSError:
-      continue
-    if text.isdigit() and int(text) < 2**60:
-      return int(text)
-  return None
-
-
-def available_memory() -> int:
-  """Memory this process may use: MemAvailable, capped by its memory cgroup's limit."""
-  available = None
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          available = int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  if available is None:
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  limit = _cgroup_limit()
-  return min(available, limit) if limit else available
+def memory_ceiling() -> tuple[int | None, str]:
+  """The most this process's resident memory can reach, and where the figure comes from: what it holds plus
+  MemAvailable, capped by its memory cgroup's limit (whose usage also counts reclaimable page cache)."""
+  mem_available, limit, _ = limits.memory_figures()
+  found = [] if mem_available is None else [(mem_available + current_rss(), "MemAvailable and what it holds")]
+  if limit is not None:
+    found.append((limit, "the memory cgroup's limit"))
+  return min(found) if found else (None, "unknown")
 
 
 def default_max_memory() -> int:
-  """The default `--max-memory`: half of what is available."""
-  return int(available_memory() * DEFAULT_SHARE)
+  """The default `--max-memory`: half of the memory ceiling (of physical memory when that is unknown)."""
+  ceiling, _ = memory_ceiling()
+  if ceiling is None:
+    ceiling = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return int(ceiling * DEFAULT_SHARE)
+
+
+def resolve_max_memory(max_memory: int | None) -> int:
+  """`--max-memory` in bytes: the default when None; refused when over the memory ceiling.
+
+  Raises:
+    errors.InputError: `max_memory` is more than this process can reach (unless
+      $INSPECT_CHECKPOINT_SKIP_MEMORY_CHECK=1).
+  """
+  if max_memory is None:
+    return default_max_memory()
+  ceiling, source = memory_ceiling()
+  if ceiling is not None and os.environ.get(limits.SKIP_ENV) != "1" and max_memory > ceiling:
+    raise errors.InputError(f"--max-memory {format_size(max_memory)} is more than this process can get: "
+                            f"{format_size(ceiling)} ({source}); accepted: a size up to {format_size(ceiling)}")
+  return int(max_memory)
 
 
 def current_rss() -> int:

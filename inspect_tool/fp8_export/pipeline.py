@@ -73,7 +73,8 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
-              run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory)
+              run_validation=run_validation, mesh=mesh, command=command,
+              max_memory=budget.resolve_max_memory(max_memory))
   if distributed.process_index() != 0:
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
@@ -105,7 +106,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   plan = plan_lib.plan_export(cfg)
   leaves = plan_lib.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
-  max_memory = int(max_memory or budget.default_max_memory())
+  max_memory = int(max_memory)
   budget.return_freed_memory()
   src = read.open_source(cfg, source, leaves)
   index, count = distributed.process_index(), distributed.process_count()
