@@ -59,11 +59,6 @@ UNMODELLED = {
     "sliding_window_size": "restricts attention to a window",
     "use_untrainable_positional_embedding": "adds a positional embedding",
     "trainable_position_size": "adds a trainable position embedding",
-    "use_indexer": "adds DeepSeek-V3.2's sparse attention indexer",
-    "engram_layers": "adds Engram layers",
-    "mhc_expansion_rate": "adds manifold-constrained hyper-connections",
-    "compress_ratios": "adds DeepSeek-V4's compressed attention",
-    "first_num_hash_layers": "adds DeepSeek-V4's hash-routed layers",
     "interleave_moe_layer_step": "interleaves dense and MoE layers differently",
     "load_balance_loss_weight": "adds the load-balancing loss",
     "use_multimodal": "adds a vision encoder",
@@ -75,6 +70,8 @@ UNMODELLED = {
     "model_call_mode": "selects the inference paths (e.g. softmax-probability token dropping)",
     "checkpoint_is_quantized": "loads AQT-quantized serving weights (another parameter tree)",
     "use_manual_quantization": "quantizes the batch-split model by hand instead of through Qwix rules",
+    "ici_pipeline_parallelism": "wraps the decoder layers in a pipeline module (parameters stacked by stage)",
+    "dcn_pipeline_parallelism": "wraps the decoder layers in a pipeline module (parameters stacked by stage)",
 }
 
 

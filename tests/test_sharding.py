@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from inspect_tool import config, params, tree
+from inspect_tool import config, errors, params, tree
 from inspect_tool import model as model_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement, rules
@@ -69,7 +69,6 @@ def _tiny(*keys):
     (["ici_fsdp_parallelism=3"], 8, ["fsdp=3", "8 devices per slice"]),
     (["ici_tensor_parallelism=-1"], 8, ["only one axis may be -1", "fsdp", "tensor"]),
     (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3"], 8, ["cannot be resolved", "8"]),
-    (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"], 8, ["ici_pipeline_parallelism=2"]),
     (["mesh_axes=['data','fsdpp']"], 8, ["unknown axis 'fsdpp'", "fsdp_transpose"]),
 ])
 def test_meshes_maxtext_refuses_are_refused_in_one_line(keys, devices, words):
@@ -78,6 +77,16 @@ def test_meshes_maxtext_refuses_are_refused_in_one_line(keys, devices, words):
     mesh_lib.build_mesh(cfg, devices)
   message = str(e.value)
   assert "\n" not in message and all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("key", ["ici_pipeline_parallelism", "dcn_pipeline_parallelism"])
+def test_pipeline_parallelism_is_refused_for_every_command(key):
+  """MaxText stacks the decoder layers by pipeline stage (another parameter tree): refused when the config is read."""
+  with pytest.raises(errors.ConfigError) as e:
+    _tiny(f"{key}=2", "ici_fsdp_parallelism=4")
+  assert str(e.value) == (f"{key}=2 is not supported: in MaxText it wraps the decoder layers in a pipeline module "
+                          "(parameters stacked by stage), which this tool does not model; accepted: 1 (MaxText's "
+                          "default)")
 
 
 def test_indivisible_dimension_is_refused_naming_the_parameter():

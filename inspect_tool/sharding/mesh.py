@@ -129,11 +129,6 @@ def build_mesh(cfg, devices: int) -> Mesh:
                       if abs(int(getattr(cfg, f"dcn_{k}_parallelism"))) > 1)
     raise ShardingError(f"{given}: DCN parallelism requested but only one slice available (MaxText refuses it); "
                         "set num_slices>1 or use the ici_* keys")
-  for prefix in ("ici", "dcn"):
-    if int(getattr(cfg, f"{prefix}_pipeline_parallelism")) > 1:
-      raise ShardingError(f"{prefix}_pipeline_parallelism={getattr(cfg, f'{prefix}_pipeline_parallelism')}: "
-                          "pipeline parallelism changes MaxText's layer tree, which this tool does not model; "
-                          "accepted: 1")
   ici = _fill([_parallelism(cfg, "ici", a) for a in axes], devices // slices, "ICI", axes)
   sizes = ici
   if slices > 1:
