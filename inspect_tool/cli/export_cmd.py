@@ -51,7 +51,8 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
   if layout == "deepseek-fp8":
-    summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite)
+    summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
+                                           max_memory=max_bytes)
     if fmt == "json":
       click.echo(json.dumps(summary, indent=1))
     else:

@@ -18,6 +18,10 @@ Choices (they follow DeepSeek-V3's official FP8 checkpoint):
   stays float32 as in the release (bf16 rounding of the bias could change which experts are picked).
 * The MTP layers' copies of embed_tokens and shared_head.head are written (`mtp_shared_copies=False` leaves them
   out), as serving loaders read them.
+
+Memory holds one unit of work at a time (an FP8 matrix, or a block of rows of an embedding, head or norm), and
+each tensor is written to its shard as soon as it is converted (`safetensors_writer`): `plan_memory` checks a
+`--max-memory` and sizes the row blocks.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from typing import Any, Callable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from inspect_tool import atomic
 from inspect_tool import errors
 from inspect_tool import tree
 from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, FP8
+from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
+from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import safetensors_writer
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
 INDEX_NAME = "model.safetensors.index.json"
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": list(BLOCK)}
@@ -66,43 +72,59 @@ def _block_quantize(w_oi):
   return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
 
 
-def _experts(name: str, value, rule: hf_names.Rule, cfg) -> Iterator[tuple[str, Any]]:
-  """One FP8 Linear per expert of (X, in, out) weights.
+def _write_fp8(writer, name: str, w_oi) -> None:
+  """Quantizes one (out, in) matrix whole (its scales must not depend on how it is cut) and writes both tensors.
 
-  Each expert is quantized on its own: quant/fp8's scales for a batch of matrices can differ by an ulp from
-  those of each matrix alone (XLA computes absmax/448 through a reciprocal differently by shape), and an
-  expert's bytes must not depend on its neighbours.
+  Routed experts go one at a time: quant/fp8's scales for a batch of matrices can differ by an ulp from those of
+  each matrix alone (XLA computes absmax/448 through a reciprocal differently by shape), and an expert's bytes
+  must not depend on its neighbours.
   """
-  for j in range(value.shape[0]):
-    qvalue, scale_inv = _block_quantize(hf_names.hf_matrix(value[j], rule, cfg))
-    expert = name.replace("{j}", str(j))
-    yield expert, qvalue
-    yield expert + "_scale_inv", scale_inv
+  qvalue, scale_inv = _block_quantize(w_oi)
+  writer.add(name, qvalue)
+  writer.add(name + "_scale_inv", scale_inv)
 
 
-def _bf16(array):
-  return np.ascontiguousarray(np.asarray(array, np.float32).astype(ml_dtypes.bfloat16))
+def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
+  """(HF shape, rows(start, stop) -> those HF rows converted) of a BF16, BF16_LINEAR or F32 tensor.
+
+  Elementwise tensors and 2-D Linear kernels without rope columns are read by rows (kernel columns), so a
+  129280 x 7168 embedding or head never sits whole in memory; other BF16 Linears (small) come as one block.
+  """
+  dtype = np.float32 if rule.kind == F32 else ml_dtypes.bfloat16
+  shape = tuple(int(d) for d in value.shape)
+  if rule.kind == BF16_LINEAR:
+    if len(shape) == 2 and rule.n_in == 1 and not rule.rope:
+      return (shape[1], shape[0]), lambda a, b: _cast(np.asarray(value[:, a:b], np.float32).T, dtype)
+    matrix = _cast(hf_names.hf_matrix(value, rule, cfg), dtype)
+    return matrix.shape, lambda a, b: matrix[a:b]
+  if not shape:
+    return shape, lambda a, b: _cast(np.asarray(value, np.float32), dtype)
+  return shape, lambda a, b: _cast(np.asarray(value[a:b], np.float32), dtype)
 
 
-def _convert(value, rule: hf_names.Rule, layer: int | None, cfg) -> Iterator[tuple[str, Any]]:
-  """HF (name, numpy array) pairs of one layer's slice (or a top-level tensor) `value`."""
+def _cast(array, dtype):
+  return np.ascontiguousarray(np.asarray(array, np.float32).astype(dtype))
+
+
+def _write_leaf(writer, value, rule: hf_names.Rule, layer: int | None, cfg, block_bytes: int) -> None:
+  """Writes the HF tensor(s) of one layer's slice (or a top-level tensor) `value`, one unit of work at a time."""
   names = [n.replace("{i}", str(layer)) for n in rule.names]
   if rule.kind == EXPERTS_FP8:
-    yield from _experts(names[0], value, rule, cfg)
+    for j in range(value.shape[0]):
+      _write_fp8(writer, names[0].replace("{j}", str(j)), hf_names.hf_matrix(value[j], rule, cfg))
     return
   if rule.kind == FP8:
-    qvalue, scale_inv = _block_quantize(hf_names.hf_matrix(value, rule, cfg))
-    yield names[0], qvalue
-    yield names[0] + "_scale_inv", scale_inv
+    _write_fp8(writer, names[0], hf_names.hf_matrix(value, rule, cfg))
     return
-  if rule.kind == BF16_LINEAR:
-    array = _bf16(hf_names.hf_matrix(value, rule, cfg))
-  elif rule.kind == BF16:
-    array = _bf16(value)
-  else:
-    array = np.ascontiguousarray(np.asarray(value, np.float32))
-  for name in names:  # copies share one buffer
-    yield name, array
+  shape, rows = _row_blocks(value, rule, cfg)
+  regions = [writer.reserve(name, np.float32 if rule.kind == F32 else ml_dtypes.bfloat16, shape)
+             for name in names]  # copies (MTP embed_tokens / shared_head) get every block too
+  n_rows = shape[0] if shape else 1
+  step = max(1, block_bytes // max(4 * math.prod(shape[1:]), 1))
+  for start in range(0, n_rows, step):
+    block = rows(start, min(start + step, n_rows))
+    for region in regions:
+      region.write(block)
 
 
 def _synthesized(cfg) -> Iterator[tuple[str, Any]]:
@@ -122,58 +144,47 @@ def _slices(value, entry: hf_names.Entry) -> Iterator[tuple[int | None, Any]]:
     yield layer, value[(slice(None),) * entry.layer_axis + (s,)]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Files.
+def _unit_bytes(entry: hf_names.Entry) -> int:
+  """Float32 bytes of the smallest unit of work of a leaf: one expert, one FP8 matrix, one row of the rest."""
+  shape = list(entry.shape)
+  if entry.layer_axis is not None:
+    del shape[entry.layer_axis]
+  rule = entry.rule
+  if rule.kind == EXPERTS_FP8 or rule.kind in (BF16, F32):
+    shape = shape[1:]
+  elif rule.kind == BF16_LINEAR:
+    shape = shape[:1] if len(shape) == 2 and rule.n_in == 1 and not rule.rope else shape
+  return 4 * math.prod(shape)
 
-class _ShardWriter:
-  """Collects tensors and writes a safetensors shard whenever the next tensor would pass the size limit."""
 
-  def __init__(self, dst_dir: str, max_shard_bytes: int):
-    self.dst_dir, self.max_shard_bytes = dst_dir, max_shard_bytes
-    self.pending: dict[str, Any] = {}
-    self.pending_bytes = 0
-    self.shards: list[list[str]] = []
-    self.total_size = 0
-    self.seen: set[str] = set()
+def plan_memory(keys, cfg, max_memory: int, *, held: int, chunk_bytes: Callable[[tuple[str, ...]], int] = None,
+                mtp_shared_copies: bool = True) -> int:
+  """The float32 bytes of one row block for `write_deepseek_fp8(block_bytes=...)` under `max_memory`.
 
-  def add(self, name: str, array) -> None:
-    if name in self.seen:
-      raise AssertionError(f"tensor {name!r} produced twice")
-    self.seen.add(name)
-    if self.pending and self.pending_bytes + array.nbytes > self.max_shard_bytes:
-      self._flush()
-    self.pending[name] = array
-    self.pending_bytes += array.nbytes
-    self.total_size += array.nbytes
+  A unit of work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an
+  embedding, head or norm) costs `budget.SLICE_FACTOR` times its float32 bytes, beside `held` (what the process
+  holds) and `chunk_bytes(key)` (decoded source chunks). At DeepSeek-V3's size the largest unit is a dense-layer
+  MLP matrix, 18432 x 7168 float32 (528 MB).
 
-  def _path(self, k: int) -> str:
-    return os.path.join(self.dst_dir, f".shard-{k:05d}.safetensors.tmp")
-
-  def _flush(self) -> None:
-    from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
-
-    path = self._path(len(self.shards) + 1)
-    try:
-      st_numpy.save_file(self.pending, path, metadata={"format": "pt"})
-      # safetensors >= 0.8 writes through a 0600 temporary file and renames it: give the shard the permissions
-      # open() gives config.json and the index
-      os.chmod(path, atomic.new_file_mode())
-    except OSError as e:
-      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
-    self.shards.append(sorted(self.pending))
-    self.pending, self.pending_bytes = {}, 0
-
-  def close(self) -> dict[str, str]:
-    """Writes the last shard, gives every shard its final name and returns the weight map."""
-    if self.pending or not self.shards:
-      self._flush()
-    n = len(self.shards)
-    weight_map = {}
-    for k, names in enumerate(self.shards, start=1):
-      final = f"model-{k:05d}-of-{n:05d}.safetensors"
-      os.replace(self._path(k), os.path.join(self.dst_dir, final))
-      weight_map.update({name: final for name in names})
-    return dict(sorted(weight_map.items(), key=lambda item: tree.natural_key(item[0])))
+  Raises:
+    errors.InputError: `max_memory` is smaller than what the largest unit of work needs.
+  """
+  plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
+  worst = (0, None, None, 0)
+  for key, target in _match(list(keys), plan):
+    chunk = chunk_bytes(key) if chunk_bytes else 0
+    need = held + chunk + budget.SLICE_FACTOR * _unit_bytes(plan[target])
+    if need > worst[0]:
+      worst = (need, key, plan[target].shape, chunk)
+  need, key, shape, chunk = worst
+  if need > max_memory:
+    raise errors.InputError(
+        f"--max-memory {budget.format_size(max_memory)} is smaller than the smallest slice of {'/'.join(key)} "
+        f"{shape} needs (with the {budget.format_size(held)} the process holds"
+        f"{' and decoded source chunks of ' + budget.format_size(chunk) if chunk else ''}); accepted: at least "
+        f"{budget.format_size(need)}")
+  largest_chunk = max((chunk_bytes(k) for k in keys), default=0) if chunk_bytes else 0
+  return int(max(1, min(DEFAULT_BLOCK_BYTES, (max_memory - held - largest_chunk) // budget.SLICE_FACTOR)))
 
 
 def _rope_scaling(cfg) -> dict[str, Any]:
@@ -285,17 +296,26 @@ def _match(keys: list[tuple[str, ...]], plan: Mapping) -> list[tuple[tuple[str, 
 
 def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
+                       block_bytes: int = DEFAULT_BLOCK_BYTES,
+                       header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 Hugging Face DeepSeek checkpoint in `dst_dir`.
+
+  Memory holds one unit of work at a time: an FP8 matrix (one routed expert, or one layer's projection) and its
+  quantized bytes, or `block_bytes` of float32 rows of another tensor; every tensor is written to its shard as
+  soon as it is converted (`safetensors_writer`). `plan_memory` sizes `block_bytes` for a `--max-memory`.
 
   Args:
     arrays: every leaf of `cfg`'s model, keyed as `params.param_leaves(..., include_non_params=True)` keys it
       (the DeepSeek-V3 gate bias under nnx_aux/model or params/params). It may be lazy: each key is fetched
-      once, then indexed one layer (and expert) at a time, so array-likes that read on indexing stay small.
+      once, then indexed one layer (and expert, or block of rows) at a time, so array-likes that read on
+      indexing stay small.
     cfg: the `ModelConfig` the arrays belong to.
     dst_dir: an existing empty directory.
     max_shard_bytes: a shard is closed before a tensor would take it past this size.
     mtp_shared_copies: also write the MTP layers' copies of embed_tokens and shared_head.head, as the release.
+    block_bytes: float32 bytes of the rows of an elementwise tensor (or BF16 Linear) converted at once.
+    header_reserve: bytes reserved for each shard's header (a shard is closed early when they are full).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
 
   Returns:
@@ -304,26 +324,25 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   Raises:
     errors.ConfigError: a model feature with no Hugging Face DeepSeek equivalent.
     errors.MismatchError: a leaf that maps to nothing, a missing leaf, or a leaf of the wrong shape.
+    errors.InputError: a shard, the index or config.json cannot be written.
   """
   _check_supported(cfg)
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
   pairs = _match(list(arrays.keys()), plan)
-  writer = _ShardWriter(dst_dir, max_shard_bytes)
-  num_fp8 = 0
-  for done, (key, target) in enumerate(pairs):
-    if progress is not None:
-      progress(done, len(pairs), ".".join(key))
-    value, entry = arrays[key], plan[target]
-    if tuple(value.shape) != entry.shape:
-      raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
-                                 f"the model of this config has {entry.shape}")
-    for layer, part in _slices(value, entry):
-      for name, array in _convert(part, entry.rule, layer, cfg):
-        num_fp8 += name.endswith("_scale_inv")
-        writer.add(name, array)
-  for name, array in _synthesized(cfg):
-    writer.add(name, array)
-  weight_map = writer.close()
+  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
+    for done, (key, target) in enumerate(pairs):
+      if progress is not None:
+        progress(done, len(pairs), ".".join(key))
+      value, entry = arrays[key], plan[target]
+      if tuple(value.shape) != entry.shape:
+        raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
+                                   f"the model of this config has {entry.shape}")
+      for layer, part in _slices(value, entry):
+        _write_leaf(writer, part, entry.rule, layer, cfg, block_bytes)
+    for name, array in _synthesized(cfg):
+      writer.add(name, array)
+    weight_map = writer.close()
+  num_fp8 = sum(name.endswith("_scale_inv") for name in weight_map)
   config = hf_config(cfg)
   index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
   for name, doc in ((INDEX_NAME, index), ("config.json", config)):
