@@ -49,7 +49,7 @@ def _max_rel(a, b):
   return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla"] + (["tokamax"] if gmm_backends.tokamax_installed() else []))
 @pytest.mark.parametrize("rule,dtype", [(FP8_RULE, jnp.bfloat16), (None, jnp.float32)], ids=["fp8", "plain"])
 def test_backend_equals_the_reference_forward_and_vjp(backend, rule, dtype):
   got, want = _run(backend, rule, dtype), _run("reference", rule, dtype)
