@@ -47,11 +47,6 @@ def resolve_qtype(qtype) -> np.dtype:
   return np.dtype(resolved)
 
 
-def qmax(qtype) -> float:
-  """Largest finite value of the fp8 type (448.0 for e4m3fn, 57344.0 for e5m2)."""
-  return float(jnp.finfo(resolve_qtype(qtype)).max)
-
-
 def parse_calibration(calibration: str) -> tuple[str, tuple[float, ...]]:
   """Splits '<method>[,<args>]' and validates it for symmetric fp8 quantization."""
   method, *raw = str(calibration).strip().lower().split(",")
@@ -146,12 +141,6 @@ def dequantize(qvalue, scale):
   """Returns `qvalue * scale` in the scale's dtype (scale broadcasts against qvalue)."""
   scale = jnp.asarray(scale)
   return jnp.asarray(qvalue).astype(scale.dtype) * scale
-
-
-def fake_quantize(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
-  """Quantize then dequantize, returning an array of x's dtype (for references and error studies)."""
-  qvalue, scale = quantize(x, qtype, channelwise_axes, calibration)
-  return dequantize(qvalue, scale).astype(jnp.asarray(x).dtype)
 
 
 def _check_block(block) -> tuple[int, int]:
