@@ -174,8 +174,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                         mesh=None, max_memory: int | None = None) -> dict:  # pylint: disable=unused-argument
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales).
 
-  The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read one unit of work at a time
-  (one expert, one layer's matrix, a block of rows), sized by `max_memory` (default
+  The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read by blocks and converted one
+  unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory` (default
   `budget.default_max_memory()`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
   the output directory appears only when complete. Its quantization is the release's, not the config's rules,
   and our model cannot load that layout, so there is no validation run.
@@ -187,12 +187,12 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     arrays = read.open_source(cfg, source, plan_lib.model_leaves(cfg))  # tensorstore views: read when indexed
-    block_bytes = write_hf.plan_memory(
+    work_bytes = write_hf.plan_memory(
         arrays.keys(), cfg, max_memory, held=budget.current_rss() + write_orbax.RESERVE_BYTES,
         chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       with progress.step(f"writing DeepSeek FP8 safetensors ({len(arrays)} arrays)"):
-        summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, block_bytes=block_bytes)
+        summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes)
   summary = dict(summary, dst=claimed.path, max_memory=max_memory)
   summary.pop("config", None)
   return summary

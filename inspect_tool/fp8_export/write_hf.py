@@ -43,7 +43,9 @@ from inspect_tool.fp8_export import budget
 from inspect_tool.fp8_export import safetensors_writer
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-DEFAULT_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
+DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it
+MAX_ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
+MAX_READ_BYTES = 256 * 2**20  # float32 bytes of the block of an FP8 leaf read at once
 INDEX_NAME = "model.safetensors.index.json"
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": list(BLOCK)}
@@ -72,16 +74,57 @@ def _block_quantize(w_oi):
   return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
 
 
-def _write_fp8(writer, name: str, w_oi) -> None:
-  """Quantizes one (out, in) matrix whole (its scales must not depend on how it is cut) and writes both tensors.
+def _fp8_regions(writer, entry: hf_names.Entry, cfg) -> dict[tuple[int, int], tuple[Any, Any]]:
+  """Places every FP8 tensor of a leaf, in release order (layer, then expert): (stack index, expert) -> regions."""
+  rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
+  per_layer = list(entry.shape)
+  if entry.layer_axis is not None:
+    del per_layer[entry.layer_axis]
+  matrix = per_layer[1:] if experts else per_layer
+  shape = (math.prod(matrix[rule.n_in:]), math.prod(matrix[:rule.n_in]))
+  scale_shape = tuple(-(-d // b) for d, b in zip(shape, BLOCK))
+  layers = entry.layers or (None,)
+  regions = {}
+  for s, layer in enumerate(layers if entry.layer_axis is not None else layers[:1]):
+    name = rule.names[0].replace("{i}", str(layer))
+    for j in range(per_layer[0] if experts else 1):
+      tensor = name.replace("{j}", str(j))
+      regions[s, j] = (writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
+                       writer.reserve(tensor + "_scale_inv", np.float32, scale_shape))
+  return regions
 
-  Routed experts go one at a time: quant/fp8's scales for a batch of matrices can differ by an ulp from those of
-  each matrix alone (XLA computes absmax/448 through a reciprocal differently by shape), and an expert's bytes
-  must not depend on its neighbours.
+
+def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, read_bytes: int) -> None:
+  """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
+
+  The leaf is read in blocks of about `read_bytes` (float32), cut along its expert axis, then its layer axis, so
+  that each source chunk is decoded about once, not once per layer and expert; every matrix is then quantized
+  whole (its scales must not depend on how the leaf is cut) and written at the place `_fp8_regions` gave it.
+  Routed experts are quantized one at a time: quant/fp8's scales for a batch of matrices can differ by an ulp
+  from those of each matrix alone (XLA computes absmax/448 through a reciprocal differently by shape), and an
+  expert's bytes must not depend on its neighbours.
   """
-  qvalue, scale_inv = _block_quantize(w_oi)
-  writer.add(name, qvalue)
-  writer.add(name + "_scale_inv", scale_inv)
+  regions = _fp8_regions(writer, entry, cfg)
+  layer_axis = entry.layer_axis
+  expert_axis = None
+  if entry.rule.kind == EXPERTS_FP8:
+    expert_axis = 1 if layer_axis == 0 else 0
+  cuttable = [axis for axis in (expert_axis, layer_axis) if axis is not None]
+  cut = budget.slicing(entry.shape, 4, read_bytes, cuttable) or budget.Slicing(
+      entry.shape, tuple(1 if axis in cuttable else d for axis, d in enumerate(entry.shape)))
+  for index in cut.slices():
+    block = np.asarray(value[index])  # one read
+    for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
+      for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
+        at = [slice(None)] * block.ndim
+        if layer_axis is not None:
+          at[layer_axis] = s - index[layer_axis].start
+        if expert_axis is not None:
+          at[expert_axis] = j - index[expert_axis].start
+        qvalue, scale_inv = _block_quantize(hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg))
+        for region, array in zip(regions[s, j], (qvalue, scale_inv)):
+          region.write(array)
+    del block
 
 
 def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
@@ -106,19 +149,11 @@ def _cast(array, dtype):
   return np.ascontiguousarray(np.asarray(array, np.float32).astype(dtype))
 
 
-def _write_leaf(writer, value, rule: hf_names.Rule, layer: int | None, cfg, block_bytes: int) -> None:
-  """Writes the HF tensor(s) of one layer's slice (or a top-level tensor) `value`, one unit of work at a time."""
-  names = [n.replace("{i}", str(layer)) for n in rule.names]
-  if rule.kind == EXPERTS_FP8:
-    for j in range(value.shape[0]):
-      _write_fp8(writer, names[0].replace("{j}", str(j)), hf_names.hf_matrix(value[j], rule, cfg))
-    return
-  if rule.kind == FP8:
-    _write_fp8(writer, names[0], hf_names.hf_matrix(value, rule, cfg))
-    return
+def _write_rows(writer, value, rule: hf_names.Rule, layer: int | None, cfg, block_bytes: int) -> None:
+  """Writes the BF16 / F32 tensor(s) of one layer's slice (or a top-level tensor), `block_bytes` of rows at once."""
   shape, rows = _row_blocks(value, rule, cfg)
-  regions = [writer.reserve(name, np.float32 if rule.kind == F32 else ml_dtypes.bfloat16, shape)
-             for name in names]  # copies (MTP embed_tokens / shared_head) get every block too
+  regions = [writer.reserve(n.replace("{i}", str(layer)), np.float32 if rule.kind == F32 else ml_dtypes.bfloat16,
+                            shape) for n in rule.names]  # copies (MTP embed_tokens / shared_head) get every block
   n_rows = shape[0] if shape else 1
   step = max(1, block_bytes // max(4 * math.prod(shape[1:]), 1))
   for start in range(0, n_rows, step):
@@ -159,7 +194,7 @@ def _unit_bytes(entry: hf_names.Entry) -> int:
 
 def plan_memory(keys, cfg, max_memory: int, *, held: int, chunk_bytes: Callable[[tuple[str, ...]], int] = None,
                 mtp_shared_copies: bool = True) -> int:
-  """The float32 bytes of one row block for `write_deepseek_fp8(block_bytes=...)` under `max_memory`.
+  """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
   A unit of work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an
   embedding, head or norm) costs `budget.SLICE_FACTOR` times its float32 bytes, beside `held` (what the process
@@ -170,9 +205,10 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int, chunk_bytes: Callable[
     errors.InputError: `max_memory` is smaller than what the largest unit of work needs.
   """
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
-  worst = (0, None, None, 0)
+  worst, largest_chunk = (0, None, None, 0), 0
   for key, target in _match(list(keys), plan):
     chunk = chunk_bytes(key) if chunk_bytes else 0
+    largest_chunk = max(largest_chunk, chunk)
     need = held + chunk + budget.SLICE_FACTOR * _unit_bytes(plan[target])
     if need > worst[0]:
       worst = (need, key, plan[target].shape, chunk)
@@ -183,8 +219,7 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int, chunk_bytes: Callable[
         f"{shape} needs (with the {budget.format_size(held)} the process holds"
         f"{' and decoded source chunks of ' + budget.format_size(chunk) if chunk else ''}); accepted: at least "
         f"{budget.format_size(need)}")
-  largest_chunk = max((chunk_bytes(k) for k in keys), default=0) if chunk_bytes else 0
-  return int(max(1, min(DEFAULT_BLOCK_BYTES, (max_memory - held - largest_chunk) // budget.SLICE_FACTOR)))
+  return int(max_memory - held - largest_chunk)
 
 
 def _rope_scaling(cfg) -> dict[str, Any]:
@@ -296,25 +331,27 @@ def _match(keys: list[tuple[str, ...]], plan: Mapping) -> list[tuple[tuple[str, 
 
 def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
-                       block_bytes: int = DEFAULT_BLOCK_BYTES,
+                       work_bytes: int = DEFAULT_WORK_BYTES,
                        header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 Hugging Face DeepSeek checkpoint in `dst_dir`.
 
-  Memory holds one unit of work at a time: an FP8 matrix (one routed expert, or one layer's projection) and its
-  quantized bytes, or `block_bytes` of float32 rows of another tensor; every tensor is written to its shard as
-  soon as it is converted (`safetensors_writer`). `plan_memory` sizes `block_bytes` for a `--max-memory`.
+  Memory holds one block of a leaf and one unit of work at a time: FP8 leaves are read in blocks of up to
+  `MAX_READ_BYTES` (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix; at least one matrix)
+  and quantized one matrix (a layer's projection, or one routed expert) at a time; other tensors are converted
+  by rows, `work_bytes / SLICE_FACTOR` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is
+  written to its shard as soon as it is converted (`safetensors_writer`). `plan_memory` gives `work_bytes` for a
+  `--max-memory`.
 
   Args:
     arrays: every leaf of `cfg`'s model, keyed as `params.param_leaves(..., include_non_params=True)` keys it
       (the DeepSeek-V3 gate bias under nnx_aux/model or params/params). It may be lazy: each key is fetched
-      once, then indexed one layer (and expert, or block of rows) at a time, so array-likes that read on
-      indexing stay small.
+      once, then indexed by blocks (layers, experts, rows), so array-likes that read on indexing stay small.
     cfg: the `ModelConfig` the arrays belong to.
     dst_dir: an existing empty directory.
     max_shard_bytes: a shard is closed before a tensor would take it past this size.
     mtp_shared_copies: also write the MTP layers' copies of embed_tokens and shared_head.head, as the release.
-    block_bytes: float32 bytes of the rows of an elementwise tensor (or BF16 Linear) converted at once.
+    work_bytes: memory for reading and converting (beyond what the process already holds).
     header_reserve: bytes reserved for each shard's header (a shard is closed early when they are full).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
 
@@ -337,8 +374,13 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
+      if entry.rule.kind in (FP8, EXPERTS_FP8):
+        read_bytes = min(MAX_READ_BYTES, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry))
+        _write_fp8_leaf(writer, value, entry, cfg, read_bytes)
+        continue
+      row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
       for layer, part in _slices(value, entry):
-        _write_leaf(writer, part, entry.rule, layer, cfg, block_bytes)
+        _write_rows(writer, part, entry.rule, layer, cfg, row_bytes)
     for name, array in _synthesized(cfg):
       writer.add(name, array)
     weight_map = writer.close()
