@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import struct
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +22,7 @@ V2_LIKE = ["model_name=deepseek2-16b", "override_model_config=true", "base_emb_d
            "base_num_kv_heads=2", "base_mlp_dim=136", "base_moe_mlp_dim=72", "num_experts=4",
            "num_experts_per_tok=2", "base_num_decoder_layers=3", "first_num_dense_layers=1", "vocab_size=300",
            "kv_lora_rank=144", "qk_nope_head_dim=32", "qk_rope_head_dim=16", "v_head_dim=24"]
+TINY_WORK_BYTES, TINY_HEADER_RESERVE = 300_000, 4096
 NP_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32}
 
 
@@ -39,20 +39,19 @@ def _export(tmp_path_factory, cfg, arrays, **kw):
 
 
 def _read_tensors(directory):
-  """name -> numpy array, decoding every shard by hand (8-byte length, JSON header, raw little-endian data)."""
+  """name -> numpy array of every shard, read by the `safetensors` library (it validates header and offsets)."""
+  import safetensors  # pylint: disable=import-outside-toplevel
+
   tensors = {}
   for name in sorted(os.listdir(directory)):
     if not name.endswith(".safetensors"):
       continue
-    with open(os.path.join(directory, name), "rb") as f:
-      raw = f.read()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
-    assert header.pop("__metadata__") == {"format": "pt"}
-    for tensor, entry in header.items():
-      begin, end = entry["data_offsets"]
-      data = raw[8 + length + begin:8 + length + end]
-      tensors[tensor] = np.frombuffer(data, NP_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    path = os.path.join(directory, name)
+    with safetensors.safe_open(path, framework="np") as f:
+      assert f.metadata() == {"format": "pt"}
+    with open(path, "rb") as f:
+      for tensor, entry in safetensors.deserialize(f.read()):
+        tensors[tensor] = np.frombuffer(entry["data"], NP_DTYPES[entry["dtype"]]).reshape(entry["shape"])
   return tensors
 
 
@@ -128,7 +127,10 @@ def _reference_fp8(cfg, arrays):
 def tiny(tmp_path_factory):
   cfg = config.resolve_config(TINY)
   arrays = _random_arrays(cfg)
-  out, summary = _export(tmp_path_factory, cfg, arrays, max_shard_bytes=300_000)
+  # A small memory for work and header reserve: FP8 leaves read in blocks of experts (2 of 16, every layer) or of
+  # one layer, the embedding and head by 146-row blocks, shards also closed when 4 KiB of header are full.
+  out, summary = _export(tmp_path_factory, cfg, arrays, max_shard_bytes=300_000, work_bytes=TINY_WORK_BYTES,
+                         header_reserve=TINY_HEADER_RESERVE)
   return cfg, arrays, out, summary, _read_tensors(out)
 
 

@@ -1,0 +1,191 @@
+"""Tests for inspect_tool.fp8_export.safetensors_writer: streamed shards (reserved, space-padded header region)
+read back by the `safetensors` library, shards closed early when the header reserve is full, regions filled after
+later shards were started, permissions, and write errors as one line naming the file."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from inspect_tool import atomic, errors
+from inspect_tool.fp8_export import safetensors_writer
+
+import test_export_hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NP_DTYPES = test_export_hf.NP_DTYPES
+
+
+def _tensors(seed=0):
+  """A mix of the three dtypes the export writes, odd shapes included (name -> numpy array)."""
+  rng = np.random.default_rng(seed)
+  return {
+      "a.weight": rng.standard_normal((37, 11)).astype(ml_dtypes.float8_e4m3fn),
+      "a.weight_scale_inv": rng.standard_normal((1, 1)).astype(np.float32),
+      "b.bias": rng.standard_normal((5,)).astype(np.float32),
+      "c.embed": rng.standard_normal((100, 24)).astype(ml_dtypes.bfloat16),
+      "d.norm": np.ones((24,), ml_dtypes.bfloat16),
+      "e.scalar": np.float32(3.5).reshape(()),
+  }
+
+
+def _read_with_safetensors(path):
+  """name -> array of one file, through the `safetensors` library (`deserialize` validates header and offsets)."""
+  import safetensors  # pylint: disable=import-outside-toplevel
+
+  with safetensors.safe_open(path, framework="np") as f:
+    assert f.metadata() == {"format": "pt"}
+    names = set(f.keys())
+  with open(path, "rb") as f:
+    out = {n: np.frombuffer(e["data"], NP_DTYPES[e["dtype"]]).reshape(e["shape"])
+           for n, e in safetensors.deserialize(f.read())}
+  assert set(out) == names
+  return out
+
+
+def _read_dir(directory):
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    out.update({(name, k): v for k, v in _read_with_safetensors(os.path.join(directory, name)).items()})
+  return out
+
+
+def test_streamed_shard_reads_back_with_safetensors_and_its_header_is_space_padded(tmp_path):
+  tensors = _tensors()
+  with safetensors_writer.ShardedWriter(str(tmp_path), 10**9) as writer:
+    rows = writer.reserve("c.embed", ml_dtypes.bfloat16, (100, 24))
+    for name, array in tensors.items():
+      if name != "c.embed":
+        writer.add(name, array)
+    for start in range(0, 100, 7):  # filled last, 7 rows at a time
+      rows.write(tensors["c.embed"][start:start + 7])
+    weight_map = writer.close()
+  assert weight_map == {name: "model-00001-of-00001.safetensors" for name in sorted(tensors)}
+  assert os.listdir(tmp_path) == ["model-00001-of-00001.safetensors"]
+  path = tmp_path / "model-00001-of-00001.safetensors"
+  read = _read_with_safetensors(str(path))
+  assert set(read) == set(tensors)
+  for name, array in tensors.items():
+    assert read[name].dtype == array.dtype and read[name].shape == array.shape
+    assert read[name].tobytes() == array.tobytes(), name
+  raw = path.read_bytes()
+  (length,) = struct.unpack("<Q", raw[:8])
+  reserve = safetensors_writer.DEFAULT_HEADER_RESERVE
+  assert 8 + length == reserve and len(raw) == reserve + sum(a.nbytes for a in tensors.values())
+  header = raw[8:reserve]
+  text = header.rstrip(b" ")
+  assert len(text) < len(header) and json.loads(text)["__metadata__"] == {"format": "pt"}
+  assert (path.stat().st_mode & 0o777) == atomic.new_file_mode()
+
+
+def test_a_full_header_reserve_closes_the_shard_early(tmp_path):
+  tensors = {f"model.layers.{i}.mlp.experts.{j}.weight": np.full((2, 3), i + j / 8, np.float32)
+             for i in range(4) for j in range(8)}
+  reserve = 512  # room for 5 entries of about 90 bytes beside the metadata
+  with safetensors_writer.ShardedWriter(str(tmp_path), 10**9, header_reserve=reserve) as writer:
+    for name, array in tensors.items():
+      writer.add(name, array)
+    weight_map = writer.close()
+  files = sorted(os.listdir(tmp_path))
+  assert len(files) >= 6 and files == sorted(set(weight_map.values()))
+  read = {}
+  for name in files:
+    raw = (tmp_path / name).read_bytes()
+    assert struct.unpack("<Q", raw[:8])[0] == reserve - 8  # every header fits its reserve
+    used = len(raw[8:reserve].rstrip(b" "))
+    assert used <= reserve - 8 and (used > reserve - 8 - 92 or name == files[-1])  # no room for one more entry
+    part = _read_with_safetensors(str(tmp_path / name))
+    assert all(weight_map[k] == name for k in part)
+    read.update(part)
+  assert set(read) == set(tensors)
+  for name, array in tensors.items():
+    np.testing.assert_array_equal(read[name], array)
+  (tmp_path / "x").mkdir()
+  with safetensors_writer.ShardedWriter(str(tmp_path / "x"), 10**9, header_reserve=64) as writer:
+    with pytest.raises(ValueError, match="cannot hold the header entry"):
+      writer.reserve("a" * 100, np.float32, (1,))
+
+
+def test_regions_of_a_closed_shard_are_filled_after_later_shards_start(tmp_path):
+  """As for the MTP copies of the embedding, or an expert leaf read across layers: places are taken in release
+  order, bytes come later in another order, and the first shard is completed last."""
+  first = np.arange(40, dtype=np.float32).reshape(10, 4).astype(ml_dtypes.bfloat16)
+  copy_b = np.arange(8, dtype=np.float32)
+  with safetensors_writer.ShardedWriter(str(tmp_path), 100) as writer:
+    a = writer.reserve("a", ml_dtypes.bfloat16, (10, 4))  # 80 bytes: shard 1
+    b = writer.reserve("b", np.float32, (8,))  # 32 more would pass 100: shard 2
+    c = writer.reserve("c", np.float32, (8,))
+    for region, array in ((c, copy_b), (b, copy_b)):
+      region.write(array)
+    for start in (0, 5):
+      a.write(first[start:start + 5])
+    weight_map = writer.close()
+  assert weight_map == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+                        "c": "model-00002-of-00002.safetensors"}
+  read = _read_dir(str(tmp_path))
+  assert read[("model-00001-of-00002.safetensors", "a")].tobytes() == first.tobytes()
+  for name in "bc":
+    np.testing.assert_array_equal(read[("model-00002-of-00002.safetensors", name)], copy_b)
+
+
+def test_tiny_export_was_cut_into_blocks_and_closed_shards_early(tmp_path):
+  """The `tiny` fixture of test_export_hf (whose values are checked against references there) ran with a small
+  work memory and header reserve: check that both did something, on the same arrays."""
+  from inspect_tool import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(test_export_hf.TINY)
+  arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
+  reads = []
+
+  class Recording:
+    def __init__(self, array):
+      self.array, self.shape = array, array.shape
+
+    def __getitem__(self, index):
+      reads.append(np.asarray(self.array[index]).shape)
+      return self.array[index]
+
+  lazy = {key: Recording(value) for key, value in arrays.items()}
+  write_hf.write_deepseek_fp8(lazy, cfg, str(tmp_path), max_shard_bytes=300_000,
+                              work_bytes=test_export_hf.TINY_WORK_BYTES,
+                              header_reserve=test_export_hf.TINY_HEADER_RESERVE)
+  assert (2, 3, 64, 64) in reads  # routed experts: 2 of 16, every layer
+  assert (1024, 64) not in reads and (146, 64) in reads  # embedding rows
+  with open(tmp_path / write_hf.INDEX_NAME) as f:
+    weight_map = json.load(f)["weight_map"]
+  sizes = {}
+  for name, shard in weight_map.items():
+    with open(tmp_path / shard, "rb") as f:
+      (length,) = struct.unpack("<Q", f.read(8))
+      entry = json.loads(f.read(length))[name]
+    sizes[shard] = sizes.get(shard, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
+  assert any(size < 150_000 for shard, size in sizes.items() if not shard.startswith(f"model-{len(sizes):05d}"))
+
+
+def test_write_errors_are_one_input_error_naming_the_file(tmp_path):
+  missing = tmp_path / "missing"
+  with pytest.raises(errors.InputError, match=r"^cannot write '.*missing/\.shard-00001\.safetensors\.tmp': "):
+    with safetensors_writer.ShardedWriter(str(missing), 10**9) as writer:
+      writer.add("a", np.zeros(4, np.float32))
+  # A full disk: writes past a 1 MB file size limit fail (SIGXFSZ ignored, so write() returns EFBIG).
+  code = (
+      "import resource, signal, sys\n"
+      "import numpy as np\n"
+      "from inspect_tool import errors\n"
+      "from inspect_tool.fp8_export import safetensors_writer\n"
+      "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+      "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+      "try:\n"
+      "  with safetensors_writer.ShardedWriter(sys.argv[1], 10**9) as w:\n"
+      "    w.add('big', np.zeros(1 << 19, np.float32))\n"
+      "except errors.InputError as e:\n"
+      "  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                       check=True, timeout=120)
+  assert out.stdout.strip() == f"cannot write {str(tmp_path / '.shard-00001.safetensors.tmp')!r}: File too large"
