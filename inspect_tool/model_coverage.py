@@ -9,8 +9,11 @@ The batch is (1, min(max_target_length, 16)): which ops run and which rule each 
 shape, and FLOPs per token are computed from the weights (see `quant.coverage`), so a short sequence only
 makes the trace cheaper.
 
-Module groups for the summary: `mtp_block/...` → mtp, `decoder/logits_dense` → head (both of its calls:
-the main head `dot_general0` and the MTP head `dot_general1`), everything else → decoder.
+Module groups for the summary: `mtp_block/...` → mtp, `decoder/logits_dense` and V4's hyper head
+`decoder/hc_head` → head (the logits head's both calls: the main head `dot_general0` and the MTP head
+`dot_general1`), everything else → decoder. Each group is split into the parts `--summary` names
+(`summary.classify_path`: "moe stack: indexer", "dense stack: mHC mixing", ...), so `--strict`'s required
+group stays "decoder" — the layers MaxText's rules are written for.
 """
 
 from __future__ import annotations
@@ -18,8 +21,23 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"))
+GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"), ("decoder/hc_head", "head"))
 DEFAULT_GROUP = "decoder"
+
+
+def part_of(weight: str) -> str:
+  """The coverage part of a weight path: `--summary`'s group and part, e.g. "moe stack: router", "head"."""
+  from inspect_tool import summary  # pylint: disable=import-outside-toplevel
+
+  group, part = summary.classify_path(weight)
+  return f"{group}: {part}" if part else group
+
+
+def part_order() -> list[str]:
+  """Every part `part_of` can name, in `--summary`'s order."""
+  from inspect_tool import summary  # pylint: disable=import-outside-toplevel
+
+  return [f"{group}: {part}" if part else group for group, part in summary.GROUP_PARTS]
 
 
 def quant_settings(cfg):
@@ -54,10 +72,11 @@ def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
 
 
 def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
-  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head."""
+  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part."""
   from quant import coverage_report  # pylint: disable=import-outside-toplevel
 
-  return coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP)
+  return coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP, part_of=part_of,
+                                      part_order=part_order())
 
 
 def module_labels(report) -> dict[str, str]:

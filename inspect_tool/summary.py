@@ -2,7 +2,8 @@
 
 Groups follow the model's structure: embedding, dense stack, MoE stack (attention, router, routed experts,
 shared experts), MTP block (same split) and head. Works on any `Leaf` list in MaxText's key convention —
-a model's or a checkpoint's.
+a model's or a checkpoint's. `classify_path` is the one grouping of MaxText's '/'-joined parameter paths: the
+Qwix coverage report (`model_coverage`) names its parts with it too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from inspect_tool import tree
 _MOE = r"decoder/(moe_layers[^/]*|layers_\d+|scanned_blocks)"
 _GROUPS = (
     ("embedding", "", r"token_embedder/.*"),
-    ("head", "", r"decoder/(logits_dense|decoder_norm|hc_head)/.*"),
+    ("head", "mHC mixing", r"decoder/hc_head/.*"),
+    ("head", "", r"decoder/(logits_dense|decoder_norm)/.*"),
     ("dense stack", "mHC mixing", r"decoder/dense_layers[^/]*/mhc_(attention|mlp)/.*"),
     ("dense stack", "indexer", r"decoder/dense_layers[^/]*/self_attention/indexer/.*"),
     ("dense stack", "", r"decoder/dense_layers.*"),
@@ -39,6 +41,7 @@ _GROUPS = (
 )
 _COMPILED = tuple((g, p, re.compile(pattern)) for g, p, pattern in _GROUPS)
 _GROUP_ORDER = tuple(dict.fromkeys(g for g, _, _ in _GROUPS)) + ("other",)
+GROUP_PARTS = tuple(dict.fromkeys((g, p) for g, p, _ in _GROUPS)) + (("other", ""),)  # every (group, part), in order
 _PART_ORDER = tuple(dict.fromkeys(p for _, p, _ in _GROUPS)) + ("embedding and head copies",)
 GROUP_ORDER, PART_ORDER = _GROUP_ORDER, _PART_ORDER  # the order other per-group tables follow
 _BYTES = {"float64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4, "bfloat16": 2,
@@ -53,12 +56,16 @@ def dtype_bytes(dtype: str) -> float:
   return _BYTES.get(dtype, 4)
 
 
-def group_of(leaf: tree.Leaf) -> tuple[str, str]:
-  path = "/".join(leaf.module_path)
+def classify_path(path: str) -> tuple[str, str]:
+  """(group, part) of a '/'-joined parameter path such as `decoder/hc_head/hc_fn`; part "" for none."""
   for group, part, pattern in _COMPILED:
     if pattern.fullmatch(path):
       return group, part
   return "other", ""
+
+
+def group_of(leaf: tree.Leaf) -> tuple[str, str]:
+  return classify_path("/".join(leaf.module_path))
 
 
 @dataclasses.dataclass(frozen=True)

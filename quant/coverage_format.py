@@ -6,10 +6,12 @@ JSON (`to_json_data`) is the stable machine format, schema_version 1:
    "ops": [{"module", "op", "op_name", "rule", "weight", "params", "flops_per_token"}],
    "unused_rules": [rule index, ...],
    "shadowed_rules": [{"index", "shadowed_by": [rule index, ...]}],
-   "unquantized_weights": [{"weight", "group", "shape", "params", "flops_per_token", "ops", "rules"}],
+   "unquantized_weights": [{"weight", "group", "part", "shape", "params", "flops_per_token", "ops", "rules"}],
    "summary": {"provider", "ops", "quantized_ops", "hidden_lowering_ops", "other_params",
-               "groups": {name: {...}}, "total": {...}}}
-`rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null.
+               "groups": {name: {...}}, "total": {...},
+               "parts": {group: {part: {...}}}, "other_params_by_part": {part: params}}}
+`rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null. `part` and the two `parts`
+keys were added within version 1 (empty when the report has no parts); each group's parts sum to the group.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def to_json_data(report: coverage_report.CoverageReport) -> dict[str, Any]:
                "params": op.params, "flops_per_token": op.flops_per_token} for op in report.ops],
       "unused_rules": list(report.unused_rules),
       "shadowed_rules": [{"index": s.index, "shadowed_by": list(s.by)} for s in report.shadowed_rules],
-      "unquantized_weights": [{"weight": w.weight, "group": w.group, "shape": list(w.shape or ()),
+      "unquantized_weights": [{"weight": w.weight, "group": w.group, "part": w.part, "shape": list(w.shape or ()),
                                "params": w.params, "flops_per_token": w.flops_per_token, "ops": list(w.ops),
                                "rules": list(w.rules)} for w in report.unquantized_weights],
       "summary": {
@@ -65,6 +67,9 @@ def to_json_data(report: coverage_report.CoverageReport) -> dict[str, Any]:
           "other_params": report.other_params,
           "groups": {s.group: _group_data(s) for s in report.groups},
           "total": _group_data(report.total),
+          "parts": {g.group: {p.part: _group_data(p) for p in report.parts if p.group == g.group}
+                    for g in report.groups if any(p.group == g.group for p in report.parts)},
+          "other_params_by_part": dict(report.other_params_by_part),
       },
   }
 
@@ -117,21 +122,32 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
   unq = report.unquantized_weights
   lines += ["", f"Unquantized matmul weights ({len(unq)}):"]
   if unq:
-    rows = [("group", "weight", "params", "FLOPs/token", "rule")]
-    rows += [(w.group, w.weight, human(w.params), human(w.flops_per_token),
+    rows = [("group", "part", "weight", "params", "FLOPs/token", "rule")]
+    rows += [(w.group, w.part or "-", w.weight, human(w.params), human(w.flops_per_token),
               ",".join(_rule_label(r) for r in w.rules)) for w in unq]
-    lines += _table(rows, right=(2, 3))
+    lines += _table(rows, right=(3, 4))
   else:
     lines.append("  none")
   lines += ["", "Quantized share of matmul weights:"]
-  rows = [("group", "weights", "params", "share", "FLOPs/token", "share")]
-  for s in list(report.groups) + [report.total]:
-    rows.append((s.group, f"{s.quantized_weights}/{s.weights}",
+  rows = [("group / part", "weights", "params", "share", "FLOPs/token", "share")]
+  for s in _summary_rows(report):
+    rows.append(("  " + s.part if s.part else s.group, f"{s.quantized_weights}/{s.weights}",
                  f"{human(s.quantized_params)}/{human(s.params)}", _pct(s.params_share),
                  f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}", _pct(s.flops_share)))
   lines += _table(rows, right=(1, 2, 3, 4, 5))
   lines.append(f"  (other params, not consumed by any matmul: {human(report.other_params)})")
+  if report.other_params_by_part:
+    lines.append("  (of which " + ", ".join(f"{part or '-'} {human(n)}" for part, n in report.other_params_by_part)
+                 + ")")
   return "\n".join(lines) + "\n"
+
+
+def _summary_rows(report: coverage_report.CoverageReport) -> list[coverage_report.GroupSummary]:
+  """Each group followed by its parts, then the total."""
+  rows = []
+  for group in report.groups:
+    rows += [group] + [p for p in report.parts if p.group == group.group]
+  return rows + [report.total]
 
 
 def to_markdown(report: coverage_report.CoverageReport) -> str:
@@ -154,11 +170,12 @@ def to_markdown(report: coverage_report.CoverageReport) -> str:
                                            for s in report.shadowed_rules) or "none"),
           f"* Unquantized matmul weights: {len(report.unquantized_weights)}"]
   for w in report.unquantized_weights:
-    out.append(f"  * `{w.weight}` ({w.group}, {human(w.params)} params)")
-  out += ["", "## Summary", "", "| group | weights | params quantized | share | FLOPs/token quantized | share |",
+    out.append(f"  * `{w.weight}` ({w.group}{', ' + w.part if w.part else ''}, {human(w.params)} params)")
+  out += ["", "## Summary", "", "| group / part | weights | params quantized | share | FLOPs/token quantized | share |",
           "|---|---:|---:|---:|---:|---:|"]
-  for s in list(report.groups) + [report.total]:
-    out.append(f"| {s.group} | {s.quantized_weights}/{s.weights} | {human(s.quantized_params)}/{human(s.params)} | "
+  for s in _summary_rows(report):
+    name = f"&nbsp;&nbsp;{s.part}" if s.part else s.group
+    out.append(f"| {name} | {s.quantized_weights}/{s.weights} | {human(s.quantized_params)}/{human(s.params)} | "
                f"{_pct(s.params_share)} | {human(s.quantized_flops_per_token)}/{human(s.flops_per_token)} | "
                f"{_pct(s.flops_share)} |")
   return "\n".join(out) + "\n"

@@ -2,9 +2,10 @@
 
 It answers: which rule won how many ops, which rules never win (unused) or are hidden behind earlier rules
 (shadowed), which matmul weights no quantized op reaches, and what share of matmul parameters and of weight
-FLOPs per token is quantized per group of modules. Groups come from a small table of module-path prefixes
-that the caller passes (first prefix that a module path starts with wins; otherwise `default_group`), so this
-module stays model-agnostic.
+FLOPs per token is quantized per group of modules, and per part of each group. Groups come from a small table of
+module-path prefixes that the caller passes (first prefix that a module path starts with wins; otherwise
+`default_group`); parts from a callable the caller passes too (weight path -> part name, e.g. "moe stack: indexer"),
+so this module stays model-agnostic.
 
 A weight counts as quantized when at least one op consuming it runs quantized (`rules.quantizes`: a matched
 rule with a weight qtype under Qwix's QtProvider). Parameters count once per weight; FLOPs count per op (a
@@ -16,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import qwix
 
 from quant import coverage, rules as rules_lib
 
 GroupTable = Sequence[tuple[str, str]]  # (module-path prefix, group name), first match wins
+PartOf = Callable[[str], str]  # '/'-joined weight path -> the name of its part ("" for none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class WeightRow:
   quantized: bool
   ops: tuple[str, ...]  # "module:op" of each consuming op
   rules: tuple[int | None, ...]  # winning rule of each consuming op
+  part: str = ""  # the part of its group (see `build_report`'s `part_of`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,7 @@ class GroupSummary:
   quantized_params: int
   flops_per_token: int
   quantized_flops_per_token: int
+  part: str = ""  # "" for a whole group (or the total)
 
   @property
   def params_share(self) -> float:
@@ -114,6 +118,8 @@ class CoverageReport:
   provider: str | None
   group_table: tuple[tuple[str, str], ...]
   default_group: str
+  parts: tuple[GroupSummary, ...] = ()  # per (group, part), groups in `groups` order; they sum to their group
+  other_params_by_part: tuple[tuple[str, int], ...] = ()  # `other_params` split by part (with `part_of` only)
 
   @property
   def unquantized_weights(self) -> tuple[WeightRow, ...]:
@@ -148,7 +154,8 @@ class CoverageReport:
                       f"{why}")
     for weight in self.unquantized_weights:
       if weight.group in required_groups:
-        findings.append(f"{weight.group} weight {weight.weight} ({weight.params:,} params) is not quantized "
+        part = f"{weight.part}, " if weight.part else ""
+        findings.append(f"{weight.group} weight {weight.weight} ({part}{weight.params:,} params) is not quantized "
                         f"(ops {', '.join(weight.ops)})")
     return findings
 
@@ -165,9 +172,20 @@ def match_rule(rules: Sequence[qwix.QtRule], module_path: str, op_name: str) -> 
   return None
 
 
-def build_report(trace: coverage.Trace, group_table: GroupTable = (), default_group: str = "model") -> CoverageReport:
-  """Derives the whole report from a trace; `group_table` classifies module paths by prefix."""
+def build_report(trace: coverage.Trace, group_table: GroupTable = (), default_group: str = "model",
+                 part_of: PartOf | None = None, part_order: Sequence[str] = ()) -> CoverageReport:
+  """Derives the whole report from a trace; `group_table` classifies module paths by prefix.
+
+  `part_of` splits each group by weight path (parts listed in `part_order` first, in that order, then the
+  others as they first appear); without it there are no parts.
+  """
   table = tuple((str(p), str(g)) for p, g in group_table)
+  part_cache: dict[str, str] = {}
+
+  def part(path: str) -> str:
+    if path not in part_cache:
+      part_cache[path] = str(part_of(path)) if part_of is not None else ""
+    return part_cache[path]
   ops = trace.visible_ops()
   hidden = tuple(op for op in trace.ops if op.lowering)
   rule_rows = tuple(RuleRow(index=i, rule=r, matches=trace.rule_matches[i], ops=sum(op.rule == i for op in ops))
@@ -193,27 +211,47 @@ def build_report(trace: coverage.Trace, group_table: GroupTable = (), default_gr
       WeightRow(weight=name, group=group_of(uses[0].module, table, default_group), shape=uses[0].weight_shape,
                 params=uses[0].params, flops_per_token=sum(op.flops_per_token for op in uses),
                 quantized=any(quantized(op) for op in uses), ops=tuple(f"{op.module}:{op.op}" for op in uses),
-                rules=tuple(op.rule for op in uses))
+                rules=tuple(op.rule for op in uses), part=part(name))
       for name, uses in by_weight.items())
 
   names = [default_group] + [g for _, g in table]
   group_names = list(dict.fromkeys(names))
-  summaries = []
-  for name in group_names + [None]:
-    in_group = [w for w in weights if name is None or w.group == name]
-    group_ops = [op for op in ops if op.matmul and op.weight is not None
-                 and (name is None or group_of(op.module, table, default_group) == name)]
-    summaries.append(GroupSummary(
-        group=name or "total", weights=len(in_group), quantized_weights=sum(w.quantized for w in in_group),
-        params=sum(w.params for w in in_group), quantized_params=sum(w.params for w in in_group if w.quantized),
+  matmuls = [(op, group_of(op.module, table, default_group), part(op.weight)) for op in ops
+             if op.matmul and op.weight is not None]
+
+  def summarize(group: str | None, part_name: str | None = None) -> GroupSummary:
+    """One group (None: all), or one part of it."""
+    in_group = [w for w in weights if group in (None, w.group) and part_name in (None, w.part)]
+    group_ops = [op for op, g, p in matmuls if group in (None, g) and part_name in (None, p)]
+    return GroupSummary(
+        group=group or "total", part=part_name or "", weights=len(in_group),
+        quantized_weights=sum(w.quantized for w in in_group), params=sum(w.params for w in in_group),
+        quantized_params=sum(w.params for w in in_group if w.quantized),
         flops_per_token=sum(op.flops_per_token for op in group_ops),
-        quantized_flops_per_token=sum(op.flops_per_token for op in group_ops if quantized(op))))
-  total = summaries.pop()
-  groups = tuple(s for s in summaries if s.weights or s.group != default_group)
-  other = sum(_prod(shape) for path, shape in trace.param_shapes.items() if path not in by_weight)
+        quantized_flops_per_token=sum(op.flops_per_token for op in group_ops if quantized(op)))
+
+  groups = tuple(s for s in map(summarize, group_names) if s.weights or s.group != default_group)
+  parts = []
+  if part_of is not None:
+    for s in groups:
+      found = list(dict.fromkeys([w.part for w in weights if w.group == s.group]
+                                 + [p for _, g, p in matmuls if g == s.group]))
+      parts += [summarize(s.group, p) for p in _ordered(found, part_order)]
+  others: dict[str, int] = {}
+  for path, shape in trace.param_shapes.items():
+    if path not in by_weight:
+      others[part(path)] = others.get(part(path), 0) + _prod(shape)
   return CoverageReport(rules=rule_rows, ops=ops, unused_rules=unused, shadowed_rules=tuple(shadowed),
-                        weights=weights, groups=groups, total=total, other_params=other, hidden_ops=hidden,
-                        provider=trace.provider, group_table=table, default_group=default_group)
+                        weights=weights, groups=groups, total=summarize(None), other_params=sum(others.values()),
+                        hidden_ops=hidden, provider=trace.provider, group_table=table, default_group=default_group,
+                        parts=tuple(parts), other_params_by_part=(
+                            tuple((p, others[p]) for p in _ordered(list(others), part_order)) if part_of else ()))
+
+
+def _ordered(names: Sequence[str], order: Sequence[str]) -> list[str]:
+  """`names` in `order`'s order, those not in it after, as given."""
+  rank = {name: i for i, name in enumerate(order)}
+  return sorted(names, key=lambda n: (rank.get(n, len(rank)), names.index(n)))
 
 
 def explain(report_or_rules: CoverageReport | Sequence[qwix.QtRule], module_path: str,

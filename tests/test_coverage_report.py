@@ -145,7 +145,8 @@ def test_deepseek_shares_split_decoder_mtp_head(quantize_mtp, mtp_share):
 def test_deepseek_strict_flags_the_unquantized_router_and_int8_experts():
   router_off = _deepseek("quantization=fp8_full", "quantize_router_proj=false").strict_findings()
   assert router_off == [
-      "decoder weight decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel (3,072 params) is not quantized "
+      "decoder weight decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel (moe stack: router, 3,072 params) "
+      "is not quantized "
       "(ops decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate:dot_general0)"]
   int8 = _deepseek("quantization=int8").strict_findings()
   assert [f.split()[2].rsplit("/", 1)[1] for f in int8] == ["wi_0", "wi_1", "wo"]
