@@ -83,3 +83,12 @@ def test_hugging_face_names_are_grouped_by_layer_kind(tmp_path):
   assert hf_layout.routed_fraction(str(tmp_path / "no_config")) is None
   s = summary.summarize(leaves, all_leaves=True, classify=classify, routed_fraction=0.5)
   assert s.total_params == sum(l.size for l in leaves) and s.active_params is not None
+
+
+def test_the_v4_hyper_head_is_the_heads_mhc_part_and_classify_path_is_group_of():
+  head = [_leaf("decoder/hc_head/hc_fn", (256, 4)), _leaf("decoder/hc_head/hc_base", (4,)),
+          _leaf("decoder/hc_head/hc_scale", (1,)), LEAVES[1], LEAVES[2]]
+  rows = {(r.group, r.part): r.params for r in summary.summarize(head).rows}
+  assert rows == {("head", ""): 256 * 4 + 4 + 1 + 8 * 100 + 8, ("head", "mHC mixing"): 256 * 4 + 4 + 1}
+  for leaf in LEAVES + head:
+    assert summary.classify_path("/".join(leaf.module_path)) == summary.group_of(leaf)
