@@ -36,19 +36,17 @@ def source(tmp_path_factory):
   return str(step)
 
 
-def _export(source: str, dst: str, *extra: str, cgroup: str | None = None):
-  def enter():  # runs in the child before exec: join the cgroup, so its limit applies to the export alone
-    if cgroup:
-      with open(os.path.join(cgroup, "cgroup.procs"), "w", encoding="ascii") as f:
-        f.write(str(os.getpid()))
-
-  out = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable, "-m", "inspect_tool", "export",
-                        *MODEL, "--layout", "deepseek-fp8", "--checkpoint", source, "--output", dst, "--format",
-                        "json", *extra], capture_output=True, text=True, cwd=REPO, preexec_fn=enter,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False, timeout=600)
-  lines = out.stderr.strip().splitlines()
-  peak = int(lines[-1].split()[1]) * 1024 if lines and lines[-1].startswith("PEAK_RSS_KB") else None
-  return out, peak
+def _export_in(cgroup: str, source: str, dst: str, *extra: str):
+  """Runs the export as a child that joins `cgroup` before exec (so its limit applies to the export alone);
+  returns the completed process and its peak RSS in bytes."""
+  join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+  cmd = ["sh", "-c", join, cgroup, "/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable, "-m", "inspect_tool",
+         "export", *MODEL, "--layout", "deepseek-fp8", "--checkpoint", source, "--output", dst, "--format", "json",
+         *extra]
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                       check=False, timeout=600)
+  peak = [int(line.split()[1]) * 1024 for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB")]
+  return out, (peak or [None])[-1]
 
 
 @pytest.mark.skipif(not _cgroup_available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
@@ -60,10 +58,13 @@ def test_deepseek_fp8_export_streams_a_shard_larger_than_its_memory_cgroup(sourc
   try:
     with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w", encoding="ascii") as f:
       f.write(str(LIMIT))
-    out, peak = _export(source, str(tmp_path / "hf"), "--max-memory", "600MB", cgroup=cgroup)
+    out, peak = _export_in(cgroup, source, str(tmp_path / "hf"), "--max-memory", "600MB")
+    with open(os.path.join(cgroup, "memory.max_usage_in_bytes"), encoding="ascii") as f:
+      charged = int(f.read())
   finally:
     os.rmdir(cgroup)
   assert out.returncode == 0, out.stderr[-3000:]
+  assert 100 * 10**6 < charged <= LIMIT, charged  # the export ran inside the cgroup
   assert peak is not None and peak <= LIMIT, peak  # resident memory (the cgroup also counts page cache)
   summary = json.loads(out.stdout)
   assert summary["max_memory"] == LIMIT and summary["files"] == ["model-00001-of-00001.safetensors"]
