@@ -6,7 +6,8 @@ many devices is; `tests/export_sources.py`): wall time and peak RSS (/usr/bin/ti
   * `export --no-validate` with the default --max-memory (half of the available memory: big slices);
   * `export --no-validate --max-memory M` (bounded; for `embedding` M is under half its largest array): the arrays
     of both exports are compared byte for byte afterwards;
-  * `export --layout deepseek-fp8` (Hugging Face FP8 safetensors), for the first source.
+  * `export --layout deepseek-fp8` (Hugging Face FP8 safetensors), for the first source, with the default
+    --max-memory and with the bounded one (its peak RSS printed beside it).
 Ratios are export / Orbax. The last lines extrapolate a 671B export (DeepSeek-V3 MaxText checkpoint, 671e9 float32
 parameters = 2.68 TB read) from the bounded export's throughput: one host like this one, and 16 such hosts (each
 process writes 1/16 of the slices; the merge of per-process databases is metadata only).
@@ -110,6 +111,8 @@ def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, h
   cases = [("export", [], "unbounded"), (f"export --max-memory {bound}", ["--max-memory", bound], "bounded")]
   if hf:
     cases.append(("export --layout deepseek-fp8", ["--layout", "deepseek-fp8"], "hf"))
+    cases.append((f"deepseek-fp8 --max-memory {bound}", ["--layout", "deepseek-fp8", "--max-memory", bound],
+                  "hf_bounded"))
   for label, extra, dst_name in cases:
     cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", source, "--output",
            os.path.join(root, dst_name), "--format", "json", "--no-validate", "--quiet", *extra]
@@ -125,13 +128,19 @@ def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, h
           f"{r['time_ratio_to_orbax']:.2f} x Orbax's time  {logical / r['wall_seconds'] / 1e6:.0f} MB/s")
   print(f"[{name}] bounded export (peak RSS {runs[bounded_label]['peak_rss_bytes'] / 1e6:.0f} MB, largest array "
         f"{largest / 1e6:.0f} MB) equals the unbounded one byte for byte: {out['bounded_equals_unbounded']}")
+  if hf:
+    for label in cases[2:]:
+      r = runs[label[0]]
+      print(f"[{name}] {label[0]}: peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB (--max-memory "
+            f"{label[1][-1] if '--max-memory' in label[1] else 'default'}); throughput "
+            f"{orbax_s / r['wall_seconds']:.2f} x Orbax restore+save's")
   rate = runs[bounded_label]["throughput_bytes_per_s"]
   one = PARAMS_671B * 4 / rate
   out["extrapolated_671b_seconds"] = {"one_host": round(one), "16_hosts": round(one / 16)}
   print(f"[{name}] 671B (2.68 TB float32) at {rate / 1e6:.0f} MB/s: one host {one / 3600:.1f} h, 16 hosts "
         f"{one / 16 / 3600:.2f} h")
   out["runs"] = runs
-  for d in ("unbounded", "bounded", "hf", name):
+  for d in ("unbounded", "bounded", "hf", "hf_bounded", name):
     shutil.rmtree(os.path.join(root, d), ignore_errors=True)
   return out
 
