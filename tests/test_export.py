@@ -288,7 +288,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
     def write(self, value):
       raise OSError(errno.ENOSPC, "No space left on device")
 
-  monkeypatch.setattr(write_orbax.OrbaxArrayWriter, "create", lambda self, *args, **kwargs: _Full())
+  monkeypatch.setattr(write_orbax.OrbaxArrayWriter, "create_many", lambda self, arrays: [_Full() for _ in arrays])
   dst = _previous(tmp_path)
   code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
                       "--overwrite", "--no-validate")

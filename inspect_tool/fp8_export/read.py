@@ -67,11 +67,15 @@ class CheckpointSource:
 
   def read(self, store, index: tuple[slice, ...]) -> np.ndarray:
     """The slice `index` of `store` as a numpy array; a missing or corrupt chunk is one line naming the source."""
+    return self.read_async(store, index).result()
+
+  def read_async(self, store, index: tuple[slice, ...]) -> "PendingRead":
+    """Starts reading the slice `index` of `store` in tensorstore's threads; `.result()` is `read`'s."""
     try:
-      return store[index].read().result() if index else store.read().result()
+      future = store[index].read() if index else store.read()
     except Exception as e:  # pylint: disable=broad-except
-      raise errors.CheckpointError(f"{self.items_dir}: cannot read array data: a data file is missing, truncated "
-                                   f"or corrupt ({_first_line(e)})") from None
+      future = e
+    return PendingRead(future, self.items_dir)
 
   def __getitem__(self, key):
     return self.open(key)
@@ -84,6 +88,24 @@ class CheckpointSource:
 
   def __contains__(self, key):
     return key in self._pairs
+
+
+class PendingRead:
+  """A slice being read: `result()` waits for it; a failed read is one line naming the source."""
+
+  def __init__(self, future, items_dir: str, value=None):
+    self._future, self._items_dir, self._value = future, items_dir, value
+
+  def result(self) -> np.ndarray:
+    if self._future is None:
+      return self._value
+    try:
+      if isinstance(self._future, Exception):
+        raise self._future
+      return self._future.result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.CheckpointError(f"{self._items_dir}: cannot read array data: a data file is missing, "
+                                   f"truncated or corrupt ({_first_line(e)})") from None
 
 
 class InitSource:
@@ -116,6 +138,9 @@ class InitSource:
 
   def read(self, store, index):
     return store[index] if index else store
+
+  def read_async(self, store, index) -> "PendingRead":
+    return PendingRead(None, "", value=self.read(store, index))
 
   def __getitem__(self, key):
     return self._arrays[key]

@@ -66,30 +66,38 @@ class OrbaxArrayWriter:
     self._context = context or ts_context()
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
-    self._in_flight = None
+    self._in_flight: list = []  # the background writes of the last slice
     self.written_bytes = 0
 
   def create(self, key: Sequence[str], shape: Sequence[int], dtype, chunk: Sequence[int]):
     """Opens a new zarr3 array at `key` (chunked by `chunk`); returns its tensorstore handle."""
+    return self.create_many([(key, shape, dtype, chunk)])[0]
+
+  def create_many(self, arrays: Sequence[tuple]) -> list:
+    """`create` for every (key, shape, dtype, chunk) of `arrays`, opened concurrently (one commit of the database
+    for them all, not one each); returns their tensorstore handles in order."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-    key = tuple(str(k) for k in key)
-    if key in self._created:
-      raise ValueError(f"array {'/'.join(key)} created twice")
-    self._created.add(key)
-    shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
-    self._entries[key] = tuple(chunk)
-    kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
-                   path=".".join(key) + "/")
-    metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                           {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}],
-                "fill_value": 0}
+    specs = []
+    for key, shape, dtype, chunk in arrays:
+      key = tuple(str(k) for k in key)
+      if key in self._created:
+        raise ValueError(f"array {'/'.join(key)} created twice")
+      self._created.add(key)
+      shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
+      self._entries[key] = tuple(chunk)
+      kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
+                     path=".".join(key) + "/")
+      metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
+                  "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                  "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                             {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}],
+                  "fill_value": 0}
+      specs.append({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata,
+                    "store_data_equal_to_fill_value": True})  # Orbax reads a missing chunk as an error
     try:
-      return ts.open({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata,
-                      "store_data_equal_to_fill_value": True},  # Orbax reads a missing chunk as an error
-                     create=True, open=True, context=self._context).result()
+      futures = [ts.open(spec, create=True, open=True, context=self._context) for spec in specs]
+      return [future.result() for future in futures]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
@@ -99,22 +107,31 @@ class OrbaxArrayWriter:
 
   def write(self, store, index: tuple[slice, ...], value) -> None:
     """Writes `value` at `index` of `store` in the background (one write in flight at a time)."""
+    self.write_slice([(store, index, value)])
+
+  def write_slice(self, parts: Sequence[tuple]) -> None:
+    """Writes every (store, index, value) of `parts` (one slice's outputs) in the background, together, once
+    the previous slice's writes are on disk."""
     self.wait()
-    value = np.ascontiguousarray(value)
     try:
-      self._in_flight = store[index].write(value) if index else store.write(value)
+      for store, index, value in parts:
+        value = np.ascontiguousarray(value)
+        self._in_flight.append(store[index].write(value) if index else store.write(value))
+        self.written_bytes += value.nbytes
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-    self.written_bytes += value.nbytes
 
   def wait(self) -> None:
-    """Blocks until the background write (if any) is on disk."""
-    in_flight, self._in_flight = self._in_flight, None
-    if in_flight is not None:
+    """Blocks until the background writes (if any) are on disk."""
+    in_flight, self._in_flight = self._in_flight, []
+    failure = None
+    for future in in_flight:
       try:
-        in_flight.result()
+        future.result()
       except Exception as e:  # pylint: disable=broad-except
-        raise _write_error(self.items_dir, e) from None
+        failure = failure or e
+    if failure is not None:
+      raise _write_error(self.items_dir, failure) from None
 
   def abandon(self) -> None:
     """Waits for the background write, ignoring its outcome (the work is being abandoned)."""
@@ -253,10 +270,55 @@ def _scale_chunk(block: tuple[int, ...], wq) -> tuple[int, ...]:
   return tuple(b if axis in wq.channel_axes else 1 for axis, b in enumerate(block))
 
 
+def _outputs(job: ArrayJob) -> list[tuple]:
+  """(key, shape, dtype, chunk) of the destination arrays of `job`: the copy, or the qvalue and the scale."""
+  wq, leaf, block = job.quant, job.leaf, job.chunk or job.slicing.block
+  if wq is None:
+    return [(job.out_key, leaf.shape, leaf.dtype, block)]
+  return [(wq.qvalue_key, leaf.shape, wq.qtype, block),
+          (wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))]
+
+
+class _Reads:
+  """The slices to read, in order, each started in the background when the one before it is taken."""
+
+  def __init__(self, source, work: list[tuple[ArrayJob, tuple[slice, ...]]]):
+    self._source, self._work, self._next = source, work, 0
+    self._key = self._store = None  # the source array being read
+    self._pending = self._start(0)
+
+  def _start(self, i: int):
+    if i >= len(self._work):
+      return None
+    job, index = self._work[i]
+    if job.leaf.key != self._key:
+      self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
+    return self._source.read_async(self._store, index)
+
+  def take(self):
+    """The next slice's values; starts reading the one after it."""
+    pending, self._next = self._pending, self._next + 1
+    self._pending = None
+    value = pending.result()
+    self._pending = self._start(self._next)
+    return value
+
+  def close(self) -> None:
+    """Waits for the read in flight, ignoring its outcome."""
+    pending, self._pending = self._pending, None
+    try:
+      if pending is not None:
+        pending.result()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
   """Reads, quantizes and writes every slice of `jobs` that this process owns into `items_dir`'s arrays.
 
+  Three stages overlap: slice k+1 is read (tensorstore threads) while slice k is quantized, and slice k-1's
+  outputs are encoded and written meanwhile; so memory holds about three slices at once (`budget.SLICE_FACTOR`).
   `on_slice(source_bytes, arrays_done)` is called after each slice and array (progress). The checkpoint is
   complete once every process has returned and process 0 has called `finalize` on the returned writer.
 
@@ -270,38 +332,35 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   writer = OrbaxArrayWriter(items_dir, process_index=process_index)
-  copied, source_bytes, running = [], 0, 0
+  copied, source_bytes, running, owned = [], 0, 0, []
+  for job in jobs:
+    if job.quant is None:
+      copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
+    for key, _, _, chunk in _outputs(job):
+      writer.register(key, chunk)
+    owned.append([index for i, index in enumerate(job.slicing.slices())
+                  if (running + i) % process_count == process_index])
+    running += job.slicing.count
+  reads = None
   try:
-    for number, job in enumerate(jobs):
-      wq, leaf, block = job.quant, job.leaf, job.chunk or job.slicing.block
-      if wq is None:
-        copied.append(tree.Leaf(job.out_key, leaf.shape, leaf.dtype))
-        writer.register(job.out_key, block)
-      else:
-        writer.register(wq.qvalue_key, block)
-        writer.register(wq.scale_key, _scale_chunk(block, wq))
-      owned = [index for i, index in enumerate(job.slicing.slices())
-               if (running + i) % process_count == process_index]
-      running += job.slicing.count
-      if owned:
-        store = source.open(leaf.key)
-        if wq is None:
-          out = writer.create(job.out_key, leaf.shape, leaf.dtype, block)
-        else:
-          out = writer.create(wq.qvalue_key, leaf.shape, wq.qtype, block)
-          out_scale = writer.create(wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))
-      for index in owned:
-        value = source.read(store, index)
+    mine = [job for job, indices in zip(jobs, owned) if indices]
+    stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
+    outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
+    reads = _Reads(source, [(job, index) for job, indices in zip(jobs, owned) for index in indices])
+    for number, (job, indices) in enumerate(zip(jobs, owned)):
+      wq = job.quant
+      for index in indices:
+        value = reads.take()
         nbytes = value.nbytes
         source_bytes += nbytes
         if wq is None:
-          writer.write(out, index, value)
+          writer.write_slice([(outputs[id(job)][0], index, value)])
         else:
           qvalue, scale = ptq_weights.quantize_weight(  # one jitted call: the slice is already within budget
               value, dataclasses.replace(wq, shape=tuple(value.shape)), chunk_bytes=1 << 62)
           del value
-          writer.write(out, index, np.asarray(qvalue))
-          writer.write(out_scale, _scale_index(index, wq), np.asarray(scale))
+          out, out_scale = outputs[id(job)]
+          writer.write_slice([(out, index, np.asarray(qvalue)), (out_scale, _scale_index(index, wq), np.asarray(scale))])
           del qvalue, scale
         if on_slice is not None:
           on_slice(nbytes, 0)
@@ -311,6 +370,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
         atomic.test_point("arrays", before=writer.wait)
     writer.wait()
   except BaseException:
+    if reads is not None:
+      reads.close()
     writer.abandon()  # no background write may outlive the temporary directory
     raise
   return writer, Written(copied, source_bytes, writer.written_bytes)
