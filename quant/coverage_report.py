@@ -164,14 +164,6 @@ def group_of(module_path: str, table: GroupTable, default: str) -> str:
   return next((group for prefix, group in table if module_path.startswith(prefix)), default)
 
 
-def match_rule(rules: Sequence[qwix.QtRule], module_path: str, op_name: str) -> int | None:
-  """Qwix's first-match rule lookup (`QuantizationProvider._get_current_rule_and_op_id`)."""
-  for index, rule in enumerate(rules):
-    if re.fullmatch(rule.module_path, module_path) and (not rule.op_names or op_name in rule.op_names):
-      return index
-  return None
-
-
 def build_report(trace: coverage.Trace, group_table: GroupTable = (), default_group: str = "model",
                  part_of: PartOf | None = None, part_order: Sequence[str] = ()) -> CoverageReport:
   """Derives the whole report from a trace; `group_table` classifies module paths by prefix.

@@ -110,12 +110,6 @@ def test_explain_with_plain_rules_covers_the_op_names_the_path_could_use():
   assert {e.op_name: e.winner for e in explanations} == {"dot_general": 0, "gmm": 1, "ragged_dot": 1}
 
 
-def test_match_rule_is_qwix_first_match():
-  assert coverage_report.match_rule(TOY_RULES, "mtp/proj", "dot_general") == 1
-  assert coverage_report.match_rule(TOY_RULES, "decoder/head", "dot_general") is None
-  assert coverage_report.match_rule(TOY_RULES, "nothing/x", "einsum") == 3
-
-
 # DeepSeek reports ------------------------------------------------------------------------------------------
 
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
