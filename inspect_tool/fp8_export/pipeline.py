@@ -175,15 +175,15 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales).
 
   The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read by blocks and converted one
-  unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory` (default
-  `budget.default_max_memory()`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
+  unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
+  (`budget.resolve_max_memory`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
   the output directory appears only when complete. Its quantization is the release's, not the config's rules,
   and our model cannot load that layout, so there is no validation run.
   """
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
-  max_memory = int(max_memory or budget.default_max_memory())
+  max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     arrays = read.open_source(cfg, source, plan_lib.model_leaves(cfg))  # tensorstore views: read when indexed
