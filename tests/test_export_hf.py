@@ -127,7 +127,7 @@ def _reference_fp8(cfg, arrays):
 def tiny(tmp_path_factory):
   cfg = config.resolve_config(TINY)
   arrays = _random_arrays(cfg)
-  # A small memory for work and header reserve: FP8 leaves read in blocks of experts (2 of 16, every layer) or of
+  # A small memory for work and header reserve: FP8 leaves read in blocks of one expert (every layer) or of
   # one layer, the embedding and head by 146-row blocks, shards also closed when 4 KiB of header are full.
   out, summary = _export(tmp_path_factory, cfg, arrays, max_shard_bytes=300_000, work_bytes=TINY_WORK_BYTES,
                          header_reserve=TINY_HEADER_RESERVE)

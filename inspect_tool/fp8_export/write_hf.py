@@ -26,6 +26,7 @@ each tensor is written to its shard as soon as it is converted (`safetensors_wri
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
@@ -45,7 +46,7 @@ from inspect_tool.fp8_export import safetensors_writer
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it
 MAX_ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
-MAX_READ_BYTES = 256 * 2**20  # float32 bytes of the block of an FP8 leaf read at once
+MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
 INDEX_NAME = "model.safetensors.index.json"
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": list(BLOCK)}
@@ -94,15 +95,34 @@ def _fp8_regions(writer, entry: hf_names.Entry, cfg) -> dict[tuple[int, int], tu
   return regions
 
 
-def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, read_bytes: int) -> None:
+def _blocks(value, cut: budget.Slicing, ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+  """(index, block read into memory) of every block of `cut`, in order; with `ahead`, block k+1 is read in a
+  background thread while the caller converts block k (the caller drops block k before asking for the next)."""
+  slices = list(cut.slices())
+  if not ahead or len(slices) < 2:
+    for index in slices:
+      yield index, np.asarray(value[index])
+    return
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
+    pending = pool.submit(np.asarray, value[slices[0]])
+    for k, index in enumerate(slices):
+      block = pending.result()
+      if k + 1 < len(slices):
+        pending = pool.submit(np.asarray, value[slices[k + 1]])
+      yield index, block
+      del block
+
+
+def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
-  The leaf is read in blocks of about `read_bytes` (float32), cut along its expert axis, then its layer axis, so
-  that each source chunk is decoded about once, not once per layer and expert; every matrix is then quantized
-  whole (its scales must not depend on how the leaf is cut) and written at the place `_fp8_regions` gave it.
-  Routed experts are quantized one at a time: quant/fp8's scales for a batch of matrices can differ by an ulp
-  from those of each matrix alone (XLA computes absmax/448 through a reciprocal differently by shape), and an
-  expert's bytes must not depend on its neighbours.
+  The leaf is read in blocks, cut along its expert axis, then its layer axis, so that each source chunk is decoded
+  about once, not once per layer and expert: two blocks of up to `spare / 2` bytes (float32; `MAX_READ_BYTES` at
+  most) when `spare` holds two of the smallest, the next read while the current is converted, else one block at a
+  time. Every matrix is quantized whole (its scales must not depend on how the leaf is cut) and written at the
+  place `_fp8_regions` gave it. Routed experts are quantized one at a time: quant/fp8's scales for a batch of
+  matrices can differ by an ulp from those of each matrix alone (XLA computes absmax/448 through a reciprocal
+  differently by shape), and an expert's bytes must not depend on its neighbours.
   """
   regions = _fp8_regions(writer, entry, cfg)
   layer_axis = entry.layer_axis
@@ -110,10 +130,11 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, read_bytes: int) 
   if entry.rule.kind == EXPERTS_FP8:
     expert_axis = 1 if layer_axis == 0 else 0
   cuttable = [axis for axis in (expert_axis, layer_axis) if axis is not None]
+  ahead = spare >= 2 * budget.smallest_slice(entry.shape, 4, cuttable)
+  read_bytes = min(MAX_READ_BYTES, spare // 2 if ahead else spare)
   cut = budget.slicing(entry.shape, 4, read_bytes, cuttable) or budget.Slicing(
       entry.shape, tuple(1 if axis in cuttable else d for axis, d in enumerate(entry.shape)))
-  for index in cut.slices():
-    block = np.asarray(value[index])  # one read
+  for index, block in _blocks(value, cut, ahead):
     for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
       for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
         at = [slice(None)] * block.ndim
@@ -336,9 +357,10 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 Hugging Face DeepSeek checkpoint in `dst_dir`.
 
-  Memory holds one block of a leaf and one unit of work at a time: FP8 leaves are read in blocks of up to
-  `MAX_READ_BYTES` (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix; at least one matrix)
-  and quantized one matrix (a layer's projection, or one routed expert) at a time; other tensors are converted
+  Memory holds at most two blocks of a leaf (the next read while the current is converted) and one unit of work:
+  FP8 leaves are read in blocks (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix, halved,
+  at most `MAX_READ_BYTES`; at least one matrix, then without reading ahead) and quantized one matrix (a layer's
+  projection, or one routed expert) at a time; other tensors are converted
   by rows, `work_bytes / SLICE_FACTOR` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is
   written to its shard as soon as it is converted (`safetensors_writer`). `plan_memory` gives `work_bytes` for a
   `--max-memory`.
@@ -375,8 +397,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
       if entry.rule.kind in (FP8, EXPERTS_FP8):
-        read_bytes = min(MAX_READ_BYTES, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry))
-        _write_fp8_leaf(writer, value, entry, cfg, read_bytes)
+        _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry))
         continue
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
       for layer, part in _slices(value, entry):
