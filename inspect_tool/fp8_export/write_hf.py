@@ -213,7 +213,8 @@ def _unit_bytes(entry: hf_names.Entry) -> int:
   return 4 * math.prod(shape)
 
 
-def plan_memory(keys, cfg, max_memory: int, *, held: int, chunk_bytes: Callable[[tuple[str, ...]], int] = None,
+def plan_memory(keys, cfg, max_memory: int, *, held: int,
+                chunk_bytes: Callable[[tuple[str, ...]], int] | None = None,
                 mtp_shared_copies: bool = True) -> int:
   """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
