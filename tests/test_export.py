@@ -281,11 +281,13 @@ def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, 
 def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path, capsys, monkeypatch):
   from inspect_tool.fp8_export import write_orbax  # pylint: disable=import-outside-toplevel
 
-  class _Full:  # a destination array whose every write fails as a full disk makes tensorstore fail
+  class _Full:  # a destination array (and its kvstore) whose every write fails as a full disk makes tensorstore fail
+    kvstore = property(lambda self: self)
+
     def __getitem__(self, index):
       return self
 
-    def write(self, value):
+    def write(self, *value):
       raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(write_orbax.OrbaxArrayWriter, "create_many", lambda self, arrays: [_Full() for _ in arrays])

@@ -83,3 +83,44 @@ def test_a_failed_background_write_is_reported_by_the_next_write():
   writer.write(_Store(PermissionError(errno.EACCES, "Permission denied"), now=False), (), np.ones(3))
   with pytest.raises(errors.QuantError, match="^cannot write '/x/items': permission denied$"):
     writer.write(_Store(None, now=False), (), np.ones(3))
+
+
+def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zeros(tmp_path):
+  """A copy whose slices are whole source chunks is copied as stored (the source's codecs, its chunk bytes); a
+  slice with a chunk the source never stored is read decoded (zeros, as tensorstore reads it) and written."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import tree  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import budget, read  # pylint: disable=import-outside-toplevel
+
+  value = np.arange(48, dtype=np.float32).reshape(8, 6)
+  src_items = tmp_path / "src" / "0" / "items"
+  src_items.mkdir(parents=True)
+  writer = write_orbax.OrbaxArrayWriter(str(src_items))
+  key = ("params", "params", "w")
+  plain = {"shape": [8, 6], "data_type": "float32", "fill_value": 0, "codecs": [{"name": "bytes"}],  # uncompressed
+           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 6]}}}
+  store, = writer.create_many([(key, value.shape, value.dtype, (2, 6), plain)])
+  writer.write(store, (slice(0, 6),), value[:6])  # rows 6-7 (chunk c/3/0) never stored
+  writer.wait()
+  writer.finalize(str(tmp_path / "src" / "0"), "items")
+  source = read.CheckpointSource(str(tmp_path / "src" / "0"), [tree.Leaf(key, value.shape, "float32")])
+  jobs = write_orbax.plan_jobs(type("Plan", (), {"weights": {}})(), source, 10**9, held=0)
+  jobs = [write_orbax.ArrayJob(jobs[0].leaf, key, None, budget.Slicing(value.shape, (4, 6)), jobs[0].chunk,
+                               jobs[0].stored)]
+  assert jobs[0].stored is not None and jobs[0].chunk == (2, 6)
+  dst = tmp_path / "dst" / "0"
+  (dst / "items").mkdir(parents=True)
+  out, written = write_orbax.write_arrays(jobs, source, str(dst / "items"))
+  out.finalize(str(dst), "items")
+  assert written.source_bytes == written.written_bytes == value.nbytes
+  expected = value.copy()
+  expected[6:] = 0
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(str(dst / "items"))
+  np.testing.assert_array_equal(np.asarray(restored["params"]["params"]["w"]), expected)
+  def stored(items, name):
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{items}/"}).result()
+    return kv.read(f"params.params.w/{name}").result().value
+  assert stored(dst / "items", "c/0/0") == stored(src_items, "c/0/0") == value[:2].tobytes()  # copied as stored
+  assert json.loads(stored(dst / "items", "zarr.json"))["codecs"] == json.loads(stored(src_items, "zarr.json"))["codecs"]

@@ -111,10 +111,13 @@ class Slicing:
       yield tuple(slice(s, min(s + b, d)) for s, b, d in zip(starts, self.block, self.shape))
 
 
-def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence[int]) -> Slicing | None:
+def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence[int],
+            align: Sequence[int] | None = None) -> Slicing | None:
   """The largest block of `shape` within `budget` bytes, cutting only `cuttable` axes, outermost first.
 
-  None when even a block of 1 along every cuttable axis is over the budget.
+  `align`: the source's chunk shape; a cut prefers block sides that do not straddle its chunks (each chunk a
+  slice touches is decoded again for that slice). None when even a block of 1 along every cuttable axis is over
+  the budget.
   """
   shape = tuple(int(d) for d in shape)
   block = list(shape)
@@ -123,10 +126,27 @@ def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence
     if size <= budget:
       break
     per_index = size // max(block[axis], 1)
-    block[axis] = _even_block(block[axis], max(1, min(block[axis], budget // max(per_index, 1))))
+    most = max(1, min(block[axis], budget // max(per_index, 1)))
+    block[axis] = _aligned_block(block[axis], most, int(align[axis]) if align else 0)
   if math.prod(block) * itemsize > budget:
     return None
   return Slicing(shape, tuple(block))
+
+
+def _aligned_block(length: int, most: int, chunk: int) -> int:
+  """A block side of at most `most` along an axis whose source chunks are `chunk` long: a multiple of `chunk`
+  when `most` reaches it, else a divisor of it (not below `most / 2`), else `_even_block`'s."""
+  if 1 < chunk < length:
+    if most >= chunk:
+      top = most // chunk
+      for k in range(top, max(1, -(-top // 2)) - 1, -1):
+        if length % (k * chunk) == 0:
+          return k * chunk
+      return top * chunk
+    for size in range(most, max(1, most // 2) - 1, -1):
+      if chunk % size == 0:
+        return size
+  return _even_block(length, most)
 
 
 def _even_block(length: int, most: int) -> int:

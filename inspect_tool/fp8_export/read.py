@@ -60,10 +60,35 @@ class CheckpointSource:
     except Exception as e:  # pylint: disable=broad-except
       raise errors.CheckpointError(f"{self.items_dir}: cannot open the data of {name} ({_first_line(e)})") from None
 
+  def chunk_shape(self, store) -> tuple[int, ...]:
+    """The shape of the source's chunks of `store` (what a read decodes whole)."""
+    return tuple(int(d) for d in (store.chunk_layout.read_chunk.shape or store.shape))
+
   def chunk_bytes(self, store) -> int:
     """Bytes of one decoded source chunk (what reading any part of it holds at once)."""
-    shape = store.chunk_layout.read_chunk.shape or store.shape
-    return math.prod(int(d) for d in shape) * np.dtype(store.dtype.numpy_dtype).itemsize
+    return math.prod(self.chunk_shape(store)) * np.dtype(store.dtype.numpy_dtype).itemsize
+
+  def stored_layout(self, store) -> dict | None:
+    """The zarr3 metadata of `store` when its stored chunks can be copied as they are (regular grid, default
+    chunk keys), else None."""
+    if not self._listing.use_zarr3:
+      return None
+    metadata = store.spec().to_json().get("metadata") or {}
+    keys = metadata.get("chunk_key_encoding") or {"name": "default"}
+    if (metadata.get("chunk_grid", {}).get("name") != "regular" or keys.get("name") != "default"
+        or (keys.get("configuration") or {}).get("separator", "/") != "/"):
+      return None
+    return metadata
+
+  def read_stored_async(self, store, keys: list[str]) -> "PendingRead":
+    """Starts reading the stored (encoded) chunks `keys` of `store`; `.result()` is [(key, bytes)], or None when
+    a chunk is not stored (read it decoded instead: it reads as the fill value)."""
+    try:
+      kvstore = store.kvstore
+      future = _StoredChunks(keys, [kvstore.read(key) for key in keys])
+    except Exception as e:  # pylint: disable=broad-except
+      future = e
+    return PendingRead(future, self.items_dir)
 
   def read(self, store, index: tuple[slice, ...]) -> np.ndarray:
     """The slice `index` of `store` as a numpy array; a missing or corrupt chunk is one line naming the source."""
@@ -88,6 +113,19 @@ class CheckpointSource:
 
   def __contains__(self, key):
     return key in self._pairs
+
+
+class _StoredChunks:
+  """Reads of stored chunks, as one future."""
+
+  def __init__(self, keys, futures):
+    self._keys, self._futures = keys, futures
+
+  def result(self):
+    results = [future.result() for future in self._futures]
+    if any(r.state != "value" for r in results):
+      return None
+    return [(key, r.value) for key, r in zip(self._keys, results)]
 
 
 class PendingRead:
@@ -133,8 +171,11 @@ class InitSource:
   def open(self, key):
     return self._arrays[key]
 
+  def chunk_shape(self, store) -> None:  # pylint: disable=unused-argument
+    return None  # already in memory
+
   def chunk_bytes(self, store) -> int:  # pylint: disable=unused-argument
-    return 0  # already in memory
+    return 0
 
   def read(self, store, index):
     return store[index] if index else store

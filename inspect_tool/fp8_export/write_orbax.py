@@ -21,7 +21,9 @@ slice whose running number is `i` modulo the process count.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -74,12 +76,13 @@ class OrbaxArrayWriter:
     return self.create_many([(key, shape, dtype, chunk)])[0]
 
   def create_many(self, arrays: Sequence[tuple]) -> list:
-    """`create` for every (key, shape, dtype, chunk) of `arrays`, opened concurrently (one commit of the database
-    for them all, not one each); returns their tensorstore handles in order."""
+    """`create` for every (key, shape, dtype, chunk[, metadata]) of `arrays`, opened concurrently (one commit of
+    the database for them all, not one each); returns their tensorstore handles in order. `metadata` (a source
+    array's zarr3 metadata) replaces the default one, for arrays whose stored chunks are copied as they are."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
     specs = []
-    for key, shape, dtype, chunk in arrays:
+    for key, shape, dtype, chunk, *stored in arrays:
       key = tuple(str(k) for k in key)
       if key in self._created:
         raise ValueError(f"array {'/'.join(key)} created twice")
@@ -93,6 +96,8 @@ class OrbaxArrayWriter:
                   "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                              {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}],
                   "fill_value": 0}
+      if stored and stored[0]:  # a verbatim copy of a source array: its metadata, codecs included
+        metadata = {k: v for k, v in stored[0].items() if k not in ("attributes", "dimension_names")}
       specs.append({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata,
                     "store_data_equal_to_fill_value": True})  # Orbax reads a missing chunk as an error
     try:
@@ -120,6 +125,17 @@ class OrbaxArrayWriter:
         self.written_bytes += value.nbytes
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
+
+  def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int) -> None:
+    """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
+    `write_slice`; `nbytes`: their decoded size."""
+    self.wait()
+    try:
+      kvstore = store.kvstore
+      self._in_flight.extend(kvstore.write(key, value) for key, value in chunks)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+    self.written_bytes += nbytes
 
   def wait(self) -> None:
     """Blocks until the background writes (if any) are on disk."""
@@ -214,6 +230,7 @@ class ArrayJob:
   quant: Any  # quant.ptq_weights.WeightQuant or None
   slicing: budget_lib.Slicing
   chunk: tuple[int, ...] = ()  # destination chunk: divides the slice block (tensorstore encodes chunks in parallel)
+  stored: dict | None = None  # a copy whose slices are whole source chunks: their stored bytes are copied as is
 
   @property
   def slice_bytes(self) -> int:
@@ -245,9 +262,11 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     wq = plan.weights.get(key)
     itemsize = np.dtype(leaf.dtype).itemsize
     cuttable = tuple(wq.channel_axes) if wq is not None else tuple(range(len(leaf.shape)))
-    chunk = source.chunk_bytes(source.open(key)) * DECODING_CHUNKS
+    store = source.open(key)
+    chunk = source.chunk_bytes(store) * DECODING_CHUNKS
     slice_budget = (max_memory - held - chunk) // budget_lib.SLICE_FACTOR
-    cut = budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable) if slice_budget > 0 else None
+    cut = (budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable, source.chunk_shape(store))
+           if slice_budget > 0 else None)
     if cut is None:
       need = held + chunk + budget_lib.smallest_slice(leaf.shape, itemsize, cuttable) * budget_lib.SLICE_FACTOR
       raise errors.InputError(
@@ -257,8 +276,28 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
           f"{budget_lib.format_size(need)}")
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
     chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, cuttable)
-    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk))
+    stored = _stored_copy(source, store, cut) if wq is None else None
+    if stored is not None:
+      chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
+    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored))
   return jobs
+
+
+def _stored_copy(source, store, cut: budget_lib.Slicing) -> dict | None:
+  """The source array's metadata when the slices of `cut` are whole stored chunks of it (copied as they are)."""
+  stored = source.stored_layout(store) if hasattr(source, "stored_layout") else None
+  if stored is None:
+    return None
+  chunk = stored["chunk_grid"]["configuration"]["chunk_shape"]
+  if len(chunk) != len(cut.shape) or any(b % c and b < d for b, c, d in zip(cut.block, chunk, cut.shape)):
+    return None
+  return stored
+
+
+def _chunk_keys(index: tuple[slice, ...], chunk: Sequence[int]) -> list[str]:
+  """The zarr3 keys (default encoding) of the chunks that the block `index` covers."""
+  ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(index, chunk)]
+  return ["c" + "".join(f"/{i}" for i in grid) for grid in itertools.product(*ranges)]
 
 
 def _scale_index(index: tuple[slice, ...], wq) -> tuple[slice, ...]:
@@ -274,7 +313,7 @@ def _outputs(job: ArrayJob) -> list[tuple]:
   """(key, shape, dtype, chunk) of the destination arrays of `job`: the copy, or the qvalue and the scale."""
   wq, leaf, block = job.quant, job.leaf, job.chunk or job.slicing.block
   if wq is None:
-    return [(job.out_key, leaf.shape, leaf.dtype, block)]
+    return [(job.out_key, leaf.shape, leaf.dtype, block, job.stored)]
   return [(wq.qvalue_key, leaf.shape, wq.qtype, block),
           (wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))]
 
@@ -293,7 +332,13 @@ class _Reads:
     job, index = self._work[i]
     if job.leaf.key != self._key:
       self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
+    if job.stored is not None:
+      return self._source.read_stored_async(self._store, _chunk_keys(index, job.chunk))
     return self._source.read_async(self._store, index)
+
+  def read_again(self, job: ArrayJob, index: tuple[slice, ...]):
+    """The decoded values of a slice of the array being read (a slice whose chunks are not all stored)."""
+    return self._source.read(self._store, index)
 
   def take(self):
     """The next slice's values; starts reading the one after it."""
@@ -329,6 +374,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     quant.errors.QuantError: a write failed (e.g. disk full) or a weight cannot be quantized.
     errors.CheckpointError: the source cannot be read.
   """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   writer = OrbaxArrayWriter(items_dir, process_index=process_index)
@@ -336,7 +383,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   for job in jobs:
     if job.quant is None:
       copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
-    for key, _, _, chunk in _outputs(job):
+    for key, _, _, chunk, *_ in _outputs(job):
       writer.register(key, chunk)
     owned.append([index for i, index in enumerate(job.slicing.slices())
                   if (running + i) % process_count == process_index])
@@ -351,11 +398,22 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
       wq = job.quant
       for index in indices:
         value = reads.take()
+        if job.stored is not None:
+          nbytes = math.prod(s.stop - s.start for s in index) * np.dtype(job.leaf.dtype).itemsize
+          if value is not None:  # every chunk stored: copied as it is
+            writer.write_stored(outputs[id(job)][0], value, nbytes)
+          else:
+            writer.write_slice([(outputs[id(job)][0], index, reads.read_again(job, index))])
+          source_bytes += nbytes
+          if on_slice is not None:
+            on_slice(nbytes, 0)
+          continue
         nbytes = value.nbytes
         source_bytes += nbytes
         if wq is None:
           writer.write_slice([(outputs[id(job)][0], index, value)])
         else:
+          value = jnp.asarray(value)  # the quantizer's copy: the numpy slice is freed before it runs
           qvalue, scale = ptq_weights.quantize_weight(  # one jitted call: the slice is already within budget
               value, dataclasses.replace(wq, shape=tuple(value.shape)), chunk_bytes=1 << 62)
           del value
