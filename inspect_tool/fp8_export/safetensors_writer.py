@@ -26,7 +26,7 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool import tree
 
-DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 tensors' entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
+DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
 METADATA = {"format": "pt"}
 DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16",
           np.dtype(np.float32): "F32"}
