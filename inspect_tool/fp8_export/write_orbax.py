@@ -374,8 +374,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     quant.errors.QuantError: a write failed (e.g. disk full) or a weight cannot be quantized.
     errors.CheckpointError: the source cannot be read.
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
+  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   writer = OrbaxArrayWriter(items_dir, process_index=process_index)
@@ -413,7 +412,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
         if wq is None:
           writer.write_slice([(outputs[id(job)][0], index, value)])
         else:
-          value = jnp.asarray(value)  # the quantizer's copy: the numpy slice is freed before it runs
+          value = read_lib.to_jax(value)  # the slice itself when aligned, else a copy (the numpy one freed)
           qvalue, scale = ptq_weights.quantize_weight(  # one jitted call: the slice is already within budget
               value, dataclasses.replace(wq, shape=tuple(value.shape)), chunk_bytes=1 << 62)
           del value
