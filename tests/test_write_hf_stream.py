@@ -133,6 +133,22 @@ def test_regions_of_a_closed_shard_are_filled_after_later_shards_start(tmp_path)
     np.testing.assert_array_equal(read[("model-00002-of-00002.safetensors", name)], copy_b)
 
 
+class _Recording:
+  """An array-like that records the shape of every block read from it."""
+
+  def __init__(self, array, reads):
+    self.array, self.shape, self.reads = array, array.shape, reads
+
+  def __getitem__(self, index):
+    self.reads.append(np.asarray(self.array[index]).shape)
+    return self.array[index]
+
+
+def _recording(arrays):
+  reads = []
+  return {key: _Recording(value, reads) for key, value in arrays.items()}, reads
+
+
 def test_tiny_export_was_cut_into_blocks_and_closed_shards_early(tmp_path):
   """The `tiny` fixture of test_export_hf (whose values are checked against references there) ran with a small
   work memory and header reserve: check that both did something, on the same arrays."""
@@ -141,17 +157,7 @@ def test_tiny_export_was_cut_into_blocks_and_closed_shards_early(tmp_path):
 
   cfg = config.resolve_config(test_export_hf.TINY)
   arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
-  reads = []
-
-  class Recording:
-    def __init__(self, array):
-      self.array, self.shape = array, array.shape
-
-    def __getitem__(self, index):
-      reads.append(np.asarray(self.array[index]).shape)
-      return self.array[index]
-
-  lazy = {key: Recording(value) for key, value in arrays.items()}
+  lazy, reads = _recording(arrays)
   write_hf.write_deepseek_fp8(lazy, cfg, str(tmp_path), max_shard_bytes=300_000,
                               work_bytes=test_export_hf.TINY_WORK_BYTES,
                               header_reserve=test_export_hf.TINY_HEADER_RESERVE)
@@ -189,3 +195,28 @@ def test_write_errors_are_one_input_error_naming_the_file(tmp_path):
   out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
                        check=True, timeout=120)
   assert out.stdout.strip() == f"cannot write {str(tmp_path / '.shard-00001.safetensors.tmp')!r}: File too large"
+
+
+def test_blocks_of_fp8_leaves_align_to_the_source_chunks(tmp_path):
+  """With the source chunked by 5 experts, blocks of experts are 10 and 6 (not the 8 an unaligned cut takes),
+  and every FP8 tensor is still DeepSeek's 128 x 128 scheme of the MaxText matrix (numpy reference)."""
+  import deepseek_fp8_reference  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(test_export_hf.TINY)
+  arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
+  experts = {key for key, value in arrays.items() if key[-1] in ("wi_0", "wi_1", "wo") and value.ndim == 4}
+  work = 8 * 131072 + 2 * 5 * 3 * 64 * 64 * 4  # two blocks of 5 experts beside the largest matrix's work
+  lazy, reads = _recording(arrays)
+  write_hf.write_deepseek_fp8(lazy, cfg, str(tmp_path),
+                              work_bytes=work, chunk_shape=lambda key: (5, 3, 64, 64) if key in experts else None)
+  assert (10, 3, 64, 64) in reads and (6, 3, 64, 64) in reads and (8, 3, 64, 64) not in reads
+  tensors = test_export_hf._read_tensors(str(tmp_path))  # pylint: disable=protected-access
+  refs = test_export_hf._reference_fp8(cfg, arrays)  # pylint: disable=protected-access
+  assert set(refs) == {k[:-len("_scale_inv")] for k in tensors if k.endswith("_scale_inv")}
+  for name, w_ref in refs.items():
+    q_ref, s_ref = deepseek_fp8_reference.block_quantize(w_ref)
+    assert deepseek_fp8_reference.ulp_distance(tensors[name + "_scale_inv"], s_ref).max() <= 1, name
+    assert deepseek_fp8_reference.fp8_step_distance(tensors[name], q_ref).max() <= 1, name

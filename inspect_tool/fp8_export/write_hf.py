@@ -31,7 +31,7 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -113,16 +113,17 @@ def _blocks(value, cut: budget.Slicing, ahead: bool) -> Iterator[tuple[tuple[sli
       del block
 
 
-def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int) -> None:
+def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
   The leaf is read in blocks, cut along its expert axis, then its layer axis, so that each source chunk is decoded
   about once, not once per layer and expert: two blocks of up to `spare / 2` bytes (float32; `MAX_READ_BYTES` at
   most) when `spare` holds two of the smallest, the next read while the current is converted, else one block at a
-  time. Every matrix is quantized whole (its scales must not depend on how the leaf is cut) and written at the
-  place `_fp8_regions` gave it. Routed experts are quantized one at a time: quant/fp8's scales for a batch of
-  matrices can differ by an ulp from those of each matrix alone (XLA computes absmax/448 through a reciprocal
-  differently by shape), and an expert's bytes must not depend on its neighbours.
+  time; block sides are multiples or divisors of the source's `chunk` shape where the budget allows (each chunk a
+  block touches is decoded for it). Every matrix is quantized whole (its scales must not depend on how the leaf
+  is cut) and written at the place `_fp8_regions` gave it. Routed experts are quantized one at a time:
+  quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
+  absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
   """
   regions = _fp8_regions(writer, entry, cfg)
   layer_axis = entry.layer_axis
@@ -132,7 +133,7 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int) -> No
   cuttable = [axis for axis in (expert_axis, layer_axis) if axis is not None]
   ahead = spare >= 2 * budget.smallest_slice(entry.shape, 4, cuttable)
   read_bytes = min(MAX_READ_BYTES, spare // 2 if ahead else spare)
-  cut = budget.slicing(entry.shape, 4, read_bytes, cuttable) or budget.Slicing(
+  cut = budget.slicing(entry.shape, 4, read_bytes, cuttable, chunk) or budget.Slicing(
       entry.shape, tuple(1 if axis in cuttable else d for axis, d in enumerate(entry.shape)))
   for index, block in _blocks(value, cut, ahead):
     for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
@@ -355,6 +356,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
                        work_bytes: int = DEFAULT_WORK_BYTES,
                        header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
+                       chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 Hugging Face DeepSeek checkpoint in `dst_dir`.
 
@@ -376,6 +378,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     mtp_shared_copies: also write the MTP layers' copies of embed_tokens and shared_head.head, as the release.
     work_bytes: memory for reading and converting (beyond what the process already holds).
     header_reserve: bytes reserved for each shard's header (a shard is closed early when they are full).
+    chunk_shape: the source's chunk shape of a leaf key (None: unknown), which blocks of FP8 leaves align to.
     progress: called as `progress(done, total, dotted_key)` before each leaf.
 
   Returns:
@@ -398,7 +401,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
       if entry.rule.kind in (FP8, EXPERTS_FP8):
-        _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry))
+        _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry),
+                        chunk_shape(key) if chunk_shape else None)
         continue
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
       for layer, part in _slices(value, entry):
