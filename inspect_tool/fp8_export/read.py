@@ -206,6 +206,9 @@ class InitSource:
   def chunk_shape(self, store) -> None:  # pylint: disable=unused-argument
     return None  # already in memory
 
+  def stored_layout(self, store) -> None:  # pylint: disable=unused-argument
+    return None  # nothing stored
+
   def chunk_bytes(self, store) -> int:  # pylint: disable=unused-argument
     return 0
 
