@@ -141,7 +141,8 @@ def to_jax(value: np.ndarray):
   """`value` as a jax array on the CPU, sharing its memory when it is aligned (DLPack), else copied."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  if value.dtype in (np.float32, np.float64, np.float16) and value.flags.c_contiguous:
+  if (value.dtype in (np.float32, np.float64, np.float16) and value.flags.c_contiguous and value.flags.writeable
+      and value.ctypes.data % ALIGNMENT == 0):
     return jnp.from_dlpack(value)
   return jnp.asarray(value)
 
