@@ -14,12 +14,10 @@ import maxtext_listings
 from inspect_tool import config
 from inspect_tool import model_coverage as coverage
 from inspect_tool import errors
-from inspect_tool.fp8_export import pipeline as export
 from inspect_tool import forward
 from inspect_tool import model as model_lib
 from inspect_tool import params
 from inspect_tool import running
-from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.model import indexer
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -158,17 +156,3 @@ def test_short_sequences_skip_the_indexer_scoring_as_maxtext_does():
   assert (f"{prefix}/weights_proj", "dot_general0") not in ops and (prefix, "einsum0") not in ops
   longer = _ops(["model_name=deepseek3.2-671b", "quantization=fp8_full", "max_target_length=2049"])
   assert (f"{prefix}/weights_proj", "dot_general0") in longer and (prefix, "einsum1") in longer
-
-
-def test_fp8_export_quantizes_the_indexer_projections(tmp_path):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
-  dst = tmp_path / "fp8"
-  export.export(SMALL + ["quantization=fp8_full", "quantize_mtp=true"], str(dst), source=str(CKPT),
-                run_validation=False, mesh=mesh, command="pytest")
-  leaves = {leaf.dotted: (leaf.shape, leaf.dtype) for leaf in orbax_metadata.read_leaves(str(dst))}
-  assert leaves[f"{INDEXER}.wq_b.kernel.array.qvalue"] == ((32, 2, 4, 32), "float8_e4m3fn")
-  assert leaves[f"{INDEXER}.wq_b.kernel.array.scale"] == ((1, 2, 4, 32), "bfloat16")
-  assert leaves[f"{INDEXER}.wk.kernel.array.qvalue"] == ((64, 2, 32), "float8_e4m3fn")
-  assert leaves[f"{INDEXER}.weights_proj.kernel.array.qvalue"] == ((64, 2, 4), "float8_e4m3fn")
-  assert leaves[f"{INDEXER}.weights_proj.kernel.array.scale"] == ((1, 2, 4), "float32")  # its float32 compute
-  assert leaves[f"{INDEXER}.k_norm.scale"] == ((32, 2), "float32")  # norms are copied unchanged
