@@ -40,8 +40,9 @@ def _v4_checkpoint(root: pathlib.Path) -> str:
       node = node.setdefault(part, {})
     node[leaf] = value
   items = root / "0" / "items"
-  ocp.StandardCheckpointer().save(str(items), nested)
-  ocp.StandardCheckpointer().wait_until_finished()
+  with ocp.StandardCheckpointer() as checkpointer:  # its save is asynchronous: wait on the same checkpointer
+    checkpointer.save(str(items), nested)
+    checkpointer.wait_until_finished()
   return str(root / "0")
 
 
