@@ -67,7 +67,9 @@ def forward(model, batch: batch_lib.Batch):
   """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.forward.ForwardResult`)."""
   from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
 
-  with progress.step("forward pass"):
+  from quant import compat  # pylint: disable=import-outside-toplevel
+
+  with progress.step("forward pass"), compat.qwix_weight_detection_errors():
     return forward_lib.run_forward(model, batch.tokens, targets=batch.targets, target_mask=batch.target_mask,
                                    positions=batch.positions, segment_ids=batch.segment_ids)
 

@@ -19,10 +19,12 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * JAX tracer internals (`parent.in_tracers`, `get_const`): which Param a traced value came from (coverage).
 * `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
   custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
+* Qwix's assertion text "lhs and rhs cannot be both weights" (`qwix._src.providers.qt`), turned into one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 
@@ -147,3 +149,22 @@ def provider_rules(provider) -> list:
 def provider_rule_matches(provider) -> list:
   """How many ops each of a Qwix provider's rules has matched."""
   return _provider_attr(provider, "_rule_matches")
+
+
+QWIX_BOTH_WEIGHTS = "lhs and rhs cannot be both weights"
+
+
+@contextlib.contextmanager
+def qwix_weight_detection_errors():
+  """Qwix's QT provider asserts when it takes both operands of a matmul for weights (it traces an operand back to
+  the module's Params, and falls back to matching shapes), which some toy configs trigger; MaxText stops the same
+  way. That assertion becomes one line."""
+  try:
+    yield
+  except AssertionError as e:
+    if QWIX_BOTH_WEIGHTS not in str(e):
+      raise
+    raise errors.QuantError(
+        f"Qwix {installed_version('qwix')} took an activation of this model for a weight ('{QWIX_BOTH_WEIGHTS}'; "
+        "it traces operands back to a module's Params and falls back to matching shapes, and MaxText stops the same "
+        "way); accepted: other sizes (batch, tokens, widths) that do not coincide with a weight's") from None

@@ -9,6 +9,7 @@ import pytest
 
 import maxtext_listings
 
+from inspect_tool import cli
 from inspect_tool import config
 from inspect_tool import model_coverage as coverage
 from inspect_tool import errors
@@ -100,3 +101,11 @@ def test_forward_runs_and_coverage_names_the_mhc_ops():
     assert (f"decoder/moe_layers/{branch}/mhc_norm", "einsum0") in ops
   # MaxText also normalises the attention residual once outside mhc_mlp (and drops it): two norm einsums.
   assert ("decoder/moe_layers/post_self_attention_layer_norm", "einsum1") in ops
+
+
+def test_qwix_taking_an_activation_for_a_weight_is_one_line(capsys):
+  """SMALL's sizes make Qwix's QT provider take an activation for a weight (its assertion): one line, exit 2."""
+  code = cli.main(["forward", *SMALL, "quantization=fp8_full"])
+  err = capsys.readouterr().err
+  assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+  assert "took an activation of this model for a weight ('lhs and rhs cannot be both weights'" in err
