@@ -8,11 +8,13 @@ many devices is; `tests/export_sources.py`): wall time and peak RSS (/usr/bin/ti
     of both exports are compared byte for byte afterwards;
   * `export --layout deepseek-fp8` (Hugging Face FP8 safetensors), for the first source, with the default
     --max-memory and with the bounded one (its peak RSS printed beside it).
-Ratios are export / Orbax. The last lines extrapolate a 671B export (DeepSeek-V3 MaxText checkpoint, 671e9 float32
-parameters = 2.68 TB read) from the bounded export's throughput: one host like this one, and 16 such hosts (each
-process writes 1/16 of the slices; the merge of per-process databases is metadata only).
+Every case runs `--repeat` times (default 3), the cases interleaved round by round and each started after `sync`
+(no earlier run's write-back under way); the median wall time is reported with the range, the peak RSS is the
+largest. Ratios are export / Orbax (medians). The last lines extrapolate a 671B export (DeepSeek-V3 MaxText
+checkpoint, 671e9 float32 parameters = 2.68 TB read) from the bounded export's throughput: one host like this one,
+and 16 such hosts (each process writes 1/16 of the slices; the merge of per-process databases is metadata only).
 
-  /tmp/v312/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--keep]
+  .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--repeat 3] [--keep]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,8 +92,8 @@ def _same_arrays(a: str, b: str) -> bool:
   return True
 
 
-def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, hf: bool) -> dict:
-  """Writes one source checkpoint and measures Orbax and the exports on it."""
+def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, hf: bool, repeat: int) -> dict:
+  """Writes one source checkpoint and measures Orbax and the exports on it, `repeat` interleaved rounds."""
   import export_sources  # pylint: disable=import-outside-toplevel
 
   out: dict = {"model": tokens + QUANT}
@@ -103,33 +106,44 @@ def bench_variant(root: str, name: str, tokens: list[str], bound: str, env, *, h
   subprocess.run(["sh", "-c", 'cat "$@" > /dev/null', "cat"]
                  + [os.path.join(r, f) for r, _, fs in os.walk(source) for f in fs], check=True)  # warm cache
 
-  runs = {}
-  orbax_dst = os.path.join(root, "orbax")
-  wall, rss, _ = _timed([sys.executable, "-c", _ORBAX, os.path.join(source, "items"), orbax_dst], env)
-  shutil.rmtree(orbax_dst, ignore_errors=True)
-  runs["orbax restore+save"] = {"wall_seconds": wall, "peak_rss_bytes": rss}
-  cases = [("export", [], "unbounded"), (f"export --max-memory {bound}", ["--max-memory", bound], "bounded")]
+  cases = [("orbax restore+save", None, "orbax"), ("export", [], "unbounded"),
+           (f"export --max-memory {bound}", ["--max-memory", bound], "bounded")]
   if hf:
     cases.append(("export --layout deepseek-fp8", ["--layout", "deepseek-fp8"], "hf"))
     cases.append((f"deepseek-fp8 --max-memory {bound}", ["--layout", "deepseek-fp8", "--max-memory", bound],
                   "hf_bounded"))
-  for label, extra, dst_name in cases:
-    cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", source, "--output",
-           os.path.join(root, dst_name), "--format", "json", "--no-validate", "--quiet", *extra]
-    wall, rss, _ = _timed(cmd, env)
-    runs[label] = {"wall_seconds": wall, "peak_rss_bytes": rss}
-  bounded_label = cases[1][0]
+  samples: dict[str, list] = {label: [] for label, _, _ in cases}
+  for round_ in range(repeat):  # the cases interleaved, each round in the same order; medians reported
+    for label, extra, dst_name in cases:
+      dst = os.path.join(root, dst_name)
+      shutil.rmtree(dst, ignore_errors=True)
+      if extra is None:
+        cmd = [sys.executable, "-c", _ORBAX, os.path.join(source, "items"), dst]
+      else:
+        cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", source, "--output",
+               dst, "--format", "json", "--no-validate", "--quiet", *extra]
+      os.sync()  # every run starts without the previous one's dirty pages still being written back
+      samples[label].append(_timed(cmd, env)[:2])
+      if extra is None or round_ < repeat - 1:
+        shutil.rmtree(dst, ignore_errors=True)  # the last exports are compared below
+  runs = {}
+  for label, got in samples.items():
+    walls = sorted(w for w, _ in got)
+    runs[label] = {"wall_seconds": statistics.median(walls), "wall_seconds_runs": [w for w, _ in got],
+                   "peak_rss_bytes": max(r for _, r in got)}
+  bounded_label = cases[2][0]
   out["bounded_equals_unbounded"] = _same_arrays(os.path.join(root, "unbounded"), os.path.join(root, "bounded"))
   orbax_s = runs["orbax restore+save"]["wall_seconds"]
   for label, r in runs.items():
     r["time_ratio_to_orbax"] = round(r["wall_seconds"] / orbax_s, 3)
     r["throughput_bytes_per_s"] = round(logical / r["wall_seconds"])
-    print(f"[{name}] {label:34s} {r['wall_seconds']:7.1f} s  peak RSS {r['peak_rss_bytes'] / 1e6:6.0f} MB  "
-          f"{r['time_ratio_to_orbax']:.2f} x Orbax's time  {logical / r['wall_seconds'] / 1e6:.0f} MB/s")
+    spread = f"{min(r['wall_seconds_runs']):.1f}-{max(r['wall_seconds_runs']):.1f}"
+    print(f"[{name}] {label:34s} {r['wall_seconds']:7.1f} s ({spread})  peak RSS {r['peak_rss_bytes'] / 1e6:6.0f} MB"
+          f"  {r['time_ratio_to_orbax']:.2f} x Orbax's time  {logical / r['wall_seconds'] / 1e6:.0f} MB/s")
   print(f"[{name}] bounded export (peak RSS {runs[bounded_label]['peak_rss_bytes'] / 1e6:.0f} MB, largest array "
         f"{largest / 1e6:.0f} MB) equals the unbounded one byte for byte: {out['bounded_equals_unbounded']}")
   if hf:
-    for label in cases[2:]:
+    for label in cases[3:]:
       r = runs[label[0]]
       print(f"[{name}] {label[0]}: peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB (--max-memory "
             f"{label[1][-1] if '--max-memory' in label[1] else 'default'}); throughput "
@@ -150,6 +164,7 @@ def main() -> int:
   parser.add_argument("--dir", default=None, help="where to write (default: system temp)")
   parser.add_argument("--only", choices=sorted(VARIANTS), help="benchmark one source checkpoint only")
   parser.add_argument("--keep", action="store_true", help="keep the work directory (sources are removed)")
+  parser.add_argument("--repeat", type=int, default=3, help="rounds of every case, interleaved (median reported)")
   args = parser.parse_args()
   root = tempfile.mkdtemp(prefix="bench_export_", dir=args.dir)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -158,7 +173,7 @@ def main() -> int:
     names = [args.only] if args.only else list(VARIANTS)
     for i, name in enumerate(names):
       tokens, bound = VARIANTS[name]
-      results[name] = bench_variant(root, name, tokens, bound, env, hf=i == 0)
+      results[name] = bench_variant(root, name, tokens, bound, env, hf=i == 0, repeat=args.repeat)
     print(json.dumps(results, indent=1))
   finally:
     if args.keep:

@@ -91,16 +91,43 @@ def compute_scale(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
   _check_float(x)
   qtype = resolve_qtype(qtype)
   method, args = parse_calibration(calibration)
-  keep = _normalize_axes(channelwise_axes, x.ndim)
-  reduce_axes = tuple(a for a in range(x.ndim) if a not in keep)
   if method == "absmax":
-    bound = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
-    if args:
-      bound = bound * args[0]
-  elif method == "rms":
+    return scale_from_absmax(absmax(x, channelwise_axes), qtype, calibration)
+  reduce_axes = _reduce_axes(channelwise_axes, x.ndim)
+  if method == "rms":
     bound = jnp.sqrt(jnp.mean(jnp.square(x), axis=reduce_axes, keepdims=True)) * args[0]
   else:  # fixed: per-tensor
     bound = jnp.full((1,) * x.ndim, args[1], x.dtype)
+  return _scale_from_bound(bound, qtype)
+
+
+def absmax(x, channelwise_axes=()):
+  """max |x| over every axis but `channelwise_axes` (kept, size 1 on the others): the absmax calibration's
+  statistic. The maximum of the absmaxes of blocks that tile the reduced axes is the absmax of the whole."""
+  x = jnp.asarray(x)
+  _check_float(x)
+  return jnp.max(jnp.abs(x), axis=_reduce_axes(channelwise_axes, x.ndim), keepdims=True)
+
+
+def scale_from_absmax(amax, qtype, calibration: str = "absmax"):
+  """The scale `compute_scale` gives for an absmax calibration (`absmax` or `absmax,<factor>`) from the statistic
+  `absmax(x, ...)`: bit for bit the same however the absmax was gathered."""
+  method, args = parse_calibration(calibration)
+  if method != "absmax":
+    raise errors.QuantError(f"calibration {calibration!r} is not an absmax calibration; accepted: absmax, "
+                            "absmax,<factor>")
+  bound = jnp.asarray(amax)
+  if args:
+    bound = bound * args[0]
+  return _scale_from_bound(bound, resolve_qtype(qtype))
+
+
+def _reduce_axes(channelwise_axes, ndim: int) -> tuple[int, ...]:
+  keep = _normalize_axes(channelwise_axes, ndim)
+  return tuple(a for a in range(ndim) if a not in keep)
+
+
+def _scale_from_bound(bound, qtype):
   scale = bound / float(jnp.finfo(qtype).max)
   tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
   return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale)

@@ -154,6 +154,43 @@ def _quantize(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute
   return fp8.quantize(x.astype(compute_dtype), qtype, axes, calibration)
 
 
+@functools.partial(jax.jit, static_argnames=("axes", "compute_dtype"))
+def _absmax(x, *, axes: tuple[int, ...], compute_dtype: str):
+  return fp8.absmax(x.astype(compute_dtype), axes)
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
+def _quantize_with_absmax(x, amax, *, qtype: str, calibration: str, compute_dtype: str):
+  scale = fp8.scale_from_absmax(amax, qtype, calibration)
+  return fp8.quantize_with_scale(x.astype(compute_dtype), qtype, scale), scale
+
+
+def gathers_absmax(wq: WeightQuant) -> bool:
+  """Whether `wq`'s scales come from an absmax, so that a weight can be quantized in two passes over blocks that
+  also cut the shared axes: the maximum of the blocks' absmaxes is the weight's (`compiled_quantizers`)."""
+  return fp8.parse_calibration(wq.calibration)[0] == "absmax"
+
+
+def _statics(wq: WeightQuant) -> dict:
+  return dict(qtype=fp8.resolve_qtype(wq.qtype).name, calibration=wq.calibration,
+              compute_dtype=jnp.dtype(wq.compute_dtype).name)
+
+
+def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, sharding=None) -> tuple:
+  """The quantizer of blocks of `shape` and `dtype` of the weight `wq`, compiled ahead of time (the executables
+  the jitted calls would build, so bit for bit the same values): `(quantize,)`, x -> (qvalue, scale), as
+  `quantize_weight` without chunks; or, `two_pass`, `(absmax, quantize_block)`: x -> absmax and
+  (x, whole absmax) -> (qvalue, scale). `sharding`: where the blocks will be (default: the default device)."""
+  spec = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+  statics, axes = _statics(wq), tuple(wq.channel_axes)
+  if not two_pass:
+    return (_quantize.lower(spec, axes=axes, **statics).compile(),)
+  amax_shape = tuple(d if i in axes else 1 for i, d in enumerate(shape))
+  amax = jax.ShapeDtypeStruct(amax_shape, jnp.dtype(wq.compute_dtype), sharding=sharding)
+  return (_absmax.lower(spec, axes=axes, compute_dtype=statics["compute_dtype"]).compile(),
+          _quantize_with_absmax.lower(spec, amax, **statics).compile())
+
+
 def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYTES):
   """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 channelwise.
 
@@ -164,8 +201,7 @@ def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYT
   if tuple(x.shape) != tuple(wq.shape):
     raise errors.QuantError(f"weight {'/'.join(wq.key)} has shape {tuple(x.shape)}; the plan expects {wq.shape}")
   x = jnp.asarray(x)
-  kwargs = dict(qtype=fp8.resolve_qtype(wq.qtype).name, axes=tuple(wq.channel_axes), calibration=wq.calibration,
-                compute_dtype=jnp.dtype(wq.compute_dtype).name)
+  kwargs = dict(axes=tuple(wq.channel_axes), **_statics(wq))
   nbytes = x.size * x.dtype.itemsize
   axes = [a for a in wq.channel_axes if x.shape[a] > 1]
   if nbytes <= chunk_bytes or not axes:

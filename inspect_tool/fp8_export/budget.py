@@ -133,6 +133,21 @@ def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence
   return Slicing(shape, tuple(block))
 
 
+def decode_factor(shape: Sequence[int], block: Sequence[int], chunk: Sequence[int] | None) -> float:
+  """How many times each source chunk (`chunk`, None: unknown) is decoded, on average, when an array of `shape`
+  is read by `block`s: a block that cuts across a chunk decodes all of it."""
+  factor = 1.0
+  for length, side, size in zip(shape, block, chunk or ()):
+    if not size or length <= 0:
+      continue
+    touched = 0
+    for start in range(0, length, side):
+      stop = min(start + side, length)
+      touched += min(-(-stop // size) * size, length) - start // size * size
+    factor *= touched / length
+  return factor
+
+
 def _aligned_block(length: int, most: int, chunk: int) -> int:
   """A block side of at most `most` along an axis whose source chunks are `chunk` long: a multiple of `chunk`
   when `most` reaches it, else a divisor of it (not below `most / 2`), else `_even_block`'s."""

@@ -10,13 +10,14 @@ exactly (in value) the float32 scales of the FP8 grouped matmul. Everything, the
 under `params/params` (MaxText's params-only loaders find the bias there too).
 
 Writing: each array is cut into slices that fit the memory budget (`budget`); a slice is read from the source,
-quantized (`quant.ptq_weights.quantize_weight`: a slice along channel axes gets exactly the whole weight's
-scales) and written into the destination zarr3 array, chunked by the slice block, through tensorstore. As Orbax
-does, each process writes into its own OCDBT database (`items/ocdbt.process_<i>/`), and process 0 merges them
-into the checkpoint's root database and writes `_METADATA` (the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`)
-and the step's `_CHECKPOINT_METADATA`. With several processes (`jax.distributed`), process `i` handles every
-slice whose running number is `i` modulo the process count. A copied array whose slices are whole chunks of a
-zarr3 source keeps the source's metadata and chunks: their stored bytes are copied, not decoded and encoded again.
+quantized (`quantize`'s compiled quantizers: a slice along channel axes gets exactly the whole weight's scales; the
+blocks of a two-pass weight get its absmax from a first pass) and written into the destination zarr3 array,
+chunked by the slice block, through tensorstore. As Orbax does, each process writes into its own OCDBT database
+(`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
+(the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`) and the step's `_CHECKPOINT_METADATA`. With several
+processes (`jax.distributed`), process `i` handles every unit of work (a slice; a two-pass group of blocks) whose
+running number is `i` modulo the process count. A copied array from a zarr3 source is cut in whole chunks and
+keeps the source's metadata and chunks: their stored bytes are copied, not decoded and encoded again.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def ts_context():
   """A tensorstore context without a chunk cache (every byte read is used once) and bounded copy threads."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                     "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
                      "file_io_concurrency": {"limit": 16}})
 
 
@@ -232,15 +234,29 @@ class ArrayJob:
   slicing: budget_lib.Slicing
   chunk: tuple[int, ...] = ()  # destination chunk: divides the slice block (tensorstore encodes chunks in parallel)
   stored: dict | None = None  # a copy whose slices are whole source chunks: their stored bytes are copied as is
+  two_pass: bool = False  # quantized in two passes over blocks that also cut the shared axes
 
   @property
   def slice_bytes(self) -> int:
     return int(np.prod(self.slicing.block, dtype=np.int64)) * np.dtype(self.leaf.dtype).itemsize
 
+  def units(self) -> list[list[tuple[slice, ...]]]:
+    """The units of work, in order: one slice each; for a two-pass job, the slices that share channels (their
+    absmax is gathered over all of them before any is quantized)."""
+    if not self.two_pass:
+      return [[index] for index in self.slicing.slices()]
+    groups: dict[tuple, list] = {}
+    for index in self.slicing.slices():
+      channels = tuple((s.start, s.stop) for axis, s in enumerate(index) if axis in self.quant.channel_axes)
+      groups.setdefault(channels, []).append(index)
+    return list(groups.values())
+
 
 CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
 DECODING_CHUNKS = 2  # source chunks tensorstore may hold decoded at once (its copy threads)
-RESERVE_BYTES = 160 * 2**20  # compiling and compiled quantizers, tensorstore's buffers, beside the slices
+# Compiling and compiled quantizers, tensorstore's buffers, beside the slices. Measured: `--max-memory 600MB` on the
+# benchmark's embedding source holds 0.26 GB when slicing starts and peaks at 0.39 GB (bench/bench_export.py).
+RESERVE_BYTES = 96 * 2**20
 
 
 def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
@@ -249,12 +265,16 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
   the plan; plus `RESERVE_BYTES`) must hold `DECODING_CHUNKS` decoded source chunks and `budget.SLICE_FACTOR`
   times a slice. A slice that cuts across the source's chunks decodes each of them again: a source chunked along
-  an axis the scales are reduced over (experts, rows) is read several times when the budget is tight.
+  an axis the scales are reduced over (experts, rows) would be read once per slice when the budget is tight. Such
+  a weight with absmax scales is quantized in two passes instead (`ArrayJob.two_pass`) over blocks cut along the
+  source's chunks on every axis: the first gathers the absmax of the blocks that share channels, the second
+  quantizes them; each chunk is decoded about twice, whatever the budget.
 
   Raises:
     errors.InputError: `max_memory` is smaller than what the smallest slice of some array needs.
   """
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   held = (budget_lib.current_rss() if held is None else held) + RESERVE_BYTES
   jobs = []
@@ -262,37 +282,52 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     leaf = source.leaf(key)
     wq = plan.weights.get(key)
     itemsize = np.dtype(leaf.dtype).itemsize
-    cuttable = tuple(wq.channel_axes) if wq is not None else tuple(range(len(leaf.shape)))
+    every_axis = tuple(range(len(leaf.shape)))
+    gathers = wq is not None and ptq_weights.gathers_absmax(wq)  # may be cut along every axis, in two passes
+    cuttable = tuple(wq.channel_axes) if wq is not None else every_axis
     store = source.open(key)
     chunk = source.chunk_bytes(store) * DECODING_CHUNKS
+    align = source.chunk_shape(store)
     slice_budget = (max_memory - held - chunk) // budget_lib.SLICE_FACTOR
-    cut = (budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable, source.chunk_shape(store))
-           if slice_budget > 0 else None)
+    cut = wide = None
+    if slice_budget > 0:
+      cut = budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable, align)
+      wide = budget_lib.slicing(leaf.shape, itemsize, slice_budget, every_axis, align) if gathers else None
+    once = math.inf if cut is None else budget_lib.decode_factor(leaf.shape, cut.block, align)
+    two_pass = wide is not None and 2 * budget_lib.decode_factor(leaf.shape, wide.block, align) < once
+    if two_pass:
+      cut, cuttable = wide, every_axis
     if cut is None:
-      need = held + chunk + budget_lib.smallest_slice(leaf.shape, itemsize, cuttable) * budget_lib.SLICE_FACTOR
+      smallest = budget_lib.smallest_slice(leaf.shape, itemsize, every_axis if gathers else cuttable)
+      need = held + chunk + smallest * budget_lib.SLICE_FACTOR
       raise errors.InputError(
           f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
           f"{'/'.join(key)} {tuple(leaf.shape)} needs (with the {budget_lib.format_size(held)} the process holds"
           f"{' and decoded source chunks of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
           f"{budget_lib.format_size(need)}")
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
+    stored = None
+    if wq is None:
+      stored, cut = _stored_copy(source, store, cut)
     chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, cuttable)
-    stored = _stored_copy(source, store, cut) if wq is None else None
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
-    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored))
-  return jobs
+    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored, two_pass))
+  return sorted(jobs, key=lambda job: job.quant is not None)  # copies first: the quantizers compile meanwhile
 
 
-def _stored_copy(source, store, cut: budget_lib.Slicing) -> dict | None:
-  """The source array's metadata when the slices of `cut` are whole stored chunks of it (copied as they are)."""
+def _stored_copy(source, store, cut: budget_lib.Slicing) -> tuple[dict | None, budget_lib.Slicing]:
+  """(The source array's metadata, `cut` in whole stored chunks) for an array whose stored chunks are copied as
+  they are: each side of the block is rounded down to whole chunks, or up to one chunk (one chunk's stored bytes
+  fit in what the budget keeps for decoded source chunks). (None, `cut`) when the chunks cannot be copied."""
   stored = source.stored_layout(store)
   if stored is None:
-    return None
+    return None, cut
   chunk = stored["chunk_grid"]["configuration"]["chunk_shape"]
-  if len(chunk) != len(cut.shape) or any(b % c and b < d for b, c, d in zip(cut.block, chunk, cut.shape)):
-    return None
-  return stored
+  if len(chunk) != len(cut.shape):
+    return None, cut
+  block = tuple(d if b >= d else min(d, max(c, b // c * c)) for b, c, d in zip(cut.block, chunk, cut.shape))
+  return stored, budget_lib.Slicing(cut.shape, block)
 
 
 def _chunk_keys(index: tuple[slice, ...], chunk: Sequence[int]) -> list[str]:
@@ -320,10 +355,20 @@ def _outputs(job: ArrayJob) -> list[tuple]:
           (wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))]
 
 
-class _Reads:
-  """The slices to read, in order, each started in the background when the one before it is taken."""
+class _Ready:
+  """A read that needs no reading: the slice is still in memory."""
 
-  def __init__(self, source, work: list[tuple[ArrayJob, tuple[slice, ...]]]):
+  def result(self):
+    return None
+
+
+class _Reads:
+  """The slices to read, in order, each started in the background when the one before it is taken.
+
+  `work` holds (job, index, kind) items; a `REUSE` item reads nothing (its value is the last one taken).
+  """
+
+  def __init__(self, source, work: list[tuple[ArrayJob, tuple[slice, ...], str]]):
     self._source, self._work, self._next = source, work, 0
     self._key = self._store = None  # the source array being read
     self._pending = self._start(0)
@@ -331,7 +376,9 @@ class _Reads:
   def _start(self, i: int):
     if i >= len(self._work):
       return None
-    job, index = self._work[i]
+    job, index, kind = self._work[i]
+    if kind == REUSE:
+      return _Ready()
     if job.leaf.key != self._key:
       self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
     if job.stored is not None:
@@ -360,14 +407,30 @@ class _Reads:
       pass
 
 
+SLICE, ABSMAX, REUSE = "slice", "absmax", "reuse"  # read and write; read for pass 1; pass 2 of the last one read
+
+
+def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, tuple[slice, ...], str]]:
+  """The reads of one unit of `job`: its slice; or, two-pass, every block for the absmax, then every block again
+  in reverse order for quantizing, the first of them (the last read) kept from pass 1."""
+  if not job.two_pass:
+    return [(job, index, SLICE) for index in unit]
+  return ([(job, index, ABSMAX) for index in unit]
+          + [(job, index, REUSE if i == 0 else SLICE) for i, index in enumerate(reversed(unit))])
+
+
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
-  """Reads, quantizes and writes every slice of `jobs` that this process owns into `items_dir`'s arrays.
+  """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
   Three stages overlap: slice k+1 is read (tensorstore threads) while slice k is quantized, and slice k-1's
   outputs are encoded and written meanwhile; so memory holds about three slices at once (`budget.SLICE_FACTOR`).
-  `on_slice(source_bytes, arrays_done)` is called after each slice and array (progress). The checkpoint is
-  complete once every process has returned and process 0 has called `finalize` on the returned writer.
+  A two-pass job (`ArrayJob.two_pass`) reads each group of blocks that share channels twice: their absmax first,
+  then the blocks again to quantize them; the group's scale is written with its first quantized block.
+  `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
+  array (progress). The checkpoint is complete once every process has returned and process 0 has called
+  `finalize` on the returned writer. With several processes, process `i` owns every unit whose running number is
+  `i` modulo the process count.
 
   Returns:
     (OrbaxArrayWriter, Written).
@@ -376,55 +439,32 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     quant.errors.QuantError: a write failed (e.g. disk full) or a weight cannot be quantized.
     errors.CheckpointError: the source cannot be read.
   """
-  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
-  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
-
   writer = OrbaxArrayWriter(items_dir, process_index=process_index)
-  copied, source_bytes, running, owned = [], 0, 0, []
+  copied, running, owned = [], 0, []
   for job in jobs:
     if job.quant is None:
       copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
     for key, _, _, chunk, *_ in _outputs(job):
       writer.register(key, chunk)
-    owned.append([index for i, index in enumerate(job.slicing.slices())
-                  if (running + i) % process_count == process_index])
-    running += job.slicing.count
+    units = job.units()
+    owned.append([unit for i, unit in enumerate(units) if (running + i) % process_count == process_index])
+    running += len(units)
+  from inspect_tool.fp8_export import quantize  # pylint: disable=import-outside-toplevel
+
   reads = None
+  progress = on_slice or (lambda nbytes, arrays: None)
+  mine = [job for job, units in zip(jobs, owned) if units]
+  quantizers = quantize.Quantizers(mine)
   try:
-    mine = [job for job, indices in zip(jobs, owned) if indices]
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
     outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
-    reads = _Reads(source, [(job, index) for job, indices in zip(jobs, owned) for index in indices])
-    for number, (job, indices) in enumerate(zip(jobs, owned)):
-      wq = job.quant
-      for index in indices:
-        value = reads.take()
-        if job.stored is not None:
-          nbytes = math.prod(s.stop - s.start for s in index) * np.dtype(job.leaf.dtype).itemsize
-          if value is not None:  # every chunk stored: copied as it is
-            writer.write_stored(outputs[id(job)][0], value, nbytes)
-          else:
-            writer.write_slice([(outputs[id(job)][0], index, reads.read_again(index))])
-          source_bytes += nbytes
-          if on_slice is not None:
-            on_slice(nbytes, 0)
-          continue
-        nbytes = value.nbytes
-        source_bytes += nbytes
-        if wq is None:
-          writer.write_slice([(outputs[id(job)][0], index, value)])
-        else:
-          value = read_lib.to_jax(value)  # the slice itself when aligned, else a copy (the numpy one freed)
-          qvalue, scale = ptq_weights.quantize_weight(  # one jitted call: the slice is already within budget
-              value, dataclasses.replace(wq, shape=tuple(value.shape)), chunk_bytes=1 << 62)
-          del value
-          out, out_scale = outputs[id(job)]
-          writer.write_slice([(out, index, np.asarray(qvalue)), (out_scale, _scale_index(index, wq), np.asarray(scale))])
-          del qvalue, scale
-        if on_slice is not None:
-          on_slice(nbytes, 0)
-      if on_slice is not None:
-        on_slice(0, 1)
+    reads = _Reads(source, [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)])
+    source_bytes = 0
+    for number, (job, units) in enumerate(zip(jobs, owned)):
+      for unit in units:
+        step = _two_pass if job.two_pass else _one_slice
+        source_bytes += step(job, unit, reads, quantizers, writer, outputs[id(job)], progress)
+      progress(0, 1)
       if number == len(jobs) // 2:
         atomic.test_point("arrays", before=writer.wait)
     writer.wait()
@@ -433,4 +473,62 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
       reads.close()
     writer.abandon()  # no background write may outlive the temporary directory
     raise
+  finally:
+    quantizers.close()
   return writer, Written(copied, source_bytes, writer.written_bytes)
+
+
+def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
+  return math.prod(s.stop - s.start for s in index) * np.dtype(job.leaf.dtype).itemsize
+
+
+def _one_slice(job: ArrayJob, unit, reads: _Reads, quantizers, writer: OrbaxArrayWriter, outputs: list,
+               progress) -> int:
+  """Reads, quantizes (or copies) and writes the one slice of `unit`; returns its source bytes."""
+  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
+
+  index = unit[0]
+  value, wq, nbytes = reads.take(), job.quant, _slice_bytes(job, index)
+  if job.stored is not None:
+    if value is not None:  # every chunk stored: copied as it is
+      writer.write_stored(outputs[0], value, nbytes)
+    else:
+      writer.write_slice([(outputs[0], index, reads.read_again(index))])
+  elif wq is None:
+    writer.write_slice([(outputs[0], index, value)])
+  else:
+    value = read_lib.to_jax(value)  # the slice itself when aligned, else a copy (the numpy one freed)
+    qvalue, scale = quantizers.quantize(value, wq)  # one call: the slice is already within budget
+    del value
+    writer.write_slice([(outputs[0], index, np.asarray(qvalue)),
+                        (outputs[1], _scale_index(index, wq), np.asarray(scale))])
+  progress(nbytes, 0)
+  return nbytes
+
+
+def _two_pass(job: ArrayJob, unit, reads: _Reads, quantizers, writer: OrbaxArrayWriter, outputs: list,
+              progress) -> int:
+  """Quantizes one group of blocks that share channels in two passes (absmax, then quantize with it); writes
+  every block's qvalue and, once, the group's scale. Returns the source bytes of the group."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
+
+  wq, amax, value = job.quant, None, None
+  for index in unit:
+    value = read_lib.to_jax(reads.take())
+    part = quantizers.absmax(value, wq)
+    amax = part if amax is None else jnp.maximum(amax, part)
+    progress(_slice_bytes(job, index) // 2, 0)
+  for i, index in enumerate(reversed(unit)):
+    taken = reads.take()
+    if i:
+      value = read_lib.to_jax(taken)
+    qvalue, scale = quantizers.quantize_block(value, amax, wq)
+    value = None
+    parts = [(outputs[0], index, np.asarray(qvalue))]
+    if i == 0:
+      parts.append((outputs[1], _scale_index(index, wq), np.asarray(scale)))
+    writer.write_slice(parts)
+    nbytes = _slice_bytes(job, index)
+    progress(nbytes - nbytes // 2, 0)
+  return sum(_slice_bytes(job, index) for index in unit)
