@@ -299,6 +299,23 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
   assert sorted(os.listdir(dst)) == ["marker", "quantization_report.json"] and _leftovers(tmp_path) == []
 
 
+def test_deepseek_fp8_disk_full_is_one_line_naming_the_destination(tmp_path, capsys, monkeypatch):
+  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import safetensors_writer  # pylint: disable=import-outside-toplevel
+
+  def full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(safetensors_writer.os, "pwrite", full)
+  dst = _previous(tmp_path)
+  code, _, err = _run(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
+                      "deepseek-fp8", "--overwrite")
+  assert code == 2 and len(err.splitlines()) == 1, err
+  assert err.startswith(f"error: cannot write '{dst}{os.sep}") and "No space left on device" in err
+  assert destination.temp_prefix(str(dst)) not in err  # not the temporary directory it was written in
+  assert sorted(os.listdir(dst)) == ["marker", "quantization_report.json"] and _leftovers(tmp_path) == []
+
+
 def test_permission_denied_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
   def denied(*args, **kwargs):
     raise PermissionError(errno.EACCES, "Permission denied")

@@ -193,8 +193,11 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       with progress.step(f"writing DeepSeek FP8 safetensors ({len(arrays)} arrays)"):
-        summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes,
-                                              chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
+        try:
+          summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes,
+                                                chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
+        except errors.InputError as e:  # name the destination, not its temporary directory
+          raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
   summary = dict(summary, dst=claimed.path, max_memory=max_memory)
   summary.pop("config", None)
   return summary
