@@ -268,7 +268,8 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   an axis the scales are reduced over (experts, rows) would be read once per slice when the budget is tight. Such
   a weight with absmax scales is quantized in two passes instead (`ArrayJob.two_pass`) over blocks cut along the
   source's chunks on every axis: the first gathers the absmax of the blocks that share channels, the second
-  quantizes them; each chunk is decoded about twice, whatever the budget.
+  quantizes them; each chunk is decoded twice when a slice may hold one. It is chosen when it decodes less
+  (`budget.decode_factor`).
 
   Raises:
     errors.InputError: `max_memory` is smaller than what the smallest slice of some array needs.
