@@ -30,7 +30,7 @@ class _CountingSource:
   """The checkpoint source, counting the bytes read (decoded) from each array."""
 
   def __init__(self, source):
-    self._source, self.read_bytes = source, {}
+    self._source, self.read_bytes, self._keys = source, {}, {}
 
   def __getattr__(self, name):
     return getattr(self._source, name)
@@ -42,7 +42,7 @@ class _CountingSource:
 
   def open(self, key):
     store = self._source.open(key)
-    self.__dict__.setdefault("_keys", {})[id(store)] = key
+    self._keys[id(store)] = key
     return store
 
 
