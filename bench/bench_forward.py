@@ -12,7 +12,10 @@ import time
 
 import jax
 
-from inspect_tool import batch, config, forward, running
+from inspect_tool.run import batch
+from inspect_tool.configuration import config
+from inspect_tool.run import forward
+from inspect_tool.run import runner as running
 
 MODELS = {
     "tiny L4 V1024": ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true",

@@ -1,6 +1,6 @@
 """Grouped-matmul throughput per backend, bf16 and FP8, at DeepSeek-V3 routed-expert shapes, against the peak.
 
-For every available backend (`quant.gmm_backends`: reference, pallas, xla, tokamax) the same kernel runs the
+For every available backend (`quant.gmm.backends`: reference, pallas, xla, tokamax) the same kernel runs the
 grouped matmul unquantized on bf16 operands (the baseline) and FP8 (MaxText's fp8_full gmm rule: e4m3
 activations per row, e4m3 weights per column, quantized on the fly as in training; e5m2 gradients with --grad).
 Shapes: rows = tokens x top-8 sorted by expert over 256 experts, wi (K 7168 -> N 2048) and wo (K 2048 ->
@@ -27,7 +27,9 @@ import numpy as np
 import qwix
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from quant import errors, gmm_backends, gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
+from quant import errors  # noqa: E402  pylint: disable=wrong-import-position
+from quant.gmm import backends as gmm_backends  # noqa: E402  pylint: disable=wrong-import-position
+from quant.gmm import fp8 as gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
 
 FP8_RULE = qwix.QtRule(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn, bwd_qtype=jnp.float8_e5m2)
 EMB, MLP, EXPERTS, TOP_K = 7168, 2048, 256, 8  # DeepSeek-V3: emb_dim, moe_mlp_dim, num_experts, experts per token

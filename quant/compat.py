@@ -1,4 +1,4 @@
-"""The one module that reaches into private APIs of Qwix, Orbax and JAX (everything else uses public APIs).
+"""The one module that reaches into private APIs of Qwix, Orbax, JAX and Python's `re` (all else uses public APIs).
 
 Each accessor imports what it needs when first called and, when the installed version does not have it,
 raises `CompatError`: one line naming the package, its installed version, the missing name and the versions
@@ -20,6 +20,8 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
   custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
 * Qwix's assertion text "lhs and rhs cannot be both weights" (`qwix._src.providers.qt`), turned into one line.
+* Python's regular-expression parser (`re._parser`, `re._constants`): the only way to walk a pattern's syntax tree
+  (`safe_regex` bounds the patterns a rule file may give).
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ def private(module_name: str, attr: str | None = None, *, package: str):
     name = module_name if attr is None else f"{module_name}.{attr}"
     raise CompatError(f"{package} {installed_version(package)} has no {name}, which this tool needs; accepted: "
                       f"{package} {TESTED[package]} (tested)") from None
+
+
+def regex_internals():
+  """Python's regular-expression parser and its constants modules (`re._parser`, `re._constants`)."""
+  import re  # pylint: disable=import-outside-toplevel
+
+  try:
+    return re._parser, re._constants  # pylint: disable=protected-access
+  except AttributeError:
+    raise CompatError("this Python has no re._parser, which this tool needs to check rule patterns; accepted: "
+                      "Python 3.11, 3.12 (tested)") from None
 
 
 # Qwix ------------------------------------------------------------------------------------------------------

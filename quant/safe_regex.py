@@ -20,12 +20,9 @@ import re
 import signal
 import threading
 
-try:
-  from re import _parser as sre_parse  # Python >= 3.11
-  from re import _constants as sre_constants
-except ImportError:  # pragma: no cover - Python 3.10
-  import sre_constants  # pylint: disable=deprecated-module
-  import sre_parse  # pylint: disable=deprecated-module
+from quant import compat
+
+sre_parse, sre_constants = compat.regex_internals()
 
 PROBE_LENGTH = 160  # longer than any module path of the models here (< 100 characters)
 PROBE_SECONDS = 0.25

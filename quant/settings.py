@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# `gmm_backend` values (`quant.gmm_backends` runs them; kept here so that config parsing needs no JAX).
+# `gmm_backend` values (`quant.gmm.backends` runs them; kept here so that config parsing needs no JAX).
 GMM_BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
 
 # MaxText's `quantization` values whose Qwix rules `quant.rules` builds ("" = off).
@@ -57,7 +57,7 @@ class QuantSettings:
   weight_sparsity_m: int | None = None
   weight_sparsity_start_step: int = 50
   weight_sparsity_update_step: int = 10
-  # The grouped matmul of the routed experts (with megablox=true): which kernel runs it (`quant.gmm_backends`).
+  # The grouped matmul of the routed experts (with megablox=true): which kernel runs it (`quant.gmm.backends`).
   gmm_backend: str = _Checked("auto", GMM_BACKENDS)  # auto: Pallas Megablox on TPU, ragged_dot on GPU, tiled on CPU
   use_tokamax_backend: bool = False  # MaxText's key: Tokamax's kernel (gmm_backend must then be auto or tokamax)
 

@@ -11,9 +11,10 @@ import os
 
 import numpy as np
 
-from inspect_tool import config, tree
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import plan as export_plan
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.fp8_export import orbax_writer
 
 
 def write_source(step_dir: str, tokens: list[str], *, chunk_bytes: int = 16 << 20, seed: int = 0) -> tuple[int, int]:
@@ -24,7 +25,7 @@ def write_source(step_dir: str, tokens: list[str], *, chunk_bytes: int = 16 << 2
   rng = np.random.default_rng(seed)
   items = os.path.join(step_dir, "items")
   os.makedirs(items, exist_ok=True)
-  writer = write_orbax.OrbaxArrayWriter(items)
+  writer = orbax_writer.OrbaxArrayWriter(items)
   total = largest = 0
   for leaf in export_plan.model_leaves(config.resolve_config(tokens)):
     shape = tuple(leaf.shape)

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from inspect_tool import atomic, destination, errors
+from inspect_tool import errors
+from inspect_tool.output import atomic
+from inspect_tool.output import destination
 
 
 def _umask():

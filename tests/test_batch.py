@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from inspect_tool import batch, errors
+from inspect_tool import errors
+from inspect_tool.run import batch
 
 
 def test_fixed_tokens_match_reference_inputs():

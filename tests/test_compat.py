@@ -11,9 +11,10 @@ from quant import compat, errors
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_no_module_but_compat_names_a_private_qwix_orbax_or_jax_module():
+def test_no_module_but_compat_names_a_private_module_of_a_dependency():
   private = re.compile(r"\b(qwix|orbax[\w.]*|jax)\._src\b|jax\.core\.Tracer|\.in_tracers\b"
-                       r"|_get_current_rule_and_op_id\(|\._rule_matches\b")
+                       r"|_get_current_rule_and_op_id\(|\._rule_matches\b"
+                       r"|\b\w+\._src\b|\bre\._(parser|constants)\b|^\s*from [\w.]+ import _[a-z]")
   offenders = [f"{path.relative_to(ROOT)}:{number}" for folder in ("quant", "inspect_tool")
                for path in sorted((ROOT / folder).rglob("*.py")) if path.name != "compat.py"
                for number, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]

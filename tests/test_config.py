@@ -2,7 +2,8 @@
 
 import pytest
 
-from inspect_tool import config, errors
+from inspect_tool import errors
+from inspect_tool.configuration import config
 
 
 def test_preset_sizes_and_derived_values():

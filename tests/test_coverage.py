@@ -1,7 +1,7 @@
 """Coverage tracing: every op Qwix intercepts (and every gmm rule lookup) with its rule, weight and FLOPs.
 
 Part 1 uses a toy NNX model (tests/qwix_toy_model.py) and Qwix's own provider as the oracle; part 2 checks
-the DeepSeek model (`inspect_tool.model_coverage`) against MaxText's Qwix traces in tests/data/qwix/.
+the DeepSeek model (`inspect_tool.coverage.trace`) against MaxText's Qwix traces in tests/data/qwix/.
 """
 
 import functools
@@ -130,7 +130,8 @@ SMALL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config
 
 @functools.lru_cache(maxsize=None)
 def _deepseek(*keys):
-  from inspect_tool import config, model_coverage as ds_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as ds_coverage  # pylint: disable=import-outside-toplevel
 
   return ds_coverage.trace(config.resolve_config(list(keys)))
 
@@ -211,7 +212,8 @@ def test_deepseek_user_rule_file(tmp_path):
 
 
 def _deepseek_with_rules(rule_source):
-  from inspect_tool import config, model_coverage as ds_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as ds_coverage  # pylint: disable=import-outside-toplevel
 
   return ds_coverage.trace(config.resolve_config(SMALL), rule_source)
 

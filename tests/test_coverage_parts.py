@@ -10,9 +10,9 @@ import pytest
 
 import maxtext_listings
 
-from inspect_tool import config
-from inspect_tool import model_coverage as coverage
-from inspect_tool import summary
+from inspect_tool.configuration import config
+from inspect_tool.coverage import trace as coverage
+from inspect_tool.paramtree import summary
 from quant import coverage_format
 
 V32_SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_layers=1", "base_emb_dim=64",

@@ -118,7 +118,8 @@ TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
 
 @functools.lru_cache(maxsize=None)
 def _deepseek(*keys):
-  from inspect_tool import config, model_coverage as ds_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as ds_coverage  # pylint: disable=import-outside-toplevel
 
   return ds_coverage.trace_coverage(config.resolve_config(TINY + list(keys)))
 

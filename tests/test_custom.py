@@ -10,11 +10,11 @@ import pytest
 import maxtext_listings
 
 from inspect_tool import cli
-from inspect_tool import config
-from inspect_tool import model_coverage as coverage
+from inspect_tool.configuration import config
+from inspect_tool.coverage import trace as coverage
 from inspect_tool import errors
 from inspect_tool import model as model_lib
-from inspect_tool import params
+from inspect_tool.paramtree import params
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import mhc
 

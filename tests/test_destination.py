@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from inspect_tool import destination, errors
+from inspect_tool import errors
+from inspect_tool.output import destination
 from inspect_tool.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

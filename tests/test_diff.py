@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 

@@ -21,7 +21,7 @@ from inspect_tool import errors
 from inspect_tool.fp8_export import pipeline as export
 from inspect_tool.fp8_export import plan as export_plan
 from inspect_tool.fp8_export import validate as export_validate
-from inspect_tool import metrics
+from inspect_tool.run import metrics
 from inspect_tool.checkpoint import orbax_metadata
 
 import golden_parity
@@ -231,7 +231,8 @@ def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys
 
 
 def test_export_without_checkpoint_exports_the_seeded_init(tmp_path, capsys):
-  from inspect_tool import config, model  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
 
   dst = tmp_path / "init"
   code, out, err = _run(capsys, "export", *_tokens(False), "--output", str(dst), "--no-validate")
@@ -279,7 +280,7 @@ def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, 
 
 
 def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path, capsys, monkeypatch):
-  from inspect_tool.fp8_export import write_orbax  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
 
   class _Full:  # a destination array (and its kvstore) whose every write fails as a full disk makes tensorstore fail
     kvstore = property(lambda self: self)
@@ -290,7 +291,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
     def write(self, *value):
       raise OSError(errno.ENOSPC, "No space left on device")
 
-  monkeypatch.setattr(write_orbax.OrbaxArrayWriter, "create_many", lambda self, arrays: [_Full() for _ in arrays])
+  monkeypatch.setattr(orbax_writer.OrbaxArrayWriter, "create_many", lambda self, arrays: [_Full() for _ in arrays])
   dst = _previous(tmp_path)
   code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
                       "--overwrite", "--no-validate")
@@ -300,7 +301,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
 
 
 def test_deepseek_fp8_disk_full_is_one_line_naming_the_destination(tmp_path, capsys, monkeypatch):
-  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import safetensors_writer  # pylint: disable=import-outside-toplevel
 
   def full(*args):

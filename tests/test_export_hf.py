@@ -8,7 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from inspect_tool import config, errors, model, params, tree
+from inspect_tool import errors, model
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import write_hf as export_hf
 from inspect_tool.checkpoint import safetensors_header
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from inspect_tool import atomic
+from inspect_tool.output import atomic
 from inspect_tool.fp8_export import pipeline as export
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import pytest
 from qwix._src.core import qarray
 
 import export_sources
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool.fp8_export import budget
 from inspect_tool.fp8_export import plan as plan_lib
 from inspect_tool.fp8_export import read

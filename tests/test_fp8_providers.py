@@ -7,8 +7,11 @@ import ml_dtypes
 import numpy as np
 import qwix
 
-from inspect_tool import batch, config, running
-from quant import fp8_providers, gmm_fp8
+from inspect_tool.run import batch
+from inspect_tool.configuration import config
+from inspect_tool.run import runner as running
+from quant import fp8_providers
+from quant.gmm import fp8 as gmm_fp8
 
 DIMS = (((1,), (0,)), ((), ()))
 

@@ -1,4 +1,4 @@
-"""quant.gmm: the plain grouped matmul, its rule lookup and its hand-off to the FP8 grouped matmul."""
+"""quant.gmm.op: the plain grouped matmul, its rule lookup and its hand-off to the FP8 grouped matmul."""
 
 import logging
 import subprocess
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import qwix
 
-from quant import gmm as gmm_lib
+from quant.gmm import op as gmm_lib
 
 
 def _reference(lhs, rhs, group_sizes):

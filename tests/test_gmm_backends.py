@@ -17,8 +17,13 @@ import numpy as np
 import pytest
 import qwix
 
-from inspect_tool import batch, config, running
-from quant import errors, gmm_backends, gmm_fp8, gmm_pallas
+from inspect_tool.run import batch
+from inspect_tool.configuration import config
+from inspect_tool.run import runner as running
+from quant import errors
+from quant.gmm import backends as gmm_backends
+from quant.gmm import fp8 as gmm_fp8
+from quant.gmm import pallas as gmm_pallas
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_RULE = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_qtype=E5M2)

@@ -12,7 +12,8 @@ import pytest
 import qwix
 import qwix.pallas as qpl
 
-from quant import errors, fp8, gmm_fp8
+from quant import errors, fp8
+from quant.gmm import fp8 as gmm_fp8
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_RULE = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_qtype=E5M2,

@@ -18,7 +18,9 @@ import stat
 import numpy as np
 import pytest
 
-from inspect_tool import config, model, params
+from inspect_tool import model
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.model import rope
 

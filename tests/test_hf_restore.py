@@ -16,7 +16,10 @@ import pytest
 from safetensors import numpy as st_numpy
 
 import test_export_hf as hf_ref
-from inspect_tool import cli, config, errors, model, params, tree
+from inspect_tool import cli, errors, model
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names, hf_restore
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -119,7 +122,7 @@ def test_forward_of_the_fp8_export_is_the_dequantized_weights_forward(fp8_dir, c
   """Block fp8 of the weights is lossy: measured against MaxText's golden (a), main 0.0836 relative, top-1 23/32;
   MTP 0.0903, 29/32 (random-init weights: small logits, so the relative error is large; bf16 weights give 0, see
   below). The forward equals the model run on the hand-dequantized file tensors exactly."""
-  from inspect_tool import forward  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import forward  # pylint: disable=import-outside-toplevel
   logits, mtp = _forward(capsys, fp8_dir, batch_files, tmp_path)
   reference = model.build_model(cfg)
   params.assign_arrays(reference, _loaded(fp8_dir, cfg))  # equal to the file tensors: test above
@@ -296,7 +299,9 @@ def test_rope_columns_go_back_to_maxtexts_halves_layout_for_rope_interleave_fals
 _SHARDED_READ = """
 import sys
 import jax, numpy as np
-from inspect_tool import config, model, params
+from inspect_tool import model
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
 from inspect_tool.checkpoint import hf_restore
 cfg = config.resolve_config(sys.argv[2:])
 leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)

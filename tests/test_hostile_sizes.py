@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from inspect_tool import config
-from inspect_tool import limits
+from inspect_tool.configuration import config
+from inspect_tool.run import limits
 
 from hostile import REPO, refused
 

@@ -8,9 +8,9 @@ import pytest
 import qwix
 from flax import nnx
 
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool import model as model_lib
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.report import html
 
 

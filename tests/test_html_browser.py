@@ -11,9 +11,9 @@ from selenium.webdriver.chrome import options as chrome_options
 from selenium.webdriver.chrome import service as chrome_service
 from selenium.webdriver.support import wait
 
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool import model as model_lib
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.report import html
 
 CHROMIUM = "/usr/bin/chromium"

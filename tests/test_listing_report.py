@@ -2,7 +2,7 @@
 
 import json
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.report import listing
 
 

@@ -12,13 +12,13 @@ import orbax.checkpoint as ocp
 import pytest
 import qwix
 
-from inspect_tool import config
-from inspect_tool import forward
+from inspect_tool.configuration import config
+from inspect_tool.run import forward
 from inspect_tool import model as model_lib
-from inspect_tool import params
+from inspect_tool.paramtree import params
 from inspect_tool.model import attention
 from inspect_tool.model import mtp
-from quant import gmm as gmm_lib
+from quant.gmm import op as gmm_lib
 
 DATA = pathlib.Path(__file__).parent / "data"
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool import errors
 from inspect_tool import model as model_lib
-from inspect_tool import params
-from inspect_tool import tree
+from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool.model import moe
 
 import maxtext_listings
@@ -196,6 +196,6 @@ def test_assign_arrays_casts_to_the_model_dtype():
 
 
 def test_importing_the_model_package_params_and_forward_does_not_import_jax():
-  code = ("import sys, inspect_tool.model, inspect_tool.params, inspect_tool.forward; "
+  code = ("import sys, inspect_tool.model, inspect_tool.paramtree.params, inspect_tool.run.forward; "
           "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=str(pathlib.Path(__file__).parents[1]))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import moe
 

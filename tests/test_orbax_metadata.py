@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 

@@ -10,7 +10,9 @@ import re
 import maxtext_listings
 import pytest
 
-from inspect_tool import config, listings, presets
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import listings
+from inspect_tool.configuration import presets
 from inspect_tool.report import listing
 
 

@@ -1,5 +1,5 @@
 """quant.ptq_weights: granularity from ops, bit-exact quantization, key layout and write errors; and the
-pre-quantized grouped matmul (quant.gmm / quant.gmm_fp8) an export's experts run in."""
+pre-quantized grouped matmul (quant.gmm.op / quant.gmm.fp8) an export's experts run in."""
 
 
 from flax import nnx
@@ -14,8 +14,8 @@ from qwix._src.providers import ptq
 from quant import coverage
 from quant import errors
 from quant import ptq_weights as qexport
-from quant import gmm as gmm_lib
-from quant import gmm_fp8
+from quant.gmm import op as gmm_lib
+from quant.gmm import fp8 as gmm_fp8
 
 E4M3 = "float8_e4m3fn"
 RULE = qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.checkpoint import restore
 
@@ -108,7 +108,7 @@ def test_array_sharding_picks_the_largest_divisible_dimension():
 _SHARDED = r"""
 import sys
 import jax
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import orbax_metadata, restore
 assert jax.device_count() == 4, jax.devices()
 mesh = restore.default_mesh()
@@ -134,13 +134,14 @@ def test_restore_shards_the_largest_dimension_over_four_devices():
   ]
 
 
-# Integration with the NNX model (inspect_tool.model / inspect_tool.params).
+# Integration with the NNX model (inspect_tool.model / inspect_tool.paramtree.params).
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
 
 
 def _model(*extra):
-  from inspect_tool import config, model  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   return model.build_model(config.resolve_config(TINY + list(extra)), abstract=True)
 
 
@@ -153,7 +154,7 @@ def _stored(name):
 
 
 def test_load_reference_checkpoint_into_the_tiny_model():
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   model = restore.load_checkpoint(_model(), REF_CKPT)
   moe = model.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0
   np.testing.assert_array_equal(np.asarray(moe.wi_0.get_value()),
@@ -169,7 +170,7 @@ def test_load_reference_checkpoint_into_the_tiny_model():
 def test_load_training_layout_into_an_unscanned_model(tmp_path):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint.experimental.v1 as ocp_v1  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   model = _model("scan_layers=false")
   leaves = params.param_leaves(model, include_non_params=True)
   assert any(l.key[:2] == tree.AUX_PREFIX for l in leaves)

@@ -93,7 +93,7 @@ def test_settings_read_by_name_from_any_config_object():
 
 
 def test_settings_from_the_tools_model_config():
-  from inspect_tool import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(["model_name=deepseek3-tiny", "mtp_num_layers=1", "quantization=fp8_full",
                                "quantize_mtp=true", "quantize_router_proj=false"])

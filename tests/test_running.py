@@ -9,7 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from inspect_tool import batch, config, metrics, running
+from inspect_tool.run import batch
+from inspect_tool.configuration import config
+from inspect_tool.run import metrics
+from inspect_tool.run import runner as running
 
 import golden_parity
 

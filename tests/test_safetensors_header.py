@@ -9,7 +9,7 @@ import pytest
 from safetensors import numpy as st_numpy
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import safetensors_header
 
 

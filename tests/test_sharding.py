@@ -7,7 +7,10 @@ import re
 
 import pytest
 
-from inspect_tool import config, errors, params, tree
+from inspect_tool import errors
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool import model as model_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement, rules

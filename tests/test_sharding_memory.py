@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from inspect_tool import cli, config, params
+from inspect_tool import cli
+from inspect_tool.configuration import config
+from inspect_tool.paramtree import params
 from inspect_tool import model as model_lib
 from inspect_tool.report import html
 from inspect_tool.sharding import memory, placement

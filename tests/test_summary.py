@@ -1,6 +1,7 @@
 """Summary by group: grouping of MaxText keys, byte sizes, active parameters per token."""
 
-from inspect_tool import summary, tree
+from inspect_tool.paramtree import summary
+from inspect_tool.paramtree import tree
 
 
 def _leaf(path, shape, dtype="float32"):

@@ -11,14 +11,14 @@ import pytest
 import golden_parity
 import maxtext_listings
 
-from inspect_tool import config
+from inspect_tool.configuration import config
 from inspect_tool import errors
-from inspect_tool import forward
+from inspect_tool.run import forward
 from inspect_tool import model as model_lib
-from inspect_tool import model_coverage as coverage
-from inspect_tool import params
-from inspect_tool import running
-from inspect_tool import summary
+from inspect_tool.coverage import trace as coverage
+from inspect_tool.paramtree import params
+from inspect_tool.run import runner as running
+from inspect_tool.paramtree import summary
 from inspect_tool.fp8_export import plan
 from inspect_tool.model import compressed_attention
 

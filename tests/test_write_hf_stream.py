@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from inspect_tool import atomic, errors
+from inspect_tool import errors
+from inspect_tool.output import atomic
 from inspect_tool.fp8_export import safetensors_writer
 
 import test_export_hf
@@ -152,7 +153,7 @@ def _recording(arrays):
 def test_tiny_export_was_cut_into_blocks_and_closed_shards_early(tmp_path):
   """The `tiny` fixture of test_export_hf (whose values are checked against references there) ran with a small
   work memory and header reserve: check that both did something, on the same arrays."""
-  from inspect_tool import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(test_export_hf.TINY)
@@ -202,7 +203,7 @@ def test_blocks_of_fp8_leaves_align_to_the_source_chunks(tmp_path):
   and every FP8 tensor is still DeepSeek's 128 x 128 scheme of the MaxText matrix (numpy reference)."""
   import deepseek_fp8_reference  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(test_export_hf.TINY)

@@ -1,4 +1,4 @@
-"""`fp8_export.write_orbax.OrbaxArrayWriter`: arrays written slice by slice form one Orbax pytree that Orbax's
+"""`fp8_export.orbax_writer.OrbaxArrayWriter`: arrays written slice by slice form one Orbax pytree that Orbax's
 own checkpointer restores; a failed write is one line naming the reason."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.fp8_export import orbax_writer, write_orbax
 from quant import errors
 
 
@@ -23,7 +23,7 @@ def test_slices_of_several_arrays_restore_with_orbax(tmp_path):
   arrays = {("params", "params", "a", "array", "qvalue"): rng.standard_normal((6, 8)).astype(ml_dtypes.float8_e4m3fn),
             ("params", "params", "a", "array", "scale"): np.ones((1, 8), ml_dtypes.bfloat16),
             ("params", "params", "b"): np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
-  writer = write_orbax.OrbaxArrayWriter(str(items))
+  writer = orbax_writer.OrbaxArrayWriter(str(items))
   for key, value in arrays.items():
     block = (1,) + value.shape[1:]  # one chunk (and one write) per row
     store = writer.create(key, value.shape, value.dtype, block)
@@ -71,7 +71,7 @@ def _chained(outer, inner):
 
 
 def test_a_full_disk_is_one_line():
-  writer = write_orbax.OrbaxArrayWriter("/x/items")
+  writer = orbax_writer.OrbaxArrayWriter("/x/items")
   full = _chained(ValueError("write failed"), OSError(errno.ENOSPC, "No space left on device"))
   with pytest.raises(errors.QuantError) as info:
     writer.write(_Store(full, now=True), (slice(0, 3),), np.ones(3))
@@ -79,7 +79,7 @@ def test_a_full_disk_is_one_line():
 
 
 def test_a_failed_background_write_is_reported_by_the_next_write():
-  writer = write_orbax.OrbaxArrayWriter("/x/items")
+  writer = orbax_writer.OrbaxArrayWriter("/x/items")
   writer.write(_Store(PermissionError(errno.EACCES, "Permission denied"), now=False), (), np.ones(3))
   with pytest.raises(errors.QuantError, match="^cannot write '/x/items': permission denied$"):
     writer.write(_Store(None, now=False), (), np.ones(3))
@@ -90,13 +90,13 @@ def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zer
   slice with a chunk the source never stored is read decoded (zeros, as tensorstore reads it) and written."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import tree  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import tree  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import budget, read  # pylint: disable=import-outside-toplevel
 
   value = np.arange(48, dtype=np.float32).reshape(8, 6)
   src_items = tmp_path / "src" / "0" / "items"
   src_items.mkdir(parents=True)
-  writer = write_orbax.OrbaxArrayWriter(str(src_items))
+  writer = orbax_writer.OrbaxArrayWriter(str(src_items))
   key = ("params", "params", "w")
   plain = {"shape": [8, 6], "data_type": "float32", "fill_value": 0, "codecs": [{"name": "bytes"}],  # uncompressed
            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 6]}}}

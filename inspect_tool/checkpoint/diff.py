@@ -13,7 +13,7 @@ import dataclasses
 import re
 from typing import Callable, Iterable
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 _UNSCANNED = re.compile(r"^(dense|moe)_layers_\d+$")
 _SCANNED = ("dense_layers", "moe_layers")

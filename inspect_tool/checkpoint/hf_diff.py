@@ -9,13 +9,12 @@ fields that differ from the model suggest the keys to change.
 
 from __future__ import annotations
 
-import json
 import os
 
-from inspect_tool import config as config_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
-from inspect_tool import listings
-from inspect_tool import tree
+from inspect_tool.paramtree import listings
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
@@ -90,7 +89,7 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
 def diff_config_hf(tokens, path: str):
   """Returns (model description, `DiffResult`) for `key=value` tokens and a Hugging Face checkpoint directory."""
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(tokens)
   leaves = params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)

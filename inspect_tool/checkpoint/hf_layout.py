@@ -1,4 +1,4 @@
-"""Where a Hugging Face DeepSeek tensor belongs: the summary groups of `inspect_tool.summary` for HF names.
+"""Where a Hugging Face DeepSeek tensor belongs: the summary groups of `inspect_tool.paramtree.summary` for HF names.
 
 `model.layers.{i}` is a dense layer, a MoE layer (it has `mlp.experts` / `mlp.gate`) or an MTP layer (it has
 `enorm`/`hnorm`/`eh_proj`, DeepSeek-V3's layer 61); `config.json` beside the files, when present, gives the
@@ -12,7 +12,7 @@ import re
 from typing import Callable, Iterable
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

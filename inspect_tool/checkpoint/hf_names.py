@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 BLOCK = (128, 128)  # DeepSeek-V3's FP8 weight blocks (weight_block_size)
 

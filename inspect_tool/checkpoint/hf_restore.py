@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
@@ -270,7 +270,7 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None) ->
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
   leaves = params.param_leaves(model, include_non_params=True)
   params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh))

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import locate
 

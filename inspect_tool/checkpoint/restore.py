@@ -14,7 +14,7 @@ import re
 from typing import Iterable, Mapping
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 from quant import errors as quant_errors
@@ -144,7 +144,7 @@ def restore_leaves(path: str, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of `model` (an NNX model from `inspect_tool.model.build_model`) from `path`."""
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   leaves = params.param_leaves(model, include_non_params=True)
   arrays = restore_leaves(path, leaves, mesh=mesh)
   params.assign_arrays(model, arrays)

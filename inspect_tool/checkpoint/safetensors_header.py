@@ -14,7 +14,7 @@ import os
 import struct
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 
 # safetensors dtype tags -> numpy / ml_dtypes names.

@@ -18,11 +18,11 @@ def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
 
   Exit code 0 when they agree, 1 when they do not.
   """
-  from inspect_tool import checking  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import fit as checking  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import hf_diff, hf_restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import diff_format  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   options.start_processes(coordinator, num_processes, process_id, quiet)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint

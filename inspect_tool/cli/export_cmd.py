@@ -45,7 +45,7 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   """
   from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
@@ -61,7 +61,8 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
     return 0
   data = None
   if validate and distributed.process_count() == 1:
-    from inspect_tool import batch, config  # pylint: disable=import-outside-toplevel
+    from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
+    from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
     cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)

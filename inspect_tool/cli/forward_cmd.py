@@ -29,7 +29,11 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
 
   With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
   """
-  from inspect_tool import batch, config, listings, metrics, running  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
   options.start_processes(coordinator, num_processes, process_id, quiet)
@@ -40,7 +44,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   if distributed.process_count() > 1:  # results sharded over every process's devices: gather, process 0 reports
     outcome = dataclasses.replace(outcome, result=distributed.to_host(outcome.result),
                                   reference=distributed.to_host(outcome.reference))

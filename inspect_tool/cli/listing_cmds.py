@@ -26,7 +26,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
 
   Example: inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
   """
-  from inspect_tool import config, listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(overrides)
   if verbose:
@@ -56,7 +57,7 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
 @options.output_options
 def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
   """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
-  from inspect_tool import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
   report = listings.orbax_listing(path, include_all=include_all)
   for note in report.notes:
@@ -77,7 +78,7 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 @options.output_options
 def hf(path, fmt, check_dtype, output_file, html_file, summary):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""
-  from inspect_tool import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
   _emit_leaves(listings.hf_listing(path), path, fmt, check_dtype, output_file, html_file, summary)
   return 0

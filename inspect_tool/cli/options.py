@@ -48,7 +48,7 @@ def overwrite_requested() -> bool:
 
 def check_output_files(*paths: str | None) -> None:
   """Refuses, before any work, output files that exist (without --overwrite) or are directories or ''."""
-  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
 
   for path in paths:
     if path is not None:
@@ -61,7 +61,7 @@ def command_line() -> str:
 
 def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None, summary: bool) -> None:
   """Prints the report in `fmt`; writes MaxText's listing to `output_file` when asked."""
-  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import listing  # pylint: disable=import-outside-toplevel
 
   if output_file:
@@ -77,7 +77,7 @@ def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None,
 
 
 def write_html(path: str, html: str) -> None:
-  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
 
   check_output_files(path)
   atomic.atomic_write_text(path, html)
@@ -85,7 +85,7 @@ def write_html(path: str, html: str) -> None:
 
 
 def distributed_options(func):
-  """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed) and --quiet."""
+  """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed.runtime) and --quiet."""
   options = [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
@@ -100,7 +100,8 @@ def distributed_options(func):
 
 def start_processes(coordinator, num_processes, process_id, quiet) -> None:
   """Applies `distributed_options`: --quiet, then joins the jax.distributed job (if any)."""
-  from inspect_tool import distributed, progress  # pylint: disable=import-outside-toplevel
+  from inspect_tool import progress  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   distributed.initialize(coordinator, num_processes, process_id)
   progress.set_quiet(quiet or distributed.process_index() != 0)  # process 0 speaks for the job

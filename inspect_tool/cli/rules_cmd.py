@@ -20,7 +20,8 @@ def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
 
   Example: inspect_checkpoint rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full quantize_mtp=true
   """
-  from inspect_tool import config, model_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
   from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(overrides)

@@ -19,7 +19,7 @@ import re
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
-from inspect_tool import limits
+from inspect_tool.run import limits
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process

@@ -5,9 +5,9 @@ rules (one abstract call under `nnx.eval_shape`), so every dense kernel a rule q
 `<kernel>/array/{qvalue,scale}` (a `WithAux` of a `QArray`), exactly the layout the export wrote. PTQ does not
 touch the routed experts (it never sees our grouped matmul as an op); every float Param that the checkpoint
 stores as `array/qvalue` + `array/scale` (the experts) is replaced the same way here, and the MoE block hands
-the pre-quantized weight to `quant.gmm.gmm`, which runs the FP8 grouped matmul on the stored values and scales
+the pre-quantized weight to `quant.gmm.op.gmm`, which runs the FP8 grouped matmul on the stored values and scales
 (activations quantized on the fly by the rule, as in the quantized forward pass), or with megablox=false to
-`quant.gmm.prequantized_ragged_dot` (Qwix QT's quantized ragged_dot on the stored weight). Then the stored arrays are
+`quant.gmm.op.prequantized_ragged_dot` (Qwix QT's quantized ragged_dot on the stored weight). Then the stored arrays are
 restored onto the mesh and assigned.
 
 An export is recognised by `quantization_report.json` beside its step directories; the loaded model's config
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from inspect_tool import config as config_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
 
 REPORT_NAME = "quantization_report.json"
@@ -98,7 +98,7 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import qwix  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   from quant import compat  # pylint: disable=import-outside-toplevel
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
@@ -130,8 +130,8 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
     errors.MismatchError: the checkpoint does not fit the quantized model (e.g. other quantize_* keys).
     errors.CheckpointError: the checkpoint cannot be read.
   """
-  from inspect_tool import model_coverage  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
 
   rules = model_coverage.config_rules(cfg)

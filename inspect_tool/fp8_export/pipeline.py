@@ -2,7 +2,7 @@
 
 `destination.claim` checks DST against the inputs and locks it for the run; everything is written to a temporary
 directory beside DST (`atomic.atomic_directory`) that replaces DST in one rename only when complete, report
-included (see `inspect_tool.atomic` and `inspect_tool.destination`: what DST may be, the lock, stale
+included (see `inspect_tool.output.atomic` and `inspect_tool.output.destination`: what DST may be, the lock, stale
 temporaries). `INSPECT_EXPORT_KILL_AT=<point>` makes the process SIGKILL itself at a named point (`KILL_POINTS`),
 for tests.
 
@@ -19,9 +19,9 @@ import json
 import os
 from typing import Any, Sequence
 
-from inspect_tool import atomic
-from inspect_tool import config as config_lib
-from inspect_tool import destination
+from inspect_tool.output import atomic
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.output import destination
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.fp8_export import budget
@@ -68,7 +68,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   Under `jax.distributed` with several processes, every process calls this with the same arguments: process 0
   claims DST, each process writes the slices it owns, process 0 completes the checkpoint, validates and reports.
   """
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
@@ -83,7 +83,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 
 def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
   """Why validation cannot run here (None: it can): several processes, or the models do not fit."""
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   if distributed.process_count() > 1:
     return f"validation runs in one process; this export ran in {distributed.process_count()}"
@@ -98,8 +98,8 @@ def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
 def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
             max_memory) -> ExportResult:
   """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
-  from inspect_tool import batch as batch_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
   from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
 
@@ -161,7 +161,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
 @contextlib.contextmanager
 def _temporary(dst: str, overwrite: bool):
   """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
-  from inspect_tool import distributed  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   if distributed.process_index() != 0:
     yield distributed.broadcast_text(None)

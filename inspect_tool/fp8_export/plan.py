@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from inspect_tool import config as config_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
 from inspect_tool import progress
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     errors.ConfigError: the config quantizes nothing.
     quant.errors.QuantError: a weight cannot be exported (unsupported qtype or rule, or its ops disagree).
   """
-  from inspect_tool import model_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
   from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
   from quant import fp8  # pylint: disable=import-outside-toplevel
@@ -102,7 +102,7 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
 def model_leaves(cfg: config_lib.ModelConfig) -> list[tree.Leaf]:
   """Every leaf of the config's (float) model: Params and non-Param state, as a checkpoint stores them."""
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
   return params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 
 def nbytes(leaf: tree.Leaf) -> int:
@@ -32,12 +32,12 @@ class CheckpointSource:
 
   def __init__(self, path: str, leaves, context=None):
     from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
-    from inspect_tool.fp8_export import write_orbax  # pylint: disable=import-outside-toplevel
+    from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
 
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = os.path.abspath(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves)}
-    self._context = context or write_orbax.ts_context()
+    self._context = context or orbax_writer.ts_context()
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
     """The checkpoint's leaf (shape, stored dtype) for a model leaf key."""
@@ -186,7 +186,7 @@ class InitSource:
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
     from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-    from inspect_tool import params  # pylint: disable=import-outside-toplevel
+    from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
     model = model_lib.build_model(cfg, abstract=False)
     values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()

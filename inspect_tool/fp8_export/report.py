@@ -10,7 +10,7 @@ import datetime
 import os
 from typing import Sequence
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 FORMAT_VERSION = 1
 STEP = 0
@@ -82,7 +82,7 @@ def _validation_record(validation, skipped: str | None, tokens: Sequence[str], d
 
 def format_text(result) -> str:
   """The summary `export` prints: what was written, and the validation table."""
-  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
 
   r = result.report
   quantized = r["weights"]

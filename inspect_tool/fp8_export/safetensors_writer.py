@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
 METADATA = {"format": "pt"}

@@ -42,8 +42,8 @@ class Validation:
 def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
              tokens: str = "fixed") -> Validation:
   """Runs source (QT and unquantized) and the exported checkpoint on `data` and compares them per head."""
-  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
-  from inspect_tool import running  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
 
   model = running.load_model(cfg, source, mesh=mesh)

@@ -37,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
 from inspect_tool.fp8_export import budget

@@ -5,7 +5,7 @@ Public API (submodules import JAX/Flax; this package's import does not):
   - `qwix_init_inputs(cfg)` → (args, kwargs) of the call Qwix's `quantize_model` makes
   - `Transformer.__call__(tokens, positions, segment_ids=None, *, decoder_target_tokens=None,
     decoder_target_mask=None, enable_dropout=False)` → main logits; MTP outputs stay on `mtp_block`
-    as intermediates (`mtp_block.logits`, `.losses`, `.weights`; see `mtp`), read by `inspect_tool.forward`.
+    as intermediates (`mtp_block.logits`, `.losses`, `.weights`; see `mtp`), read by `inspect_tool.run.forward`.
 Modules: layers (RMSNorm, DenseGeneral, Embed, MlpBlock), rope (YaRN), attention (MLA, AttentionOp),
 moe (GateLogit, RoutedMoE, RoutedAndSharedMoE, MoEBiasVar), decoder, mtp, transformer, initializers.
 """

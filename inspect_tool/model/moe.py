@@ -2,7 +2,7 @@
 
 `RoutedAndSharedMoE` is MaxText's `DeepSeekMoeBlock_0`: `MoeBlock_0(x) + shared_experts(x)`.
 `RoutedMoE` (`MoeBlock_0`) routes each token to K experts and runs MaxText's dropless sorted path:
-tokens repeated K times, sorted by expert, three grouped matmuls (`quant.gmm.gmm`, asked from a method
+tokens repeated K times, sorted by expert, three grouped matmuls (`quant.gmm.op.gmm`, asked from a method
 of this module so that Qwix attributes its rule lookup to `.../MoeBlock_0`; or `jax.lax.ragged_dot`
 with `megablox=false`), unsorted, and combined with one float32 `jnp.einsum`. With `sparse_matmul=false` every
 expert runs on every token (dense einsums); `capacity_factor > 0` then drops tokens as MaxText does: each expert
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
-from quant import gmm as gmm_lib
-from quant import gmm_backends
+from quant.gmm import op as gmm_lib
+from quant.gmm import backends as gmm_backends
 
 
 class MoEBiasVar(nnx.Variable):

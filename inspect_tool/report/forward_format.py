@@ -38,7 +38,7 @@ def format_json(result, **kwargs) -> str:
 
 
 def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None) -> str:
-  from inspect_tool import metrics  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
 
   batch, seq = np.asarray(result.logits).shape[:2]
   lines = [f"model: {source}", f"quantization: {quantization or 'none'}", f"batch: {batch} x {seq} tokens"]
@@ -71,7 +71,7 @@ def save_logits(path: str, result) -> None:
   """Writes `logits` (B,S,V) float32 and, with MTP, `mtp_logits` (depth,B,S,V) to an .npz, atomically."""
   import io  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import atomic  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
 
   arrays = {"logits": np.asarray(result.logits, np.float32), "top1": np.asarray(result.top1)}
   if result.mtp_logits is not None:

@@ -17,7 +17,7 @@ import re
 import treescope
 from treescope import rendering_parts
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 # Taller than treescope's notebook default (20 lines): the page is the whole report, so a scanned
 # DeepSeek model opens fully; deep unscanned stacks stay folded beyond this many lines.

@@ -10,8 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
-from inspect_tool import summary as summary_lib
-from inspect_tool import tree
+from inspect_tool.paramtree import summary as summary_lib
+from inspect_tool.paramtree import tree
 from inspect_tool.report import sharding_format
 
 SCHEMA_VERSION = 1

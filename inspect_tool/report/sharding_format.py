@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inspect_tool import summary as summary_lib
+from inspect_tool.paramtree import summary as summary_lib
 
 
 def _cells(row) -> list[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 Axes = tuple[str | None, ...] | None  # None: the variable carries no names (MaxText gives it P())
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from inspect_tool import summary as summary_lib
+from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
 
 OPTIMIZERS = ("adamw", "adam_pax", "sgd")

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Mapping
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 from inspect_tool.sharding import logical_axes as axes_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import rules as rules_lib

@@ -46,7 +46,7 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...]], ...]:
 @functools.lru_cache(maxsize=None)
 def base_rules() -> tuple:
   """MaxText 0.2.5's `base.yml` logical_axis_rules."""
-  from inspect_tool import maxtext_keys  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import maxtext_keys  # pylint: disable=import-outside-toplevel
 
   return normalize_rules(maxtext_keys.defaults()["logical_axis_rules"])
 

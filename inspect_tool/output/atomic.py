@@ -69,7 +69,7 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   never replaced without it); the previous `dst` survives any failure before the final rename. On failure only
   the temporary directory can be left behind (after a SIGKILL), and the next run on DST removes it.
   """
-  from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
 
   dst = os.path.abspath(dst)
   destination.check_replace(dst, overwrite)
@@ -162,7 +162,7 @@ def _rename_no_replace(tmp: str, dst: str, overwrite: bool) -> None:
   except FileExistsError:
     pass
   if os.path.lexists(dst):
-    from inspect_tool import destination  # pylint: disable=import-outside-toplevel
+    from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
 
     destination.check_replace(dst, overwrite)
     _swap_into_place(tmp, dst)

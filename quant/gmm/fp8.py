@@ -15,7 +15,7 @@ With a `qwix.QtRule` it quantizes what the rule names, as MaxText's Megablox `gm
 
 Without a rule, or with a rule that sets none of the three qtypes, it is a plain grouped matmul both ways.
 
-The matmuls themselves run on the kernel `backend` names (`quant.gmm_backends`: the tiled reference, Pallas
+The matmuls themselves run on the kernel `backend` names (`quant.gmm.backends`: the tiled reference, Pallas
 Megablox, XLA's or Tokamax's ragged_dot); quantization, scaling and masking are done here, once for all.
 Everything runs with Qwix interception disabled, so under a `QtProvider` none of its internal ops is
 intercepted, quantized again or logged as a module op.
@@ -31,8 +31,8 @@ import qwix
 from quant import compat
 from quant import errors
 from quant import fp8
-from quant import gmm_backends
-from quant import gmm_tiled
+from quant.gmm import backends as gmm_backends
+from quant.gmm import tiled as gmm_tiled
 
 DEFAULT_TILE_ROWS = 128
 STRATEGIES = gmm_tiled.STRATEGIES
@@ -107,7 +107,7 @@ def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, t
     tile_rows: rows per work tile (default: DEFAULT_TILE_ROWS, capped by M rounded up to 8).
     strategy: "loop" (default: one tile matmul per work item in a loop, no extra memory) or "batched" (one
       batched matmul over all work items; gathers a [K, N] weight copy per item, so only for small weights).
-    backend: the kernel (`quant.gmm_backends.KERNELS`; resolve "auto" with `gmm_backends.resolve`).
+    backend: the kernel (`quant.gmm.backends.KERNELS`; resolve "auto" with `gmm_backends.resolve`).
 
   Returns:
     [M, N] array of `preferred_element_type`.

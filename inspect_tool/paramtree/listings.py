@@ -5,7 +5,7 @@ The three sources end in the same report, so every command prints the same way.
 
 from __future__ import annotations
 
-from inspect_tool import config as config_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool import progress
 from inspect_tool.report import listing
 
@@ -21,7 +21,7 @@ def model_source(tokens) -> str:
 def model_listing(cfg: config_lib.ModelConfig, *, include_all: bool = False, source: str = ""):
   """Builds the model abstractly and reports its parameter tree. Returns (report, abstract model)."""
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
   with progress.step(f"building {cfg.model_name} abstractly"):
     model = model_lib.build_model(cfg, abstract=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from inspect_tool import errors
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 
 def _variables(model):

@@ -12,10 +12,10 @@ import dataclasses
 
 from typing import Sequence
 
-from inspect_tool import batch as batch_lib
-from inspect_tool import config as config_lib
+from inspect_tool.run import batch as batch_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
-from inspect_tool import limits
+from inspect_tool.run import limits
 from inspect_tool import progress
 
 
@@ -23,7 +23,7 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
   import qwix  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import model_coverage  # pylint: disable=import-outside-toplevel
+  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
   from quant import fp8_providers  # pylint: disable=import-outside-toplevel
@@ -64,8 +64,8 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
 
 
 def forward(model, batch: batch_lib.Batch):
-  """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.forward.ForwardResult`)."""
-  from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
+  """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.run.forward.ForwardResult`)."""
+  from inspect_tool.run import forward as forward_lib  # pylint: disable=import-outside-toplevel
 
   from quant import compat  # pylint: disable=import-outside-toplevel
 
@@ -80,7 +80,7 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool import forward as forward_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import forward as forward_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
   if export_load.is_quantized_model(model):
@@ -107,7 +107,7 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
 class Run:
   """What `run` computed: the forward result, optionally the unquantized reference and the gradient check."""
 
-  result: object  # inspect_tool.forward.ForwardResult
+  result: object  # inspect_tool.run.forward.ForwardResult
   reference: object | None = None  # the same model and batch without quantization (`compare`)
   grad: tuple[float, float, bool] | None = None  # (loss, global gradient norm, all finite) (`grad`)
 

@@ -27,7 +27,7 @@ DEFAULT_GROUP = "decoder"
 
 def part_of(weight: str) -> str:
   """The coverage part of a weight path: `--summary`'s group and part, e.g. "moe stack: router", "head"."""
-  from inspect_tool import summary  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import summary  # pylint: disable=import-outside-toplevel
 
   group, part = summary.classify_path(weight)
   return f"{group}: {part}" if part else group
@@ -35,7 +35,7 @@ def part_of(weight: str) -> str:
 
 def part_order() -> list[str]:
   """Every part `part_of` can name, in `--summary`'s order."""
-  from inspect_tool import summary  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import summary  # pylint: disable=import-outside-toplevel
 
   return [f"{group}: {part}" if part else group for group, part in summary.GROUP_PARTS]
 

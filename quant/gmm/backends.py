@@ -1,14 +1,14 @@
 """Which kernel runs the grouped matmul: the `gmm_backend` key, its resolution, and the kernels behind it.
 
-* reference: tiled `dot_general`s (`quant.gmm_tiled`); runs anywhere; `auto` on CPU.
-* pallas: JAX's Pallas Megablox `gmm` / `tgmm` (`quant.gmm_pallas`); compiled on TPU (`auto` there),
+* reference: tiled `dot_general`s (`quant.gmm.tiled`); runs anywhere; `auto` on CPU.
+* pallas: JAX's Pallas Megablox `gmm` / `tgmm` (`quant.gmm.pallas`); compiled on TPU (`auto` there),
   interpret mode elsewhere.
-* xla: XLA's `ragged_dot_general` (`quant.gmm_ragged`); runs anywhere; `auto` on a GPU without Tokamax.
-* tokamax: Tokamax's `ragged_dot_general` (`quant.gmm_ragged`); where the tokamax package is installed;
+* xla: XLA's `ragged_dot_general` (`quant.gmm.ragged`); runs anywhere; `auto` on a GPU without Tokamax.
+* tokamax: Tokamax's `ragged_dot_general` (`quant.gmm.ragged`); where the tokamax package is installed;
   `auto` on a GPU with FP8 units and Tokamax.
 
 MaxText's `use_tokamax_backend=true` selects tokamax (then gmm_backend must be auto or tokamax). Every kernel
-returns float32 products of the operands it is given (fp8 values, unscaled); `quant.gmm_fp8` quantizes, applies
+returns float32 products of the operands it is given (fp8 values, unscaled); `quant.gmm.fp8` quantizes, applies
 the scales and masks rows past the groups, the same way for all of them.
 """
 
@@ -38,7 +38,7 @@ def _auto(platform: str) -> str:
   if platform == "tpu":
     return "pallas"
   if platform == "gpu":
-    from quant import gmm_ragged  # pylint: disable=import-outside-toplevel
+    from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
 
     return "tokamax" if tokamax_installed() and gmm_ragged.native_fp8() else "xla"
   return "reference"
@@ -91,15 +91,15 @@ def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str
   Rows past sum(group_sizes) are undefined: the caller masks them.
   """
   if backend == "reference":
-    from quant import gmm_tiled  # pylint: disable=import-outside-toplevel
+    from quant.gmm import tiled as gmm_tiled  # pylint: disable=import-outside-toplevel
 
     return gmm_tiled.matmul(lhs, rhs, group_sizes, tile=tile_rows, strategy=strategy,
                             compute_dtype=_reference_dtype(lhs, rhs), transpose_rhs=transpose_rhs)
   if backend == "pallas":
-    from quant import gmm_pallas  # pylint: disable=import-outside-toplevel
+    from quant.gmm import pallas as gmm_pallas  # pylint: disable=import-outside-toplevel
 
     return gmm_pallas.matmul(lhs, rhs, group_sizes, tile_rows=tile_rows, transpose_rhs=transpose_rhs)
-  from quant import gmm_ragged  # pylint: disable=import-outside-toplevel
+  from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
 
   if backend == "xla":
     return gmm_ragged.xla_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
@@ -114,15 +114,15 @@ def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str
   Rows of `grad` past sum(group_sizes) must be zero.
   """
   if backend == "reference":
-    from quant import gmm_tiled  # pylint: disable=import-outside-toplevel
+    from quant.gmm import tiled as gmm_tiled  # pylint: disable=import-outside-toplevel
 
     return gmm_tiled.outer(lhs, grad, group_sizes, tile=tile_rows, strategy=strategy,
                            compute_dtype=_reference_dtype(lhs, grad))
   if backend == "pallas":
-    from quant import gmm_pallas  # pylint: disable=import-outside-toplevel
+    from quant.gmm import pallas as gmm_pallas  # pylint: disable=import-outside-toplevel
 
     return gmm_pallas.outer(lhs, grad, group_sizes, tile_rows=tile_rows)
-  from quant import gmm_ragged  # pylint: disable=import-outside-toplevel
+  from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
 
   if backend == "xla":
     return gmm_ragged.xla_outer(lhs, grad, group_sizes)

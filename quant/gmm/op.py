@@ -3,15 +3,15 @@
 `gmm` is the op the MoE block calls for each expert matmul (wi_0, wi_1, wo). Like MaxText's Megablox
 `gmm`, it asks Qwix for the rule of the calling module (`qwix.pallas.get_current_rule("gmm")`, which Qwix
 answers only while it intercepts a model call and never logs) and hands the work to the grouped matmul of
-`quant.gmm_fp8`: FP8 for what the rule quantizes (weights, activations, gradients: each on its own, as in
-Megablox), plain without a rule. `backend` picks the kernel (`quant.gmm_backends`: "auto" is Pallas Megablox
+`quant.gmm.fp8`: FP8 for what the rule quantizes (weights, activations, gradients: each on its own, as in
+Megablox), plain without a rule. `backend` picks the kernel (`quant.gmm.backends`: "auto" is Pallas Megablox
 on TPU, ragged_dot on GPU, the tiled reference on CPU).
 
 The weight may also come quantized ahead of time (an FP8 export loaded under Qwix PTQ): a `QArray`, or a PTQ
 `WithAux` of one, holding fp8 `qvalue` [G, K, N] and a per-column `scale`. With a quantizing rule the FP8 grouped
-matmul then uses the stored values (`quant.gmm_fp8.prequantized_gmm`); without one the weight is dequantized.
+matmul then uses the stored values (`quant.gmm.fp8.prequantized_gmm`); without one the weight is dequantized.
 
-Neither path shows up as an op of its own under Qwix: `quant.gmm_fp8` runs with Qwix's interception switched
+Neither path shows up as an op of its own under Qwix: `quant.gmm.fp8` runs with Qwix's interception switched
 off, so no kernel's inner ops (e.g. the `dot_general` that XLA's CPU ragged_dot re-traces) are seen.
 """
 
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from quant import compat
-from quant import gmm_backends
-from quant import gmm_fp8
+from quant.gmm import backends as gmm_backends
+from quant.gmm import fp8 as gmm_fp8
 
 
 def current_rule(op_name: str = "gmm"):
@@ -46,7 +46,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
     group_sizes: [G] integer row counts.
     preferred_element_type: output dtype (default: the promoted input dtype).
     rule: a Qwix rule to use instead of asking Qwix for the calling module's "gmm" rule.
-    backend: a `quant.gmm_backends.BACKENDS` name; "auto" by JAX's default backend.
+    backend: a `quant.gmm.backends.BACKENDS` name; "auto" by JAX's default backend.
 
   Returns:
     [M, N]; with a rule that quantizes anything, the FP8 grouped matmul's result.

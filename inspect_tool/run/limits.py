@@ -129,7 +129,7 @@ def activation_bytes(cfg, batch: int, seq: int) -> int:
 def parameter_bytes(cfg) -> int:
   """Bytes of the model's variables at their dtypes, from the abstract model (nothing allocated)."""
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   leaves = params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)

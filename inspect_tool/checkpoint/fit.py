@@ -6,8 +6,8 @@ config's quantization; without quantization keys the differences name the keys t
 
 from __future__ import annotations
 
-from inspect_tool import config as config_lib
-from inspect_tool import listings
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.paramtree import listings
 
 
 def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
@@ -17,7 +17,7 @@ def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = F
   quantizing op consumes as `<key>/array/qvalue` + `<key>/array/scale`).
   """
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool import params  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
   if quantized:
     from inspect_tool.fp8_export import plan  # pylint: disable=import-outside-toplevel

@@ -12,7 +12,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from inspect_tool import tree
+from inspect_tool.paramtree import tree
 
 # (group, part, pattern over the '/'-joined module path); first match wins.
 # DeepSeek-V4's layers (`layers_<i>`, `scanned_blocks`) are all MoE layers; V3.2's indexer, V4's compressors, mHC

@@ -1,0 +1,1 @@
+"""Configuration: MaxText's keys and defaults, presets, `key=value` overrides, validation."""

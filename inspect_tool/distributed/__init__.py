@@ -1,0 +1,1 @@
+"""Many processes: JAX's distributed runtime for export, forward and diff."""

@@ -1,0 +1,194 @@
+"""The destination of an Orbax-layout export: zarr3 arrays in per-process OCDBT databases, written by slices.
+
+`OrbaxArrayWriter` creates the arrays (one database commit for all), writes slices (a quantized weight's
+qvalue and scale together), copies stored chunks as they are, and on process 0 merges the processes' databases
+into the checkpoint's root and writes Orbax's `_METADATA`, `_sharding` and the step's `_CHECKPOINT_METADATA`.
+`ts_context` is the tensorstore context every export read and write shares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+ZSTD_LEVEL = 3  # Orbax's
+PROCESS_DIR = "ocdbt.process_{}"
+
+
+def ts_context():
+  """A tensorstore context without a chunk cache (every byte read is used once) and bounded copy threads."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                     "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
+                     "file_io_concurrency": {"limit": 16}})
+
+
+def _ocdbt(path: str) -> dict:
+  return {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(path) + "/"}}
+
+
+class OrbaxArrayWriter:
+  """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
+
+  def __init__(self, items_dir: str, *, process_index: int = 0, context=None):
+    self.items_dir = os.path.abspath(items_dir)
+    self.process_index = process_index
+    self._context = context or ts_context()
+    self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
+    self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
+    self._in_flight: list = []  # the background writes of the last slice
+    self.written_bytes = 0
+
+  def create(self, key: Sequence[str], shape: Sequence[int], dtype, chunk: Sequence[int]):
+    """Opens a new zarr3 array at `key` (chunked by `chunk`); returns its tensorstore handle."""
+    return self.create_many([(key, shape, dtype, chunk)])[0]
+
+  def create_many(self, arrays: Sequence[tuple]) -> list:
+    """`create` for every (key, shape, dtype, chunk[, metadata]) of `arrays`, opened concurrently (one commit of
+    the database for them all, not one each); returns their tensorstore handles in order. `metadata` (a source
+    array's zarr3 metadata) replaces the default one, for arrays whose stored chunks are copied as they are."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    specs = []
+    for key, shape, dtype, chunk, *stored in arrays:
+      key = tuple(str(k) for k in key)
+      if key in self._created:
+        raise ValueError(f"array {'/'.join(key)} created twice")
+      self._created.add(key)
+      shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
+      self._entries[key] = tuple(chunk)
+      kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
+                     path=".".join(key) + "/")
+      metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
+                  "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                  "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                             {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}],
+                  "fill_value": 0}
+      if stored and stored[0]:  # a verbatim copy of a source array: its metadata, codecs included
+        metadata = {k: v for k, v in stored[0].items() if k not in ("attributes", "dimension_names")}
+      specs.append({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata,
+                    "store_data_equal_to_fill_value": True})  # Orbax reads a missing chunk as an error
+    try:
+      futures = [ts.open(spec, create=True, open=True, context=self._context) for spec in specs]
+      return [future.result() for future in futures]
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+
+  def register(self, key: Sequence[str], chunk: Sequence[int]) -> None:
+    """Records an array another process creates (for `_METADATA`)."""
+    self._entries.setdefault(tuple(str(k) for k in key), tuple(int(c) for c in chunk))
+
+  def write(self, store, index: tuple[slice, ...], value) -> None:
+    """Writes `value` at `index` of `store` in the background (one write in flight at a time)."""
+    self.write_slice([(store, index, value)])
+
+  def write_slice(self, parts: Sequence[tuple]) -> None:
+    """Writes every (store, index, value) of `parts` (one slice's outputs) in the background, together, once
+    the previous slice's writes are on disk."""
+    self.wait()
+    try:
+      for store, index, value in parts:
+        value = np.ascontiguousarray(value)
+        self._in_flight.append(store[index].write(value) if index else store.write(value))
+        self.written_bytes += value.nbytes
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+
+  def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int) -> None:
+    """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
+    `write_slice`; `nbytes`: their decoded size."""
+    self.wait()
+    try:
+      kvstore = store.kvstore
+      self._in_flight.extend(kvstore.write(key, value) for key, value in chunks)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+    self.written_bytes += nbytes
+
+  def wait(self) -> None:
+    """Blocks until the background writes (if any) are on disk."""
+    in_flight, self._in_flight = self._in_flight, []
+    failure = None
+    for future in in_flight:
+      try:
+        future.result()
+      except Exception as e:  # pylint: disable=broad-except
+        failure = failure or e
+    if failure is not None:
+      raise _write_error(self.items_dir, failure) from None
+
+  def abandon(self) -> None:
+    """Waits for the background write, ignoring its outcome (the work is being abandoned)."""
+    try:
+      self.wait()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def finalize(self, step_dir: str, item: str) -> None:
+    """Merges every process's database into the root one and writes `_METADATA` and `_CHECKPOINT_METADATA`.
+
+    Called by process 0 once every process has finished writing.
+    """
+    from quant import compat  # pylint: disable=import-outside-toplevel
+
+    self.wait()
+    try:
+      self._merge()
+      _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries))
+      _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(self._entries))
+      now = time.time_ns()
+      _write_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"),
+                  {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+                   "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+
+  def _merge(self) -> None:
+    """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    children = sorted(d for d in os.listdir(self.items_dir) if d.startswith(PROCESS_DIR.format("")))
+    parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
+    txn = ts.Transaction(atomic=True)
+    for child in children:
+      store = ts.KvStore.open(_ocdbt(os.path.join(self.items_dir, child)), context=self._context).result()
+      store.experimental_copy_range_to(parent.with_transaction(txn)).result()
+    txn.commit_async().result()
+
+
+def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]]) -> dict:
+  """Orbax's `_METADATA` for a pytree of nested dicts of arrays (keys → write/chunk shape)."""
+  nodes = {}
+  for key, chunk in sorted(entries.items()):
+    nodes[str(key)] = {"key_metadata": [{"key": k, "key_type": 2} for k in key],
+                       "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
+                                          "write_shape": list(chunk)}}
+  return {"tree_metadata": nodes, "use_ocdbt": True, "use_zarr3": True,
+          "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+def _write_error(path: str, e: BaseException):
+  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
+
+  return ptq_weights.write_error(path, e)
+
+
+def _default_shardings(entries) -> dict:
+  """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
+  import base64  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})
+  return {base64.urlsafe_b64encode(".".join(key).encode()).decode(): device for key in sorted(entries)}
+
+
+def _write_json(path: str, doc: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(doc, f)
+  os.replace(tmp, path)

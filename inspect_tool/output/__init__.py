@@ -1,0 +1,1 @@
+"""Safe output: atomic files and directories, destinations that never destroy inputs, locks."""

@@ -1,0 +1,1 @@
+"""The parameter tree: `Leaf` records, model variables as leaves, summaries and listings."""

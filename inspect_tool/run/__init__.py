@@ -1,0 +1,1 @@
+"""Running the model: token batches, the forward pass, metrics, and what fits in memory."""
