@@ -103,7 +103,7 @@ def test_replaceable_recognises_exports_and_orbax_checkpoints(tmp_path):
 def test_second_claim_on_the_same_destination_fails_with_one_line(tmp_path):
   dst = str(tmp_path / "dst")
   with destination.claim(dst):
-    code = ("import sys; from inspect_tool import destination, errors\n"
+    code = ("import sys; from inspect_tool import errors; from inspect_tool.output import destination\n"
             "try:\n  destination.claim(sys.argv[1]).__enter__()\n"
             "except errors.InputError as e:\n  print(e); sys.exit(2)\n")
     out = subprocess.run([sys.executable, "-c", code, dst], capture_output=True, text=True, check=False)
