@@ -11,19 +11,29 @@ import sys
 
 import click
 
+from inspect_tool.cli import flags
+
 _COMMANDS = {
-    "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext", "List a MaxText model's parameters from key=value overrides."),
+    "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext", "List a MaxText model's parameters from key=value overrides "
+                "(sharding and per-device memory with --devices/--topology)."),
     "orbax": ("inspect_tool.cli.listing_cmds", "orbax", "List an Orbax checkpoint's arrays (metadata only)."),
     "hf": ("inspect_tool.cli.listing_cmds", "hf", "List HF safetensors tensors (headers only)."),
-    "diff": ("inspect_tool.cli.diff_cmd", "diff", "Compare a model config with an Orbax checkpoint."),
+    "diff": ("inspect_tool.cli.diff_cmd", "diff", "Compare a model config with an Orbax or HF checkpoint (metadata only)."),
     "forward": ("inspect_tool.cli.forward_cmd", "forward", "Run the model on tokens; print losses and predictions."),
     "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
-    "export": ("inspect_tool.cli.export_cmd", "export", "Export an FP8 quantized checkpoint and validate it."),
+    "export": ("inspect_tool.cli.export_cmd", "export", "Export an FP8 quantized checkpoint (Orbax or DeepSeek "
+               "FP8 safetensors) and validate it."),
+    "presets": ("inspect_tool.cli.discovery_cmds", "presets", "List the model presets (model_name=...)."),
+    "keys": ("inspect_tool.cli.discovery_cmds", "keys", "List MaxText's keys: default and what each changes here."),
+    "topologies": ("inspect_tool.cli.discovery_cmds", "topologies", "List the --topology names and their devices."),
 }
 
 
 class LazyGroup(click.Group):
-  """Imports a subcommand's module only when that subcommand runs (keeps `--help` free of JAX)."""
+  """Imports a subcommand's module only when that subcommand runs (keeps `--help` free of JAX).
+
+  Each subcommand's MaxText-style boolean spellings (`--strict=false`) are rewritten for Click (`flags`).
+  """
 
   def list_commands(self, ctx):
     return list(_COMMANDS)
@@ -34,37 +44,41 @@ class LazyGroup(click.Group):
     module, attr, _ = _COMMANDS[cmd_name]
     return getattr(importlib.import_module(module), attr)
 
+  def resolve_command(self, ctx, args):
+    if args and not args[0].startswith("-") and args[0] not in _COMMANDS and not ctx.resilient_parsing:
+      raise click.exceptions.NoSuchCommand(args[0], possibilities=list(_COMMANDS), ctx=ctx)
+    cmd_name, cmd, rest = super().resolve_command(ctx, args)
+    if cmd is not None:
+      rest = flags.normalize_argv(rest, flags.boolean_flags(cmd))
+    return cmd_name, cmd, rest
+
   def format_commands(self, ctx, formatter):
     rows = [(name, help_text) for name, (_, _, help_text) in _COMMANDS.items()]
     with formatter.section("Commands"):
       formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Example: inspect_checkpoint maxtext model_name=deepseek3-tiny mtp_num_layers=1 --summary\n\n"
+             "Shell completion (bash): eval \"$(_INSPECT_CHECKPOINT_COMPLETE=bash_source inspect_checkpoint)\"")
 @click.version_option(package_name="inspect-checkpoint", prog_name="inspect_checkpoint")
-def cli():
+@click.pass_context
+def cli(ctx):
   """See a DeepSeek MoE + MTP model: its parameters, checkpoints, quantization coverage and FP8 export.
 
-  Model keys are MaxText's, given as key=value (model_name=deepseek3-671b mtp_num_layers=1).
+  Model keys are MaxText's, given as key=value (model_name=deepseek3-671b mtp_num_layers=1); boolean flags also
+  take MaxText's --flag=true / --flag=false. `inspect_checkpoint COMMAND --help` shows a command's options.
   """
-
-
-# MaxText spells boolean flags `--check_dtype=true`; Click flags take no value, so such tokens are rewritten.
-_BOOL_FLAGS = {"--check_dtype": "check-dtype", "--check-dtype": "check-dtype", "--all": "all",
-               "--summary": "summary", "--strict": "strict", "--overwrite": "overwrite", "--compare": "compare"}
-_TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
+  if ctx.invoked_subcommand is None:  # a bare `inspect_checkpoint`: the help, and success
+    click.echo(ctx.get_help())
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-  out = []
-  for token in argv:
-    name, sep, value = token.partition("=")
-    if sep and name in _BOOL_FLAGS and value.lower() in _TRUE | _FALSE:
-      flag = _BOOL_FLAGS[name]
-      out.append(f"--{flag}" if value.lower() in _TRUE else f"--no-{flag}")
-    else:
-      out.append(token)
-  return out
+  """MaxText's `--flag=true|false` spellings of every command's boolean flags, rewritten for Click."""
+  table = {}
+  for name in _COMMANDS:
+    table.update(flags.boolean_flags(cli.get_command(None, name)))
+  return flags.normalize_argv(argv, table)
 
 
 def _library_errors() -> tuple[type[BaseException], ...]:
@@ -94,7 +108,7 @@ def _handle_termination() -> None:
 def main(argv: list[str] | None = None) -> int:
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
 
-  argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+  argv = list(sys.argv[1:] if argv is None else argv)
   _handle_termination()
   errors.quiet_closed_event_loop()
   try:

@@ -10,34 +10,78 @@ import click
 FORMATS = ("text", "json", "markdown")
 
 
-def output_options(func):
-  """--format, --check_dtype, --output_file, --html, --summary for every listing command."""
-  options = [
-      click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
-                   help="Output format on stdout."),
-      click.option("--check-dtype/--no-check-dtype", "--check_dtype", "check_dtype", default=False,
-                   help="Show dtypes (MaxText spelling --check_dtype=true works too)."),
-      click.option("--output-file", "--output_file", "output_file", type=click.Path(dir_okay=False),
-                   help="Also write MaxText's listing (with a '# <command>' header) to this file, atomically."),
-      click.option("--html", "html_file", type=click.Path(dir_okay=False),
-                   help="Write a self-contained treescope HTML page of the tree to this file."),
-      click.option("--summary/--no-summary", default=False,
-                   help="With text format, add the summary by group (always in json/markdown)."),
-      overwrite_option,
-  ]
+class OutputPath(click.Path):
+  """A single output file (refused when it exists, unless --overwrite): `--output_file`, `--html`, `--save-logits`."""
+
+  def __init__(self):
+    super().__init__(dir_okay=False)
+
+
+def _apply(func, options):
   for option in reversed(options):
     func = option(func)
   return func
 
 
-def _remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
+def output_options(func):
+  """--format, --check_dtype, --output_file, --html, --summary, --overwrite for every listing command."""
+  return _apply(func, [
+      click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+                   help="Output format on stdout."),
+      click.option("--check-dtype/--no-check-dtype", "--check_dtype", "check_dtype", default=False,
+                   help="Show dtypes (MaxText spelling --check_dtype=true works too)."),
+      click.option("--output-file", "--output_file", "output_file", type=OutputPath(),
+                   help="Also write MaxText's listing (with a '# <command>' header) to this file, atomically."),
+      click.option("--html", "html_file", type=OutputPath(),
+                   help="Write a self-contained treescope HTML page of the tree to this file."),
+      click.option("--summary/--no-summary", default=False,
+                   help="With text format, add the summary by group (always in json/markdown)."),
+      overwrite_option,
+  ])
+
+
+def report_options(formats=("text", "json"), html: str | None = None, overwrite: bool = True):
+  """--format, --output_file (the report as printed, also to a file), --html FILE when `html` says what the page
+  shows, and --overwrite (unless the command has its own), for every command that reports."""
+  def decorate(func):
+    options = [
+        click.option("--format", "fmt", type=click.Choice(formats), default="text", show_default=True,
+                     help="Output format on stdout."),
+        click.option("--output-file", "--output_file", "output_file", type=OutputPath(),
+                     help="Also write the report, as printed, to this file, atomically."),
+    ]
+    if html:
+      options.append(click.option("--html", "html_file", type=OutputPath(),
+                                  help=f"Write a self-contained treescope HTML page ({html}) to this file."))
+    if overwrite:
+      options.append(overwrite_option)
+    return _apply(func, options)
+  return decorate
+
+
+def remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
+  """Records --overwrite for `check_output_files` (also the callback of a command's own --overwrite)."""
   ctx.meta["inspect_checkpoint.overwrite"] = bool(value)
   return value
 
 
+def output_file_names(command: click.Command) -> list[str]:
+  """The options of `command` that name a single output file (`OutputPath`), as spelled first."""
+  return [p.opts[0] for p in command.params if isinstance(p, click.Option) and isinstance(p.type, OutputPath)]
+
+
+class _OverwriteOption(click.Option):
+  """`--overwrite`, whose help names the output options of the command it belongs to (and no others)."""
+
+  def get_help_record(self, ctx):
+    names = output_file_names(ctx.command) if ctx is not None else []
+    self.help = f"Replace existing output files ({', '.join(names)}); without it they are refused."
+    return super().get_help_record(ctx)
+
+
 overwrite_option = click.option(
-    "--overwrite/--no-overwrite", default=False, expose_value=False, callback=_remember_overwrite,
-    help="Replace existing output files (--output_file, --html, --save-logits); without it they are refused.")
+    "--overwrite/--no-overwrite", cls=_OverwriteOption, default=False, expose_value=False,
+    callback=remember_overwrite, help="Replace existing output files; without it they are refused.")
 
 
 def overwrite_requested() -> bool:
@@ -76,6 +120,16 @@ def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None,
   click.echo(text, nl=False)
 
 
+def emit_text(text: str, output_file: str | None) -> None:
+  """Prints a report; with `output_file`, also writes it there, atomically (refused if it exists, see --overwrite)."""
+  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
+
+  if output_file:
+    check_output_files(output_file)
+    atomic.atomic_write_text(output_file, text)
+  click.echo(text, nl=False)
+
+
 def write_html(path: str, html: str) -> None:
   from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
 
@@ -86,16 +140,13 @@ def write_html(path: str, html: str) -> None:
 
 def distributed_options(func):
   """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed.runtime) and --quiet."""
-  options = [
+  return _apply(func, [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
       click.option("--num-processes", "--num_processes", "num_processes", type=int, help="Processes in the job."),
       click.option("--process-id", "--process_id", "process_id", type=int, help="This process's index (0 first)."),
       click.option("--quiet", is_flag=True, help="No progress output on stderr."),
-  ]
-  for option in reversed(options):
-    func = option(func)
-  return func
+  ])
 
 
 def start_processes(coordinator, num_processes, process_id, quiet) -> None:

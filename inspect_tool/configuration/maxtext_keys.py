@@ -8,6 +8,7 @@ accepted only at MaxText's default, and refused with one line otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, Iterable
@@ -73,6 +74,46 @@ UNMODELLED = {
     "ici_pipeline_parallelism": "wraps the decoder layers in a pipeline module (parameters stacked by stage)",
     "dcn_pipeline_parallelism": "wraps the decoder layers in a pipeline module (parameters stacked by stage)",
 }
+
+
+# Keys the sharding plan and per-device memory (`maxtext --devices/--topology`) read besides the tree's: the mesh
+# (with every `ici_*` / `dcn_*_parallelism` key), the logical-axis rules, the optimizer state.
+SHARDING_KEYS = frozenset({
+    "mesh_axes", "num_slices", "compile_topology_num_slices", "custom_mesh_and_rule", "logical_axis_rules",
+    "override_logical_axis_rules", "shard_exp_on_fsdp", "use_2d_fsdp_sharding", "use_batch_split_schedule",
+    "use_lineage", "shard_optimizer_over_data", "mu_dtype", "opt_type",
+})
+# Fields of `quant.settings.QuantSettings` that choose a kernel, not a rule.
+_KERNEL_FIELDS = frozenset({"gmm_backend", "use_tokamax_backend"})
+
+# What a key changes here (`inspect_checkpoint keys`), most structural first.
+AFFECTS = {
+    "tree": "shapes the parameter tree (every command)",
+    "forward": "the forward pass: forward, export's validation, the rules trace",
+    "rules": "which Qwix rules are built: rules, a quantized forward, export",
+    "sharding": "the sharding plan and per-device memory of maxtext --devices/--topology",
+    "ignored": "accepted and kept (in --format json's config); changes no output",
+    "refused": "accepted only at MaxText's default: this tool does not model it",
+}
+
+
+def affects(key: str, fields) -> tuple[str, str]:
+  """(an `AFFECTS` kind, why or '') for `key`; `fields` are the model config's field names."""
+  from quant import settings  # pylint: disable=import-outside-toplevel
+
+  if key in UNMODELLED:
+    return "refused", f"in MaxText it {UNMODELLED[key]}"
+  if key in TREE_KEYS:
+    return "tree", ""
+  if key in NO_EFFECT_FIELDS:
+    return "ignored", NO_EFFECT_FIELDS[key]
+  if key in {f.name for f in dataclasses.fields(settings.QuantSettings)} - _KERNEL_FIELDS:
+    return "rules", ""
+  if key in fields and key != "passthrough":
+    return "forward", ""
+  if key in SHARDING_KEYS or (key.startswith(("ici_", "dcn_")) and key.endswith("_parallelism")):
+    return "sharding", ""
+  return "ignored", ""
 
 
 def _yaml_load(text: str):

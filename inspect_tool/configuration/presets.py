@@ -6,6 +6,7 @@ whose architecture is not built yet (no file), are refused with one line that sa
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 
@@ -55,4 +56,17 @@ def refusal(name: str) -> str:
   if name in maxtext_model_names() and not name.startswith(FAMILY_PREFIXES):
     return (f"model_name={name!r} is a MaxText model outside the DeepSeek family; this tool builds "
             f"DeepSeek-family models: {known} (or model_file=<your.yml> with decoder_block=deepseek)")
+  close = closest(name)
+  if close:
+    return f"unknown model_name {name!r}; did you mean {close!r}? (all of them: inspect_checkpoint presets)"
   return f"unknown model_name {name!r}; known: {known} (or pass model_file=<your.yml>)"
+
+
+def closest(name: str) -> str | None:
+  """The one preset `name` most likely meant (a unique name it begins, or a near spelling), else None."""
+  lower = {n.lower(): n for n in names()}
+  starting = [n for low, n in lower.items() if low.startswith(name.lower())]
+  if len(starting) == 1:
+    return starting[0]
+  close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.85)
+  return lower[close[0]] if close else None
