@@ -59,8 +59,9 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="Example: inspect_checkpoint maxtext model_name=deepseek3-tiny mtp_num_layers=1 --summary\n\n"
-             "Shell completion (bash): eval \"$(_INSPECT_CHECKPOINT_COMPLETE=bash_source inspect_checkpoint)\"")
+             epilog="\b\nExample:\n  inspect_checkpoint maxtext model_name=deepseek3-tiny mtp_num_layers=1 --summary\n\n"
+             "\b\nShell completion (bash; zsh and fish: zsh_source, fish_source):\n"
+             "  eval \"$(_INSPECT_CHECKPOINT_COMPLETE=bash_source inspect_checkpoint)\"")
 @click.version_option(package_name="inspect-checkpoint", prog_name="inspect_checkpoint")
 @click.pass_context
 def cli(ctx):

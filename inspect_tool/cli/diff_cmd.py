@@ -7,13 +7,16 @@ import click
 from inspect_tool.cli import options
 
 
-@click.command()
-@click.argument("overrides", nargs=-1)
-@click.option("--path", required=True, help="Orbax checkpoint (step directory, its items directory, or steps "
+@click.command(epilog=options.example("diff model_name=deepseek3-tiny mtp_num_layers=1 "
+                                      "override_model_config=true base_num_decoder_layers=4 "
+                                      "first_num_dense_layers=1 vocab_size=1024 --path "
+                                      "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
+@options.overrides_argument
+@click.option("--path", required=True, type=click.Path(), help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
-@click.option("--format", "fmt", type=click.Choice(options.FORMATS), default="text", show_default=True)
+@options.report_options(formats=options.FORMATS)
 @options.distributed_options
-def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
+def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_id, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -24,9 +27,10 @@ def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
 
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file)
   options.start_processes(coordinator, num_processes, process_id, quiet)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
-    click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path), nl=False)
+    options.emit_text(diff_format.FORMATTERS[fmt](result, source=source, path=path), output_file)
   return 0 if result.agree else 1

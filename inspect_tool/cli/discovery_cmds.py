@@ -7,7 +7,7 @@ import click
 from inspect_tool.cli import options
 
 
-@click.command(epilog="Example: inspect_checkpoint presets --format json")
+@click.command(epilog=options.example("presets --format json"))
 @options.report_options()
 def presets(fmt, output_file):
   """List every model preset (model_name=NAME): decoder and attention, parameters, MTP support, architecture.
@@ -24,7 +24,7 @@ def presets(fmt, output_file):
   return 0
 
 
-@click.command(epilog="Example: inspect_checkpoint keys 'mtp|quantiz'")
+@click.command(epilog=options.example("keys 'mtp|quantiz'"))
 @click.argument("pattern", required=False)
 @options.report_options()
 def keys(pattern, fmt, output_file):
@@ -45,7 +45,7 @@ def keys(pattern, fmt, output_file):
   return 0
 
 
-@click.command(epilog="Example: inspect_checkpoint topologies | grep v5p")
+@click.command(epilog=options.example("topologies | grep v5p"))
 @options.report_options()
 def topologies(fmt, output_file):
   """List the --topology names (MaxText's compile_topology slices) and their devices per slice."""

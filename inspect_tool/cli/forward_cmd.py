@@ -9,22 +9,24 @@ import click
 from inspect_tool.cli import options
 
 
-@click.command()
-@click.argument("overrides", nargs=-1)
-@click.option("--checkpoint", type=str, help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek directory "
+@click.command(epilog=options.example("forward model_name=deepseek3-tiny mtp_num_layers=1 "
+                                      "override_model_config=true base_num_decoder_layers=4 "
+                                      "first_num_dense_layers=1 vocab_size=1024 --checkpoint "
+                                      "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
+@options.overrides_argument
+@click.option("--checkpoint", type=click.Path(), help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek directory "
               "(config.json + safetensors, bf16 or FP8), to load (default: seeded random init).")
-@click.option("--tokens", "tokens_file", type=str, help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=str, help="int targets .npy (default: tokens shifted left).")
-@click.option("--save-logits", "--save_logits", "save_logits", type=click.Path(dir_okay=False),
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
+@click.option("--targets", "targets_file", type=click.Path(dir_okay=False), help="int targets .npy (default: tokens shifted left).")
+@click.option("--save-logits", "--save_logits", "save_logits", type=options.OutputPath(),
               help="Write logits (and mtp_logits) to this .npz.")
 @click.option("--compare", is_flag=True, help="Also run unquantized and report cosine, top-1 agreement and KL per head.")
 @click.option("--grad", is_flag=True, help="Also compute the training loss gradient (norm, finiteness).")
-@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the pass uses and which it ignores.")
-@options.overwrite_option
+@options.report_options()
 @options.distributed_options
-def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt, verbose, coordinator,
-            num_processes, process_id, quiet):
+def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, verbose, fmt, output_file,
+            coordinator, num_processes, process_id, quiet):
   """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
 
   With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
@@ -37,7 +39,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
   options.start_processes(coordinator, num_processes, process_id, quiet)
-  options.check_output_files(save_logits)
+  options.check_output_files(save_logits, output_file)
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
@@ -55,6 +57,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     options.check_output_files(save_logits)  # again: it may have appeared while the model ran
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
-  click.echo(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                       comparisons=comparisons, grad=outcome.grad), nl=False)
+  options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
+                              comparisons=comparisons, grad=outcome.grad), output_file)
   return 0

@@ -7,13 +7,15 @@ import click
 from inspect_tool.cli import options
 
 
-@click.command()
-@click.argument("overrides", nargs=-1)
+@click.command(epilog=options.example("maxtext model_name=deepseek3-671b mtp_num_layers=1 --summary "
+                                      "--topology v5p-256 --device-memory 95GiB"))
+@options.overrides_argument
 @click.option("--all", "include_all", is_flag=True, help="Also list non-Param state (the DeepSeek-V3 gate bias).")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys shape the tree and which are ignored.")
 @click.option("--devices", type=click.IntRange(min=1), help="Shard on an abstract mesh of N devices: spec and "
               "shard shape per parameter, as MaxText does from the ici_*/dcn_* keys and logical_axis_rules.")
-@click.option("--topology", help="A MaxText slice name (v5p-256, v6e-64, a3, ...) giving the device count.")
+@click.option("--topology", help="A MaxText slice name (v5p-256, v6e-64, a3; all of them: inspect_checkpoint "
+              "topologies) giving the device count.")
 @click.option("--train", type=click.Choice(["adamw", "adam_pax", "sgd"]),
               help="With --summary: add optimizer state and gradients per device (default: MaxText's opt_type "
               "when the config sets it).")
@@ -22,10 +24,7 @@ from inspect_tool.cli import options
 @options.output_options
 def maxtext(overrides, include_all, verbose, devices, topology, train, device_memory, fmt, check_dtype, output_file,
             html_file, summary):
-  """List the parameters of a MaxText model given as key=value overrides.
-
-  Example: inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
-  """
+  """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
@@ -51,8 +50,9 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   return 0
 
 
-@click.command()
-@click.option("--path", required=True, help="Step directory, its items directory, or a directory of steps.")
+@click.command(epilog=options.example("orbax --path tests/data/ckpt_deepseek3-tiny-L4-V1024 --summary"))
+@click.option("--path", required=True, type=click.Path(),
+              help="Step directory, its items directory, or a directory of steps.")
 @click.option("--all", "include_all", is_flag=True, help="List every item (nnx_aux, opt_state, step), grouped.")
 @options.output_options
 def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
@@ -73,8 +73,9 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
     options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=title))
 
 
-@click.command()
-@click.option("--path", required=True, help="A .safetensors file, a directory of them, or a sharded index.json set.")
+@click.command(epilog=options.example("hf --path DeepSeek-V3/ --summary"))
+@click.option("--path", required=True, type=click.Path(),
+              help="A .safetensors file, a directory of them, or a sharded index.json set.")
 @options.output_options
 def hf(path, fmt, check_dtype, output_file, html_file, summary):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""

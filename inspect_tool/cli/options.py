@@ -10,6 +10,29 @@ import click
 FORMATS = ("text", "json", "markdown")
 
 
+def example(command: str) -> str:
+  """A command's help epilog: one example, kept on one line (Click does not rewrap a `\\b` paragraph)."""
+  return f"\b\nExample:\n  inspect_checkpoint {command}"
+
+
+def complete_overrides(ctx, param, incomplete):  # pylint: disable=unused-argument
+  """Shell completion of `model_name=`: the preset names (bash splits the word at `=`, zsh and fish do not)."""
+  from inspect_tool.configuration import presets  # pylint: disable=import-outside-toplevel
+
+  given = list(ctx.params.get(param.name) or ())
+  if given[-2:] == ["model_name", "="] or given[-1:] == ["model_name="]:
+    return [n for n in presets.names() if n.startswith(incomplete)]
+  key, sep, value = incomplete.partition("=")
+  if sep and key == "model_name":
+    return [f"model_name={n}" for n in presets.names() if n.startswith(value)]
+  return []
+
+
+def overrides_argument(func):
+  """The MaxText `key=value` arguments of a command that builds a model."""
+  return click.argument("overrides", nargs=-1, shell_complete=complete_overrides)(func)
+
+
 class OutputPath(click.Path):
   """A single output file (refused when it exists, unless --overwrite): `--output_file`, `--html`, `--save-logits`."""
 

@@ -4,39 +4,46 @@ from __future__ import annotations
 
 import click
 
+from inspect_tool.cli import options
 
-@click.command()
-@click.argument("overrides", nargs=-1)
+
+@click.command(epilog=options.example("rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full "
+                                      "quantize_mtp=true --html coverage.html"))
+@options.overrides_argument
 @click.option("--rules", "rules_file", type=click.Path(dir_okay=False),
               help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
-@click.option("--format", "fmt", type=click.Choice(("text", "json", "markdown", "html")), default="text",
-              show_default=True, help="html: the treescope module tree marked by rule.")
 @click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight.")
-@click.option("--explain", "explain_path", metavar="MODULE_PATH",
-              help="Show each rule tried for one module path (e.g. decoder/moe_layers/self_attention/out).")
+@click.option("--explain", "explain_path", metavar="PATH",
+              help="Show each rule tried for one module or weight, dotted as listings print it or as a module "
+              "path: decoder/moe_layers/self_attention/out.")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the trace uses and which it ignores.")
-def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
+@options.report_options(formats=("text", "json", "markdown", "html"), html="the module tree marked by rule")
+def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file, html_file):
   """Report Qwix rule coverage of the model given as key=value overrides (abstract trace, no memory).
 
-  Example: inspect_checkpoint rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full quantize_mtp=true
+  --format html prints the treescope page on stdout; --html FILE writes it to FILE beside the report.
   """
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
   from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file, html_file)
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report = model_coverage.trace_coverage(cfg, rules_file)
+  page = model_coverage.coverage_html(cfg, report) if html_file or (fmt == "html" and not explain_path) else None
   if explain_path:
-    _check_traced(report, explain_path)
-    click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)
+    module = _traced_module(report, explain_path)
+    options.emit_text(coverage_format.explain_text(coverage_report.explain(report, module)), output_file)
   elif fmt == "html":
-    click.echo(model_coverage.coverage_html(cfg, report), nl=False)
+    options.emit_text(page, output_file)
   else:
     formatter = {"text": coverage_format.to_text, "json": coverage_format.to_json,
                  "markdown": coverage_format.to_markdown}[fmt]
-    click.echo(formatter(report), nl=False)
+    options.emit_text(formatter(report), output_file)
+  if html_file:
+    options.write_html(html_file, page)
   findings = report.strict_findings()
   if strict and findings:
     for finding in findings:
@@ -45,17 +52,23 @@ def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
   return 0
 
 
-def _check_traced(report, module_path: str) -> None:
-  """Refuses (exit 2, closest traced module paths named) a path at which the trace recorded no op."""
+def _traced_module(report, name: str) -> str:
+  """The traced module `name` means (a module path, or a weight, either spelling), else refused (exit 2) with the
+  closest traced module paths named."""
   import difflib  # pylint: disable=import-outside-toplevel
 
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import spelling  # pylint: disable=import-outside-toplevel
 
+  module_path = spelling.to_slash(name)
   modules = list(dict.fromkeys(op.module for op in report.ops))
   if module_path in modules:
-    return
+    return module_path
+  owners = [op.module for op in report.ops if op.weight == module_path]
+  if owners:
+    return owners[0]
   close = (difflib.get_close_matches(module_path, modules, n=3, cutoff=0.6)
            or difflib.get_close_matches(module_path, modules, n=1, cutoff=0.0))
   hint = f"; closest: {' or '.join(repr(c) for c in close)}" if close else "; the trace recorded no op at all"
-  raise errors.InputError(f"--explain {module_path!r}: no traced op has this module path{hint} "
+  raise errors.InputError(f"--explain {name!r}: no traced op has this module path{hint} "
                           "(all of them: rules ... --format json)")
