@@ -1,12 +1,16 @@
 """The command line: help everywhere without JAX, MaxText spellings, exit codes and one-line errors."""
 
+import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from inspect_tool import cli
+from inspect_tool.cli import options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data")
@@ -136,3 +140,147 @@ def test_rules_html_marks_modules_with_their_winning_rule(capsys):
 def test_click_usage_errors_are_one_line_too(capsys, argv, message):
   code, out, err = run(capsys, *argv)
   assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One consistent command line (issue 24): every rule below is checked on every command, by introspection.
+
+def _commands():
+  return {name: cli.cli.get_command(None, name) for name in cli._COMMANDS}  # pylint: disable=protected-access
+
+
+def _parse(name, *args):
+  """The command's context after the group's argument handling (what a real run would see)."""
+  import click  # pylint: disable=import-outside-toplevel
+  group_ctx = click.Context(cli.cli, info_name="inspect_checkpoint")
+  command = _commands()[name]
+  required = [a for p in command.params if isinstance(p, click.Option) and p.required for a in (p.opts[0], "x")]
+  _, _, rest = cli.cli.resolve_command(group_ctx, [name, *required, *args])
+  return command.make_context(name, rest, parent=group_ctx)
+
+
+def _boolean_flags():
+  import click  # pylint: disable=import-outside-toplevel
+  for name, command in _commands().items():
+    for param in command.params:
+      if isinstance(param, click.Option) and param.is_flag and param.is_bool_flag:
+        yield name, param
+
+
+def _value(ctx, param):
+  return ctx.meta["inspect_checkpoint.overwrite"] if not param.expose_value else ctx.params[param.name]
+
+
+def test_every_boolean_flag_of_every_command_takes_maxtext_true_and_false():
+  flags = list(_boolean_flags())
+  assert len(flags) >= 25 and {p.name for _, p in flags} >= {"strict", "include_all", "overwrite", "validate"}
+  for name, param in flags:
+    for value in (True, False):
+      for spelling in param.opts:
+        for text in (("true", "1", "True") if value else ("false", "0", "FALSE")):
+          assert _value(_parse(name, f"{spelling}={text}"), param) is value, (name, spelling, text)
+      for spelling in param.secondary_opts:  # --no-x=true is --no-x
+        assert _value(_parse(name, f"{spelling}={'true' if value else 'false'}"), param) is (not value)
+    if not param.secondary_opts:  # off by default; the last spelling wins
+      assert _value(_parse(name), param) is False
+      assert _value(_parse(name, param.opts[0], f"{param.opts[0]}=false"), param) is False
+
+
+def test_strict_false_and_all_false_run(capsys):
+  code, out, err = run(capsys, "maxtext", *TINY, "--all=false", "--summary=false", "--check_dtype=false")
+  assert code == 0 and err == "" and "MoeBlock_0.gate.bias" not in out and "dtype" not in out
+  code, _, err = run(capsys, "rules", *TINY, "--strict=maybe")
+  assert code == 2 and "--strict" in err and len(err.strip().splitlines()) == 1
+
+
+def _help_records(name):
+  import click  # pylint: disable=import-outside-toplevel
+  command = _commands()[name]
+  ctx = click.Context(command, info_name=name)
+  return command, [(p, p.get_help_record(ctx)) for p in command.params if isinstance(p, click.Option)]
+
+
+@pytest.mark.parametrize("name", list(cli._COMMANDS))  # pylint: disable=protected-access
+def test_help_names_only_options_the_command_has(name):
+  command, records = _help_records(name)
+  own = {o for p in command.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}
+  texts = [record[1] for _, record in records if record] + [command.help or "", command.epilog or ""]
+  # an option named after another command's name is that command's (`maxtext --topology`)
+  named = {opt for text in texts for before, opt in re.findall(r"(\w*) ?(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])", text)
+           if before not in set(cli._COMMANDS) - {name}}  # pylint: disable=protected-access
+  assert named - own == set(), f"{name}'s help names options it does not have"
+  for param, record in records:  # --overwrite names every output file option of its command
+    if param.name == "overwrite":
+      outputs = [p.opts for p in command.params if isinstance(p.type, options.OutputPath)]
+      assert outputs and all(any(o in record[1] for o in opts) for opts in outputs), (name, record[1])
+
+
+@pytest.mark.parametrize("name", list(cli._COMMANDS))  # pylint: disable=protected-access
+def test_paths_are_click_paths_and_every_command_reports_alike(name):
+  import click  # pylint: disable=import-outside-toplevel
+  command = _commands()[name]
+  for param in command.params:
+    help_text = getattr(param, "help", None) or ""
+    if param.type is click.STRING:
+      assert not re.search(r"\b(files?|director(y|ies)|checkpoints?)\b|\.npy|\.npz|safetensors", help_text), (
+          name, param.name)
+  opts = {o for p in command.params for o in getattr(p, "opts", [])}
+  assert {"--format", "--output_file"} <= opts, name
+  assert ("--html" in opts) == (name in ("maxtext", "orbax", "hf", "rules")), name
+
+
+def test_bare_command_is_help_and_success(capsys):
+  code, out, err = run(capsys)
+  assert code == 0 and err == "" and out.startswith("Usage: inspect_checkpoint") and "Commands:" in out
+  diff_line = next(line for line in out.splitlines() if line.strip().startswith("diff "))
+  assert "Orbax" in diff_line and "HF" in diff_line
+  assert all(re.search(rf"^  {n} ", out, re.M) for n in cli._COMMANDS)  # pylint: disable=protected-access
+  code, _, err = run(capsys, "rulez")
+  assert code == 2 and "Did you mean 'rules'?" in err
+
+
+# Examples run from the repository root as printed; forward and export build and run the model (tests of their
+# own cover them), hf's example names a download.
+RUN_EXAMPLES = ("maxtext", "orbax", "diff", "rules", "presets", "keys", "topologies")
+
+
+@pytest.mark.parametrize("name", list(cli._COMMANDS))  # pylint: disable=protected-access
+def test_every_command_help_shows_an_example_that_runs(capsys, tmp_path, monkeypatch, name):
+  code, out, _ = run(capsys, name, "--help")
+  example = re.search(r"^  Example:\n    (inspect_checkpoint .*)$", out, re.M)
+  assert code == 0 and example and example.group(1).startswith(f"inspect_checkpoint {name}")
+  if name not in RUN_EXAMPLES:
+    return
+  (tmp_path / "tests").symlink_to(os.path.join(REPO, "tests"))  # outputs land in tmp_path
+  monkeypatch.chdir(tmp_path)
+  command, _, grep = example.group(1).partition(" | grep ")
+  code, out, err = run(capsys, *shlex.split(command)[1:])
+  assert code == 0, err
+  assert not grep or grep in out
+
+
+def test_rules_html_file_like_maxtext_and_output_file(capsys, tmp_path):
+  page, report = tmp_path / "coverage.html", tmp_path / "coverage.txt"
+  code, out, _ = run(capsys, "rules", *TINY, "quantization=fp8_full", "--html", str(page), "--output_file",
+                     str(report))
+  assert code == 0 and out and "<html" not in out.lower()
+  assert report.read_text() == out and "<html" in page.read_text()[:500].lower()
+  assert "rule 0 (float8_e4m3fn)" in page.read_text() and 'src="http' not in page.read_text()
+  code, out, err = run(capsys, "rules", *TINY, "--html", str(page))
+  assert code == 2 and out == "" and "--overwrite" in err and "rule 0 (float8_e4m3fn)" in page.read_text()
+
+
+def test_explain_takes_the_dotted_keys_listings_print(capsys):
+  slash = "mtp_block/mtp_layer_1/mtp_1_transformer_layer/self_attention/out"
+  code, by_module, _ = run(capsys, "rules", *TINY, "quantization=fp8_full", "--explain", slash)
+  assert code == 0 and "no rule matches" in by_module
+  for spelling in ("params.params." + slash.replace("/", ".") + ".kernel", slash.replace("/", "."), slash + "/kernel"):
+    code, out, err = run(capsys, "rules", *TINY, "quantization=fp8_full", "--explain", spelling)
+    assert (code, out) == (0, by_module), (spelling, err)
+
+
+def test_diff_output_file_is_the_report(capsys, tmp_path):
+  target = tmp_path / "diff.json"
+  code, out, _ = run(capsys, "diff", *REF_TINY, "--path", CKPT_ITEMS, "--format", "json", "--output_file",
+                     str(target))
+  assert code == 0 and target.read_text() == out and json.loads(out)["agree"]

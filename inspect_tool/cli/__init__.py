@@ -13,19 +13,22 @@ import click
 
 from inspect_tool.cli import flags
 
-_COMMANDS = {
-    "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext", "List a MaxText model's parameters from key=value overrides "
-                "(sharding and per-device memory with --devices/--topology)."),
+_COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
+    "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext",
+                "List a MaxText model's parameters from key=value overrides (sharding and per-device memory with "
+                "--devices/--topology)."),
     "orbax": ("inspect_tool.cli.listing_cmds", "orbax", "List an Orbax checkpoint's arrays (metadata only)."),
     "hf": ("inspect_tool.cli.listing_cmds", "hf", "List HF safetensors tensors (headers only)."),
-    "diff": ("inspect_tool.cli.diff_cmd", "diff", "Compare a model config with an Orbax or HF checkpoint (metadata only)."),
+    "diff": ("inspect_tool.cli.diff_cmd", "diff",
+             "Compare a model config with an Orbax or HF checkpoint (metadata only)."),
     "forward": ("inspect_tool.cli.forward_cmd", "forward", "Run the model on tokens; print losses and predictions."),
     "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
-    "export": ("inspect_tool.cli.export_cmd", "export", "Export an FP8 quantized checkpoint (Orbax or DeepSeek "
-               "FP8 safetensors) and validate it."),
+    "export": ("inspect_tool.cli.export_cmd", "export",
+               "Export an FP8 quantized checkpoint (Orbax or DeepSeek FP8 safetensors) and validate it."),
     "presets": ("inspect_tool.cli.discovery_cmds", "presets", "List the model presets (model_name=...)."),
     "keys": ("inspect_tool.cli.discovery_cmds", "keys", "List MaxText's keys: default and what each changes here."),
-    "topologies": ("inspect_tool.cli.discovery_cmds", "topologies", "List the --topology names and their devices."),
+    "topologies": ("inspect_tool.cli.discovery_cmds", "topologies",
+                   "List the slice names maxtext --topology takes, with their devices."),
 }
 
 
@@ -59,7 +62,8 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="\b\nExample:\n  inspect_checkpoint maxtext model_name=deepseek3-tiny mtp_num_layers=1 --summary\n\n"
+             epilog="\b\nExample:\n  inspect_checkpoint maxtext model_name=deepseek3-tiny mtp_num_layers=1 "
+             "--summary\n\n"
              "\b\nShell completion (bash; zsh and fish: zsh_source, fish_source):\n"
              "  eval \"$(_INSPECT_CHECKPOINT_COMPLETE=bash_source inspect_checkpoint)\"")
 @click.version_option(package_name="inspect-checkpoint", prog_name="inspect_checkpoint")

@@ -12,7 +12,8 @@ from inspect_tool.cli import options
                                       "first_num_dense_layers=1 vocab_size=1024 --path "
                                       "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
 @options.overrides_argument
-@click.option("--path", required=True, type=click.Path(), help="Orbax checkpoint (step directory, its items directory, or steps "
+@click.option("--path", required=True, type=click.Path(),
+              help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @options.report_options(formats=options.FORMATS)
 @options.distributed_options

@@ -48,7 +48,7 @@ def keys(pattern, fmt, output_file):
 @click.command(epilog=options.example("topologies | grep v5p"))
 @options.report_options()
 def topologies(fmt, output_file):
-  """List the --topology names (MaxText's compile_topology slices) and their devices per slice."""
+  """List the slice names maxtext --topology takes (MaxText's compile_topology names) and their devices per slice."""
   from inspect_tool.report import catalog_format  # pylint: disable=import-outside-toplevel
   from inspect_tool.sharding import topology_table  # pylint: disable=import-outside-toplevel
 
