@@ -284,3 +284,15 @@ def test_diff_output_file_is_the_report(capsys, tmp_path):
   code, out, _ = run(capsys, "diff", *REF_TINY, "--path", CKPT_ITEMS, "--format", "json", "--output_file",
                      str(target))
   assert code == 0 and target.read_text() == out and json.loads(out)["agree"]
+
+
+def test_export_output_file_is_its_report_and_overwrite_covers_it(capsys, tmp_path):
+  report, dst = tmp_path / "report.json", tmp_path / "out"
+  report.write_text("kept")
+  argv = ["export", *REF_TINY, "quantization=fp8_full", "--checkpoint", CKPT_ITEMS, "--output", str(dst),
+          "--no-validate", "--format", "json", "--output_file", str(report)]
+  code, out, err = run(capsys, *argv)
+  assert code == 2 and out == "" and "--overwrite" in err and report.read_text() == "kept" and not dst.exists()
+  code, out, err = run(capsys, *argv, "--overwrite")
+  assert code == 0, err
+  assert report.read_text() == out and json.loads(out) == json.loads((dst / "quantization_report.json").read_text())

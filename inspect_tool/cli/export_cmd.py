@@ -23,9 +23,9 @@ LAYOUTS = ("orbax", "deepseek-fp8")
               help="Output directory; it appears only when complete (with quantization_report.json).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
               help="Replace an existing --output (kept intact if the export fails) and --output_file.")
-@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False),
+@click.option("--tokens", "tokens_file", type=click.Path(),
               help="Validation tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(dir_okay=False),
+@click.option("--targets", "targets_file", type=click.Path(),
               help="Validation targets .npy (default: tokens shifted left).")
 @click.option("--min-top1", "--min_top1", "min_top1", type=click.FloatRange(0.0, 1.0), default=0.9,
               show_default=True, help="Exit 1 when any head's top-1 agreement with the source (same rules) is lower.")

@@ -16,9 +16,9 @@ from inspect_tool.cli import options
 @options.overrides_argument
 @click.option("--checkpoint", type=click.Path(), help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek "
               "directory (config.json + safetensors, bf16 or FP8), to load (default: seeded random init).")
-@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False),
+@click.option("--tokens", "tokens_file", type=click.Path(),
               help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(dir_okay=False),
+@click.option("--targets", "targets_file", type=click.Path(),
               help="int targets .npy (default: tokens shifted left).")
 @click.option("--save-logits", "--save_logits", "save_logits", type=options.OutputPath(),
               help="Write logits (and mtp_logits) to this .npz.")
