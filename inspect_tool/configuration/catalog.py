@@ -84,8 +84,12 @@ def key_rows(pattern: str | None = None) -> list[KeyRow]:
       raise errors.InputError(f"PATTERN {pattern!r}: {e}; a plain part of a key name works too") from None
   maxtext = maxtext_keys.defaults()
   rows = []
-  for key in config.known_keys():
+  for key in sorted({*config.known_keys(), "model_file"}):
     if key == "passthrough" or (matcher is not None and not matcher.search(key)):
+      continue
+    if key == "model_file":  # read by `config.resolve_config` itself, not a field
+      rows.append(KeyRow(key, None, "tree", "a YAML file of model keys used in place of a preset; this tool's key "
+                         "(not in MaxText's base.yml)"))
       continue
     field = config.FIELDS.get(key)
     default = field.default if field is not None else maxtext[key]
