@@ -40,15 +40,9 @@ class OutputPath(click.Path):
     super().__init__(dir_okay=False)
 
 
-def _apply(func, options):
-  for option in reversed(options):
-    func = option(func)
-  return func
-
-
 def output_options(func):
-  """--format, --check_dtype, --output_file, --html, --summary, --overwrite for every listing command."""
-  return _apply(func, [
+  """--format, --check_dtype, --output_file, --html, --summary for every listing command."""
+  options = [
       click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
                    help="Output format on stdout."),
       click.option("--check-dtype/--no-check-dtype", "--check_dtype", "check_dtype", default=False,
@@ -60,7 +54,10 @@ def output_options(func):
       click.option("--summary/--no-summary", default=False,
                    help="With text format, add the summary by group (always in json/markdown)."),
       overwrite_option,
-  ])
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
 
 
 def report_options(formats=("text", "json"), html: str | None = None, overwrite: bool = True):
@@ -78,7 +75,9 @@ def report_options(formats=("text", "json"), html: str | None = None, overwrite:
                                   help=f"Write a self-contained treescope HTML page ({html}) to this file."))
     if overwrite:
       options.append(overwrite_option)
-    return _apply(func, options)
+    for option in reversed(options):
+      func = option(func)
+    return func
   return decorate
 
 
@@ -163,13 +162,16 @@ def write_html(path: str, html: str) -> None:
 
 def distributed_options(func):
   """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed.runtime) and --quiet."""
-  return _apply(func, [
+  options = [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
       click.option("--num-processes", "--num_processes", "num_processes", type=int, help="Processes in the job."),
       click.option("--process-id", "--process_id", "process_id", type=int, help="This process's index (0 first)."),
       click.option("--quiet", is_flag=True, help="No progress output on stderr."),
-  ])
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
 
 
 def start_processes(coordinator, num_processes, process_id, quiet) -> None:
