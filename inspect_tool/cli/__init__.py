@@ -19,6 +19,7 @@ _COMMANDS = {
     "forward": ("inspect_tool.cli.forward_cmd", "forward", "Run the model on tokens; print losses and predictions."),
     "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
     "export": ("inspect_tool.cli.export_cmd", "export", "Export an FP8 quantized checkpoint and validate it."),
+    "import": ("inspect_tool.cli.import_cmd", "import_", "Import a Hugging Face DeepSeek release into MaxText."),
 }
 
 
