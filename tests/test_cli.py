@@ -239,9 +239,9 @@ def test_bare_command_is_help_and_success(capsys):
   assert code == 2 and "Did you mean 'rules'?" in err
 
 
-# Examples run from the repository root as printed; forward and export build and run the model (tests of their
-# own cover them), hf's example names a download.
-RUN_EXAMPLES = ("maxtext", "orbax", "diff", "rules", "presets", "keys", "topologies")
+# Examples run from the repository root as printed; forward, export and import build and run the model (tests of
+# their own cover them).
+RUN_EXAMPLES = ("maxtext", "orbax", "hf", "diff", "rules", "presets", "keys", "topologies")
 
 
 @pytest.mark.parametrize("name", list(cli._COMMANDS))  # pylint: disable=protected-access

@@ -101,6 +101,23 @@ class Tensors:
       return value.astype(np.float32)
     return dequantize(value, self._raw(name + SCALE_SUFFIX), self.block)
 
+  def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of `name` as float32, reading only their bytes (a float8 weight: whole, then cut)."""
+    file, entry = self.table[name]
+    if entry["dtype"] in _FP8 or not entry["shape"]:
+      return self.read(name)[start:stop]
+    dtype = np.dtype(_FLOATS[entry["dtype"]])
+    row = math.prod(entry["shape"][1:]) * dtype.itemsize
+    try:
+      with open(file, "rb") as f:
+        f.seek(entry["start"] + start * row)
+        data = f.read((stop - start) * row)
+    except OSError as e:
+      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+    if len(data) != (stop - start) * row:
+      raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
+    return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(entry["shape"][1:])).astype(np.float32)
+
 
 def dequantize(qvalue: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = hf_names.BLOCK) -> np.ndarray:
   """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c]."""

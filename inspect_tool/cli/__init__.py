@@ -25,6 +25,7 @@ _COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
     "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
     "export": ("inspect_tool.cli.export_cmd", "export",
                "Export an FP8 quantized checkpoint (Orbax or DeepSeek FP8 safetensors) and validate it."),
+    "import": ("inspect_tool.cli.import_cmd", "import_", "Import a Hugging Face DeepSeek release into MaxText."),
     "presets": ("inspect_tool.cli.discovery_cmds", "presets", "List the model presets (model_name=...)."),
     "keys": ("inspect_tool.cli.discovery_cmds", "keys", "List MaxText's keys: default and what each changes here."),
     "topologies": ("inspect_tool.cli.discovery_cmds", "topologies",

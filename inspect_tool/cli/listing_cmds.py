@@ -73,7 +73,7 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
     options.write_html(html_file, html.render_leaves_html(list(report.leaves), title=title))
 
 
-@click.command(epilog=options.example("hf --path DeepSeek-V3/ --summary"))
+@click.command(epilog=options.example("hf --path tests/data/import/hf_small --summary"))
 @click.option("--path", required=True, type=click.Path(),
               help="A .safetensors file, a directory of them, or a sharded index.json set.")
 @options.output_options

@@ -41,6 +41,7 @@ class OrbaxArrayWriter:
     self._context = context or ts_context()
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
+    self._scalars: set[tuple[str, ...]] = set()  # keys Orbax records as scalars (e.g. MaxText's `step`)
     self._in_flight: list = []  # the background writes of the last slice
     self.written_bytes = 0
 
@@ -79,6 +80,12 @@ class OrbaxArrayWriter:
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
+  def write_scalar(self, key: Sequence[str], value, dtype) -> None:
+    """A scalar of the pytree (Orbax's `scalar` value type; MaxText's converter writes `step` so), written now."""
+    store = self.create(key, (), dtype, ())
+    self._scalars.add(tuple(str(k) for k in key))
+    self.write_slice([(store, (), np.asarray(value, dtype))])
+
   def register(self, key: Sequence[str], chunk: Sequence[int]) -> None:
     """Records an array another process creates (for `_METADATA`)."""
     self._entries.setdefault(tuple(str(k) for k in key), tuple(int(c) for c in chunk))
@@ -93,7 +100,7 @@ class OrbaxArrayWriter:
     self.wait()
     try:
       for store, index, value in parts:
-        value = np.ascontiguousarray(value)
+        value = np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value)  # (the former is >= 1-D)
         self._in_flight.append(store[index].write(value) if index else store.write(value))
         self.written_bytes += value.nbytes
     except Exception as e:  # pylint: disable=broad-except
@@ -139,8 +146,9 @@ class OrbaxArrayWriter:
     self.wait()
     try:
       self._merge()
-      _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries))
-      _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(self._entries))
+      _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
+      arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
+      _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(arrays))
       now = time.time_ns()
       _write_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"),
                   {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
@@ -161,13 +169,13 @@ class OrbaxArrayWriter:
     txn.commit_async().result()
 
 
-def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]]) -> dict:
-  """Orbax's `_METADATA` for a pytree of nested dicts of arrays (keys → write/chunk shape)."""
+def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=frozenset()) -> dict:
+  """Orbax's `_METADATA` for a pytree of nested dicts of arrays (keys → write/chunk shape) and `scalars`."""
   nodes = {}
   for key, chunk in sorted(entries.items()):
-    nodes[str(key)] = {"key_metadata": [{"key": k, "key_type": 2} for k in key],
-                       "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
-                                          "write_shape": list(chunk)}}
+    value = ({"value_type": "scalar", "skip_deserialize": False} if key in scalars else
+             {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunk)})
+    nodes[str(key)] = {"key_metadata": [{"key": k, "key_type": 2} for k in key], "value_metadata": value}
   return {"tree_metadata": nodes, "use_ocdbt": True, "use_zarr3": True,
           "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
 

@@ -101,7 +101,6 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
-  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
 
   plan = plan_lib.plan_export(cfg)
   leaves = plan_lib.model_leaves(cfg)
@@ -123,21 +122,11 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
       data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
   else:
     skipped = "--no-validate"
-  with _temporary(dst, overwrite) as tmp:
+  with temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
     step_dir = os.path.join(tmp, str(report_lib.STEP))
-    items_dir = os.path.join(step_dir, report_lib.ITEM)
-    os.makedirs(items_dir, exist_ok=True)
-    try:
-      with progress.ByteProgress(f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)", source_bytes,
-                                 len(jobs)) as bar:
-        writer, written = write_orbax.write_arrays(jobs, src, items_dir, process_index=index, process_count=count,
-                                                   on_slice=bar.update)
-      distributed.barrier("fp8_export written")
-      if index == 0:
-        writer.finalize(step_dir, report_lib.ITEM)
-    except quant_errors.QuantError as e:  # name the destination, not its temporary directory
-      raise errors.InputError(str(e).replace(tmp, dst)) from None
+    written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
+                                           label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)")
     if index != 0:
       return ExportResult(os.path.abspath(dst), {}, None)
     atomic.test_point("written")
@@ -159,7 +148,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
 
 
 @contextlib.contextmanager
-def _temporary(dst: str, overwrite: bool):
+def temporary_directory(dst: str, overwrite: bool):
   """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 

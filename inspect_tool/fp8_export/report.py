@@ -11,13 +11,13 @@ import os
 from typing import Sequence
 
 from inspect_tool.paramtree import tree
+from inspect_tool.fp8_export import write_orbax
 
 FORMAT_VERSION = 1
-STEP = 0
-ITEM = "items"
+STEP, ITEM = write_orbax.STEP, write_orbax.ITEM
 
 
-def _producer() -> dict:
+def producer() -> dict:
   from importlib import metadata  # pylint: disable=import-outside-toplevel
 
   try:
@@ -49,7 +49,7 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
                  "quantized": "<key>/array/qvalue (qtype, weight shape) + <key>/array/scale (weight rank, 1 on "
                               "shared axes, compute dtype): Qwix PTQ layout, dense and expert weights alike",
                  "copied": "unchanged (same key under params/params, same dtype)"},
-      "producer": _producer(),
+      "producer": producer(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": command,
       "source": {"checkpoint": os.path.abspath(source) if source else None,

@@ -352,3 +352,37 @@ def _two_pass(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_writ
     nbytes = _slice_bytes(job, index)
     progress(nbytes - nbytes // 2, 0)
   return sum(_slice_bytes(job, index) for index in unit)
+
+
+STEP, ITEM = 0, "items"  # MaxText's converter layout: DST/0/items
+
+
+def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, label: str,
+                     step: bool = False) -> Written:
+  """Writes the arrays of `jobs` as the Orbax checkpoint `tmp/0/items`, every process its share, process 0 the
+  metadata once all have written (and, with `step`, MaxText's scalar `step` = 0 as its converter does); a progress
+  bar named `label`. A write error names `dst`, not `tmp`."""
+  import os  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool import errors, progress  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
+  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
+
+  index, count = distributed.process_index(), distributed.process_count()
+  step_dir = os.path.join(tmp, str(STEP))
+  items_dir = os.path.join(step_dir, ITEM)
+  os.makedirs(items_dir, exist_ok=True)
+  total = sum(math.prod(job.leaf.shape) * np.dtype(job.leaf.dtype).itemsize for job in jobs)
+  try:
+    with progress.ByteProgress(label, total, len(jobs)) as bar:
+      writer, written = write_arrays(jobs, source, items_dir, process_index=index, process_count=count,
+                                     on_slice=bar.update)
+    distributed.barrier("checkpoint written")
+    if index == 0:
+      if step:
+        writer.write_scalar(("step",), 0, np.int64)
+      writer.finalize(step_dir, ITEM)
+  except quant_errors.QuantError as e:
+    raise errors.InputError(str(e).replace(tmp, dst)) from None
+  return written
+

@@ -1,0 +1,185 @@
+"""The import flow: a Hugging Face DeepSeek directory → a MaxText Orbax checkpoint, inside a claimed destination.
+
+Stages: keys (`keys`: config.json translated, the user's keys checked against it) → the model's leaves → the
+source (`source.HfSource`: every leaf read from the release's tensors) → the export's writer (`fp8_export.
+write_orbax`: slices within `--max-memory`, every process its share, `DST/0/items` in MaxText's converter
+layout) → the MTP block's copies of the embedding and head checked → `import_report.json`. DST is claimed and
+written as `export` writes (`output.destination`, `output.atomic`): it appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from inspect_tool import errors
+from inspect_tool import progress
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import pipeline as export_pipeline
+from inspect_tool.fp8_export import write_orbax
+from inspect_tool.hf_import import keys as keys_lib
+from inspect_tool.hf_import import source as source_lib
+from inspect_tool.output import atomic
+from inspect_tool.output import destination
+from inspect_tool.paramtree import tree
+
+REPORT_NAME = "import_report.json"
+FORMAT_VERSION = 1
+SUPPORTED = "DeepSeek-V2/V3 layouts (decoder_block=deepseek without the V3.2 indexer)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportResult:
+  dst: str
+  report: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoQuantization:
+  """The export plan of an import: every array is copied (converted), none quantized."""
+
+  weights: dict = dataclasses.field(default_factory=dict)
+
+
+def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwrite: bool = False,
+                      max_memory: int | None = None, command: str | None = None) -> ImportResult:
+  """Imports the HF DeepSeek directory `path` into a MaxText Orbax checkpoint at `dst` (`dst/0/items`).
+
+  `tokens` are MaxText key=value overrides on top of the keys config.json determines (`scan_layers`,
+  `weight_dtype`, `param_scan_axis` are free; keys contradicting config.json are refused). Under
+  `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
+  """
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
+
+  path = os.path.abspath(path)
+  keys = keys_lib.maxtext_keys(path, list(tokens))
+  cfg = config_lib.resolve_config(keys)
+  _check_supported(cfg)
+  max_memory = budget.resolve_max_memory(max_memory)
+  args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
+  if distributed.process_index() != 0:
+    return _import(cfg, keys, path, dst, **args)
+  with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
+    return _import(cfg, keys, path, claimed.path, **args)
+
+
+def _check_supported(cfg) -> None:
+  if cfg.decoder_block != "deepseek" or cfg.use_indexer:
+    raise errors.ConfigError(f"import reads {SUPPORTED}; model {cfg.model_name!r} (decoder_block="
+                             f"{cfg.decoder_block}{', use_indexer=true' if cfg.use_indexer else ''}) is not one")
+
+
+def _leaves(cfg) -> list[tree.Leaf]:
+  from inspect_tool.fp8_export import plan as plan_lib  # pylint: disable=import-outside-toplevel
+
+  return [leaf for leaf in plan_lib.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
+
+
+def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportResult:
+  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
+
+  budget.return_freed_memory()
+  src = source_lib.HfSource(path, cfg, _leaves(cfg))
+  index = distributed.process_index()
+  try:
+    held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
+    jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
+    unused = src.unused_names()
+    if unused and index == 0:
+      shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+      progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
+    with export_pipeline.temporary_directory(dst, overwrite) as tmp:
+      atomic.test_point("start")
+      written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
+                                               step=True)
+      if index != 0:
+        return ImportResult(os.path.abspath(dst), {})
+      atomic.test_point("written")
+      copies = mtp_copies(src, cfg)
+      report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
+                       memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
+                               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
+                               "processes": distributed.process_count()})
+      atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.test_point("report")
+  finally:
+    src.close()
+  return ImportResult(os.path.abspath(dst), report)
+
+
+def mtp_copies(src: source_lib.HfSource, cfg) -> list[dict]:
+  """The release's per-MTP-layer copies of the embedding and the head, compared with the main ones row band by
+  row band (MaxText shares the main ones): [{name, main, equal, max_abs_diff}]."""
+  out = []
+  for k in range(1, cfg.mtp_num_layers + 1):
+    layer = cfg.num_decoder_layers + k - 1
+    for copy, main in ((f"model.layers.{layer}.embed_tokens.weight", "model.embed_tokens.weight"),
+                       (f"model.layers.{layer}.shared_head.head.weight", "lm_head.weight")):
+      if copy not in src.tensors or main not in src.tensors:
+        continue
+      if src.tensors.shape(copy) != src.tensors.shape(main):
+        out.append({"name": copy, "main": main, "equal": False, "max_abs_diff": None})
+        continue
+      rows, worst = src.tensors.shape(main)[0], 0.0
+      band = max(1, source_lib.ROW_BAND_BYTES // (4 * max(1, int(np.prod(src.tensors.shape(main)[1:])))))
+      for start in range(0, rows, band):
+        stop = min(rows, start + band)
+        delta = np.abs(src.tensors.read_rows(copy, start, stop) - src.tensors.read_rows(main, start, stop))
+        worst = max(worst, float(np.nanmax(delta)) if delta.size else 0.0)
+      out.append({"name": copy, "main": main, "equal": worst == 0.0, "max_abs_diff": worst})
+  differing = [c["name"] for c in out if not c["equal"]]
+  if differing:
+    progress.note(f"warning: {', '.join(differing)} differ from the main embedding/head; MaxText's MTP block "
+                  "shares the main ones, which were imported (see import_report.json)")
+  return out
+
+
+def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
+  """The HF tensors of one leaf, compactly: the first name's pattern, the layers, the expert count, the count."""
+  entry = src.entry(key)
+  names = src.source_names(key)
+  return {"pattern": entry.rule.names[0], "layers": list(entry.layers), "count": len(names),
+          "first": names[0] if names else None}
+
+
+def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, memory) -> dict:
+  from inspect_tool.fp8_export import report as export_report  # pylint: disable=import-outside-toplevel
+
+  arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
+                                    "source": _sources(src, job.leaf.key)} for job in jobs}
+  return {
+      "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
+      "producer": export_report.producer(),
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": command,
+      "source": path,
+      "maxtext_keys": list(keys),
+      "model_name": cfg.model_name,
+      "weight_dtype": cfg.weight_dtype,
+      "scan_layers": cfg.scan_layers,
+      "arrays": arrays,
+      "num_arrays": len(arrays),
+      "num_parameters": int(sum(int(np.prod(job.leaf.shape)) for job in jobs)),
+      "bytes_written": written.written_bytes,
+      "mtp_shared_copies": copies,
+      "unused_tensors": unused,
+      "memory": memory,
+  }
+
+
+def format_text(result: ImportResult) -> str:
+  """The command's summary, ending with the keys to use with DST."""
+  report = result.report
+  keys = " ".join(report["maxtext_keys"])
+  lines = [f"imported {report['source']} -> {result.dst}: {report['num_arrays']} arrays, "
+           f"{report['num_parameters']:,} parameters ({report['weight_dtype']}, "
+           f"{'scanned' if report['scan_layers'] else 'unscanned'})",
+           f"MaxText keys: {keys}",
+           f"use with: inspect_checkpoint forward {keys} --checkpoint {result.dst}"]
+  return "\n".join(lines) + "\n"
