@@ -12,7 +12,14 @@ PINS := constraints/maxtext-0.2.5.txt
 # MaxText's pins are for Python 3.12; other versions resolve setup.cfg's ranges alone.
 CONSTRAINTS := $(if $(filter 3.12,$(PYVER)),-c $(PINS),)
 
-.PHONY: demo test bench clean stack
+# Pipelines in recipes fail when the inspect_checkpoint command in them fails.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+.DEFAULT_GOAL := help
+IC := $(BIN)/python -m inspect_tool
+M671 := model_name=deepseek3-671b mtp_num_layers=1
+
+.PHONY: help demo test bench clean stack
 
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
@@ -20,20 +27,32 @@ $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
-stack: $(BIN)/.installed
+help: ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/' | expand -t 14
+	@echo "  (PYTHON=python3.11 builds and uses the Python 3.11 stack in .venv-py3.11)"
+
+stack: $(BIN)/.installed ## create the virtual environment if needed and print the stack it holds
 	@$(BIN)/python -c "import sys, importlib.metadata as m; \
 	print('stack: Python', sys.version.split()[0], *(p + ' ' + m.version(p) for p in \
 	('jax', 'flax', 'qwix', 'orbax-checkpoint', 'numpy')), '($(VENV))')"
 
-demo: stack
-	$(BIN)/inspect_checkpoint maxtext model_name=deepseek3-671b mtp_num_layers=1
+demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 256 devices (no accelerator)
+	@echo; echo '$$ inspect_checkpoint maxtext $(M671) --summary   # (the 58-line listing left out)'
+	@$(IC) maxtext $(M671) --summary | sed -n '/^Total Parameters/,$$p'
+	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true   # (the verdict)'
+	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true \
+	  | sed -n '/^Unused rules/p;/^Quantized share/,/^  total/p' | grep -v '^    '
+	@echo; echo '$$ inspect_checkpoint maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 \'
+	@echo '    --devices 256 --summary --train adamw --device-memory 95GiB   # (per-device totals)'
+	@$(IC) maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 --devices 256 --summary --train adamw \
+	  --device-memory 95GiB | sed -n '/^Per-device memory/,$$p' | grep -E '^(Per-device|  group|  total|Largest|--device)'
 
-test: stack
+test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
 	bash scripts/install_chromium.sh
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-bench: stack
+bench: stack ## CLI wall time and peak RSS (bench/bench_cli.py); each bench/*.py also has --tiny
 	$(BIN)/python bench/bench_cli.py
 
-clean:
+clean: ## remove the virtual environments and build output
 	rm -rf .venv-py* build *.egg-info

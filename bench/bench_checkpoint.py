@@ -5,7 +5,10 @@ metadata only, so both must stay flat as checkpoints grow: targets <= 1.5 s and 
 throughput of restoring every array onto the device mesh against `cat` of the same files (page cache warm
 for both; `cat` runs first to warm it).
 
-  python bench/bench_checkpoint.py [--gb 2.2] [--dir /tmp] [--keep]
+  python bench/bench_checkpoint.py [--experts 40] [--dir /tmp] [--keep] [--tiny]
+
+`--tiny` (a smoke run, seconds): a ~10 MB checkpoint of the same layout (every size / 8 or less, 4 experts, one
+MoE layer), one timed run.
 
 The checkpoint is written one array at a time (Orbax partial saves) so the benchmark itself needs about
 one array's worth of memory, and it is deleted afterwards unless --keep.
@@ -14,6 +17,7 @@ one array's worth of memory, and it is deleted afterwards unless --keep.
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import shutil
@@ -26,10 +30,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A scaled DeepSeek-V3 layout (scanned, layer axis at 1, MTP depth 1); sizes chosen for ~2.2 GB float32.
-E, V, H, QR, KR, DN, DR, DV, F, FM = 1024, 32768, 16, 384, 256, 128, 64, 128, 4096, 512
+Dims = collections.namedtuple("Dims", "E V H QR KR DN DR DV F FM")
+FULL = Dims(1024, 32768, 16, 384, 256, 128, 64, 128, 4096, 512)
+TINY = Dims(128, 4096, 2, 48, 32, 16, 8, 16, 512, 64)
 
 
-def _attention(n: int | None) -> dict[str, tuple[int, ...]]:
+def _attention(n: int | None, d: Dims) -> dict[str, tuple[int, ...]]:
+  E, H, QR, KR, DN, DR, DV = d.E, d.H, d.QR, d.KR, d.DN, d.DR, d.DV  # pylint: disable=invalid-name
   def s(*dims):  # insert the layer axis at index 1 for scanned stacks
     return dims[:1] + (n,) + dims[1:] if n else dims
   return {
@@ -41,11 +48,12 @@ def _attention(n: int | None) -> dict[str, tuple[int, ...]]:
   }
 
 
-def _moe(n: int | None, experts: int) -> dict[str, tuple[int, ...]]:
+def _moe(n: int | None, experts: int, d: Dims) -> dict[str, tuple[int, ...]]:
+  E, FM = d.E, d.FM  # pylint: disable=invalid-name
   def s(*dims):
     return dims[:1] + (n,) + dims[1:] if n else dims
   block = "DeepSeekMoeBlock_0/"
-  out = _attention(n)
+  out = _attention(n, d)
   out.update({
       block + "MoeBlock_0/gate/kernel": s(E, experts),
       block + "MoeBlock_0/gate/bias": (n, experts) if n else (experts,),
@@ -56,18 +64,19 @@ def _moe(n: int | None, experts: int) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def param_shapes(experts: int = 40, moe_layers: int = 6) -> dict[str, tuple[int, ...]]:
+def param_shapes(experts: int = 40, moe_layers: int = 6, d: Dims = FULL) -> dict[str, tuple[int, ...]]:
   """Module path -> shape of the benchmark model (converter layout: gate bias inside params)."""
+  E, V, F = d.E, d.V, d.F  # pylint: disable=invalid-name
   shapes = {"token_embedder/embedding": (V, E), "decoder/decoder_norm/scale": (E,),
             "decoder/logits_dense/kernel": (E, V)}
-  dense = _attention(1)
+  dense = _attention(1, d)
   dense.update({"mlp/wi_0/kernel": (E, 1, F), "mlp/wi_1/kernel": (E, 1, F), "mlp/wo/kernel": (F, 1, E)})
   shapes.update({"decoder/dense_layers/" + k: v for k, v in dense.items()})
-  shapes.update({"decoder/moe_layers/" + k: v for k, v in _moe(moe_layers, experts).items()})
+  shapes.update({"decoder/moe_layers/" + k: v for k, v in _moe(moe_layers, experts, d).items()})
   mtp = "mtp_block/mtp_layer_1/"
   shapes.update({mtp + "mtp_1_embedding_norm/scale": (E,), mtp + "mtp_1_hidden_state_norm/scale": (E,),
                  mtp + "mtp_1_final_norm/scale": (E,), mtp + "mtp_1_projection/kernel": (2 * E, E)})
-  shapes.update({mtp + "mtp_1_transformer_layer/" + k: v for k, v in _moe(None, experts).items()})
+  shapes.update({mtp + "mtp_1_transformer_layer/" + k: v for k, v in _moe(None, experts, d).items()})
   return shapes
 
 
@@ -157,8 +166,11 @@ def main() -> int:
   parser.add_argument("--experts", type=int, default=40, help="routed experts (40 gives ~2.2 GB)")
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
+  parser.add_argument("--tiny", action="store_true", help="smoke run: a ~10 MB checkpoint, one timed run")
   args = parser.parse_args()
-  shapes = param_shapes(experts=args.experts)
+  if args.tiny:
+    args.runs = 1
+  shapes = (param_shapes(experts=4, moe_layers=1, d=TINY) if args.tiny else param_shapes(experts=args.experts))
   need = sum(4 * math.prod(s) for s in shapes.values())
   root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
   free = shutil.disk_usage(root).free

@@ -15,6 +15,8 @@ checkpoint, 671e9 float32 parameters = 2.68 TB read) from the bounded export's t
 and 16 such hosts (each process writes 1/16 of the slices; the merge of per-process databases is metadata only).
 
   .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--repeat 3] [--keep]
+
+`--tiny` (a smoke run, seconds): the 5.6 MB 4-layer deepseek3-tiny source only, one round, no deepseek-fp8 cases.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ VARIANTS = {
                    "vocab_size=614400", "logits_via_embedding=true", "base_moe_mlp_dim=256", "base_mlp_dim=1024",
                    "num_experts=64", "base_num_decoder_layers=4", "first_num_dense_layers=1"], "600MB"),
 }
+TINY = (["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+         "first_num_dense_layers=1", "vocab_size=1024"], "600MB")
 QUANT = ["quantization=fp8_full"]
 PARAMS_671B = 671e9
 
@@ -165,12 +169,15 @@ def main() -> int:
   parser.add_argument("--only", choices=sorted(VARIANTS), help="benchmark one source checkpoint only")
   parser.add_argument("--keep", action="store_true", help="keep the work directory (sources are removed)")
   parser.add_argument("--repeat", type=int, default=3, help="rounds of every case, interleaved (median reported)")
+  parser.add_argument("--tiny", action="store_true", help="smoke run: a 5.6 MB source, one round")
   args = parser.parse_args()
   root = tempfile.mkdtemp(prefix="bench_export_", dir=args.dir)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   results = {"machine": f"{os.cpu_count()} CPUs"}
   try:
-    names = [args.only] if args.only else list(VARIANTS)
+    if args.tiny:
+      results["tiny"] = bench_variant(root, "tiny", *TINY, env, hf=False, repeat=1)
+    names = [] if args.tiny else [args.only] if args.only else list(VARIANTS)
     for i, name in enumerate(names):
       tokens, bound = VARIANTS[name]
       results[name] = bench_variant(root, name, tokens, bound, env, hf=i == 0, repeat=args.repeat)

@@ -1,7 +1,8 @@
 """Benchmark: quantized (Qwix QT fp8_full) vs unquantized forward wall time of deepseek3-tiny models.
 
-Run: .venv/bin/python bench/bench_forward.py [--runs 5]
+Run: .venv-py3.12/bin/python bench/bench_forward.py [--runs 5] [--tiny]
 Jitted forward of a (2, 16) batch after a warm-up call, median of N; prints the backend (run it on a GPU too).
+`--tiny` (a smoke run, seconds): one timed run of the 4-layer model only.
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ def _time(model, data, runs: int) -> float:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--tiny", action="store_true", help="smoke run: one timed run, the 4-layer model only")
   args = parser.parse_args()
+  models = dict(list(MODELS.items())[:1]) if args.tiny else MODELS
+  if args.tiny:
+    args.runs = 1
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
   print(f"{'model':26s} {'unquantized ms':>15s} {'fp8_full ms':>12s} {'ratio':>6s}")
-  for name, tokens in MODELS.items():
+  for name, tokens in models.items():
     cfg = config.resolve_config(tokens)
     qcfg = config.resolve_config(tokens + ["quantization=fp8_full", "quantize_mtp=true"])
     data = batch.make_batch(batch.fixed_tokens(2, 16, cfg.vocab_size))

@@ -13,6 +13,7 @@ device has FP8 units, else against bf16); speedup = bf16 time / FP8 time of the 
   python bench/bench_gmm.py --grad                # forward + backward
   python bench/bench_gmm.py --small               # CPU: same structure, shapes / 16 and 32 experts
   python bench/bench_gmm.py --backends xla pallas --tokens 4096
+  python bench/bench_gmm.py --tiny                # smoke run (seconds): --small, 256 tokens, 1 warmup, 1 repeat
 """
 
 import argparse
@@ -128,7 +129,10 @@ def main(argv=None) -> None:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--tiny", action="store_true", help="smoke run: --small, 256 tokens, 1 warmup, 1 repeat")
   args = parser.parse_args(argv)
+  if args.tiny:
+    args.small, args.tokens, args.warmup, args.repeats = True, [256], 1, 1
   backends = args.backends
   if backends is None:  # Pallas off TPU is interpret mode: a correctness tool, not a kernel to time
     backends = [b for b in gmm_backends.KERNELS if b != "pallas" or jax.default_backend() == "tpu"]

@@ -1,0 +1,42 @@
+"""Every bench/ script runs in its --tiny mode (smallest inputs, one round): exit 0 and its ratio line.
+
+Figures are not asserted (speed is measured by the scripts themselves, not by tests); this keeps the scripts working.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUMBER = r"\d+(?:\.\d+)?"
+
+# script -> lines its tiny run must print (regular expressions, one per line, multiline mode)
+RATIO_LINES = {
+    "bench_cli.py": [rf"^tiny unscanned / tiny scanned: {NUMBER}x wall, {NUMBER}x CPU$"],
+    "bench_sharding.py": [rf"^tiny scanned\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+≤2\s+{NUMBER}$"],
+    "bench_forward.py": [rf"^tiny L4 V1024\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"],
+    "bench_gmm.py": [rf"^xla\s+16 wi\s.*\s{NUMBER}x$", rf"^xla\s+16 wo\s.*\s{NUMBER}x$"],
+    "bench_checkpoint.py": [rf"ratio restore/cat = {NUMBER}$", r"^\(a\) inspect_checkpoint orbax --path: median of 1"],
+    "bench_export.py": [rf"^\[tiny\] export --max-memory 600MB\s+{NUMBER} s .* {NUMBER} x Orbax's time",
+                        r"equals the unbounded one byte for byte: True$"],
+}
+
+
+def test_every_bench_script_has_a_tiny_case():
+  assert sorted(f for f in os.listdir(os.path.join(REPO, "bench")) if f.endswith(".py")) == sorted(RATIO_LINES)
+
+
+@pytest.mark.parametrize("script", sorted(RATIO_LINES))
+def test_bench_script_runs_in_tiny_mode(script):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  out = subprocess.run([sys.executable, os.path.join("bench", script), "--tiny"], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=600, check=False)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  for pattern in RATIO_LINES[script]:
+    assert re.search(pattern, out.stdout, re.MULTILINE), (pattern, out.stdout[-3000:])
