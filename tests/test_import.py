@@ -198,3 +198,25 @@ def test_overwrite_replaces_an_earlier_import_only(imported, tmp_path):
   assert report["scan_layers"] is False and "params.params.decoder.moe_layers_1.self_attention.wq_b.kernel" in (
       report["arrays"])
   assert sorted(os.listdir(tmp_path)) == ["earlier"]
+
+
+def test_import_export_bf16_import_round_trip_gives_the_same_bf16_arrays(imported, tmp_path):
+  dst, _ = imported
+  out = _run("export", *KEYS, "--checkpoint", str(dst), "--layout", "deepseek-bf16", "--output", str(tmp_path / "hf"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "bf16, unquantized" in out.stdout
+  written = read_safetensors(str(tmp_path / "hf"))
+  assert {v.dtype for k, v in written.items() if not k.endswith("e_score_correction_bias")} == {np.dtype(ml_dtypes.bfloat16)}
+  assert not [k for k in written if k.endswith("_scale_inv")]
+  assert set(written) == set(read_safetensors(HF))  # the release's names, the MTP layer as layer 3 included
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
+  out = _run("import", *KEYS, "--path", str(tmp_path / "hf"), "--output", str(tmp_path / "again"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  first, again = _arrays(str(dst)), _arrays(str(tmp_path / "again"))
+  assert sorted(first) == sorted(again)
+  for name, value in first.items():
+    expected = value.astype(ml_dtypes.bfloat16).astype(value.dtype) if value.dtype == np.float32 else value
+    if name.endswith("gate.bias"):
+      expected = value  # the release keeps e_score_correction_bias float32
+    assert again[name].tobytes() == expected.tobytes(), name

@@ -8,7 +8,7 @@ import click
 
 from inspect_tool.cli import options as cli_options
 
-LAYOUTS = ("orbax", "deepseek-fp8")
+LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 
 
 @click.command(epilog=cli_options.example("export model_name=deepseek3-tiny mtp_num_layers=1 "
@@ -32,7 +32,8 @@ LAYOUTS = ("orbax", "deepseek-fp8")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Run source and export on the batch and compare them (recorded in the report).")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="orbax", show_default=True,
-              help="orbax: Qwix PTQ layout loadable by `forward`; deepseek-fp8: HF safetensors, 128x128 block scales.")
+              help="orbax: Qwix PTQ layout loadable by `forward`; deepseek-fp8: HF safetensors, 128x128 block scales; "
+                   "deepseek-bf16: HF safetensors in the release's names, bf16, unquantized (back from `import`).")
 @click.option("--max-memory", "--max_memory", "max_memory", type=str,
               help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); arrays "
                    "are read, quantized and written by slices that fit.")
@@ -54,14 +55,16 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
-  if layout == "deepseek-fp8":
+  if layout in ("deepseek-fp8", "deepseek-bf16"):
+    fp8 = layout == "deepseek-fp8"
     summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
-                                           max_memory=max_bytes)
+                                           max_memory=max_bytes, fp8=fp8)
     if fmt == "json":
       text = json.dumps(summary, indent=1) + "\n"
     else:
-      text = (f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({summary['num_fp8']} fp8 with "
-              f"128x128 block scales) in {len(summary['files'])} file(s), {summary['total_size']:,} bytes\n")
+      kind = f"{summary['num_fp8']} fp8 with 128x128 block scales" if fp8 else "bf16, unquantized"
+      text = (f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({kind}) in {len(summary['files'])} "
+              f"file(s), {summary['total_size']:,} bytes\n")
     cli_options.emit_text(text, output_file)
     return 0
   data = None

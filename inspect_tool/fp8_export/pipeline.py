@@ -161,8 +161,10 @@ def temporary_directory(dst: str, overwrite: bool):
 
 
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
-                        mesh=None, max_memory: int | None = None) -> dict:  # pylint: disable=unused-argument
-  """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales).
+                        mesh=None, max_memory: int | None = None, fp8: bool = True) -> dict:  # pylint: disable=unused-argument
+  """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales); with
+  `fp8=False`, `--layout deepseek-bf16`: the same names and files in bfloat16, no quantization (the way back to
+  Hugging Face after `import`).
 
   The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read by blocks and converted one
   unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
@@ -181,9 +183,9 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         arrays.keys(), cfg, max_memory, held=budget.current_rss() + write_orbax.RESERVE_BYTES,
         chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
-      with progress.step(f"writing DeepSeek FP8 safetensors ({len(arrays)} arrays)"):
+      with progress.step(f"writing DeepSeek {'FP8' if fp8 else 'bf16'} safetensors ({len(arrays)} arrays)"):
         try:
-          summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes,
+          summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes, fp8=fp8,
                                                 chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None

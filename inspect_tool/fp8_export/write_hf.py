@@ -1,4 +1,5 @@
-"""Export stage 4, `--layout deepseek-fp8`: Hugging Face DeepSeek safetensors in DeepSeek-V3's FP8 release layout.
+"""Export stage 4, `--layout deepseek-fp8` / `deepseek-bf16`: Hugging Face DeepSeek safetensors in DeepSeek-V3's
+release layout, FP8 (the release's own) or bfloat16 (`fp8=False`: the same names, every weight bf16, no scales).
 
 `write_deepseek_fp8(arrays, cfg, dst_dir)` maps every MaxText leaf to its Hugging Face DeepSeek-V3 (or V2)
 tensor(s), quantizes the Linear weights to float8_e4m3fn with one float32 `weight_scale_inv` per 128×128 block
@@ -75,8 +76,9 @@ def _block_quantize(w_oi):
   return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
 
 
-def _fp8_regions(writer, entry: hf_names.Entry, cfg) -> dict[tuple[int, int], tuple[Any, Any]]:
-  """Places every FP8 tensor of a leaf, in release order (layer, then expert): (stack index, expert) -> regions."""
+def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[tuple[int, int], tuple]:
+  """Places every FP8 tensor of a leaf (bf16 with `fp8=False`), in release order (layer, then expert):
+  (stack index, expert) -> regions."""
   rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
   per_layer = list(entry.shape)
   if entry.layer_axis is not None:
@@ -90,8 +92,9 @@ def _fp8_regions(writer, entry: hf_names.Entry, cfg) -> dict[tuple[int, int], tu
     name = rule.names[0].replace("{i}", str(layer))
     for j in range(per_layer[0] if experts else 1):
       tensor = name.replace("{j}", str(j))
-      regions[s, j] = (writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
-                       writer.reserve(tensor + "_scale_inv", np.float32, scale_shape))
+      regions[s, j] = ((writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
+                        writer.reserve(tensor + "_scale_inv", np.float32, scale_shape)) if fp8 else
+                       (writer.reserve(tensor, ml_dtypes.bfloat16, shape),))
   return regions
 
 
@@ -113,7 +116,8 @@ def _blocks(value, cut: budget.Slicing, ahead: bool) -> Iterator[tuple[tuple[sli
       del block
 
 
-def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None) -> None:
+def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
+                    fp8: bool = True) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
   The leaf is read in blocks, cut along its expert axis, then its layer axis, so that each source chunk is decoded
@@ -125,7 +129,7 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
   quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
   absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
   """
-  regions = _fp8_regions(writer, entry, cfg)
+  regions = _fp8_regions(writer, entry, cfg, fp8)
   layer_axis = entry.layer_axis
   expert_axis = None
   if entry.rule.kind == EXPERTS_FP8:
@@ -143,8 +147,9 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
           at[layer_axis] = s - index[layer_axis].start
         if expert_axis is not None:
           at[expert_axis] = j - index[expert_axis].start
-        qvalue, scale_inv = _block_quantize(hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg))
-        for region, array in zip(regions[s, j], (qvalue, scale_inv)):
+        matrix = hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg)
+        arrays = _block_quantize(matrix) if fp8 else (_cast(matrix, ml_dtypes.bfloat16),)
+        for region, array in zip(regions[s, j], arrays):
           region.write(array)
     del block
 
@@ -266,14 +271,15 @@ def _rope_scaling(cfg) -> dict[str, Any]:
           "truncate": bool(cfg.rope_truncate)}
 
 
-def hf_config(cfg) -> dict[str, Any]:
-  """`config.json` of the exported model: DeepSeek-V3 (or V2 for plain top-k routing) fields from `cfg`."""
+def hf_config(cfg, fp8: bool = True) -> dict[str, Any]:
+  """`config.json` of the exported model: DeepSeek-V3 (or V2 for plain top-k routing) fields from `cfg`; the FP8
+  layout's `quantization_config` with `fp8`."""
   v3 = cfg.deepseek_routing
   groups = cfg.n_routing_groups > 0 and v3
   rope_scaling = None
   if cfg.rope_type == "yarn":
     rope_scaling = _rope_scaling(cfg)
-  return {
+  doc = {
       "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
       "model_type": "deepseek_v3" if v3 else "deepseek_v2",
       "vocab_size": cfg.vocab_size,
@@ -312,8 +318,8 @@ def hf_config(cfg) -> dict[str, Any]:
       "tie_word_embeddings": cfg.logits_via_embedding,
       "torch_dtype": "bfloat16",
       "use_cache": True,
-      "quantization_config": dict(QUANTIZATION_CONFIG),
   }
+  return dict(doc, quantization_config=dict(QUANTIZATION_CONFIG)) if fp8 else doc
 
 
 def _check_supported(cfg) -> None:
@@ -357,8 +363,10 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        work_bytes: int = DEFAULT_WORK_BYTES,
                        header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
-                       progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-  """Writes `arrays` (MaxText leaf key -> float array) as an FP8 Hugging Face DeepSeek checkpoint in `dst_dir`.
+                       progress: Callable[[int, int, str], None] | None = None,
+                       fp8: bool = True) -> dict[str, Any]:
+  """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
+  checkpoint in `dst_dir`.
 
   Memory holds at most two blocks of a leaf (the next read while the current is converted) and one unit of work:
   FP8 leaves are read in blocks (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix, halved,
@@ -402,7 +410,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                                    f"the model of this config has {entry.shape}")
       if entry.rule.kind in (FP8, EXPERTS_FP8):
         _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry),
-                        chunk_shape(key) if chunk_shape else None)
+                        chunk_shape(key) if chunk_shape else None, fp8)
         continue
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
       for layer, part in _slices(value, entry):
@@ -411,7 +419,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       writer.add(name, array)
     weight_map = writer.close()
   num_fp8 = sum(name.endswith("_scale_inv") for name in weight_map)
-  config = hf_config(cfg)
+  config = hf_config(cfg, fp8)
   index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
   for name, doc in ((INDEX_NAME, index), ("config.json", config)):
     path = os.path.join(dst_dir, name)

@@ -97,7 +97,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
   held = (budget_lib.current_rss() if held is None else held) + RESERVE_BYTES
-  jobs = []
+  jobs, short = [], []
   for key in source.keys():
     leaf = source.leaf(key)
     wq = plan.weights.get(key)
@@ -119,12 +119,8 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
       cut, cuttable = wide, every_axis
     if cut is None:
       smallest = budget_lib.smallest_slice(leaf.shape, itemsize, every_axis if gathers else cuttable)
-      need = held + chunk + smallest * budget_lib.SLICE_FACTOR
-      raise errors.InputError(
-          f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
-          f"{'/'.join(key)} {tuple(leaf.shape)} needs (with the {budget_lib.format_size(held)} the process holds"
-          f"{' and decoded source chunks of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
-          f"{budget_lib.format_size(need)}")
+      short.append((held + chunk + smallest * budget_lib.SLICE_FACTOR, key, tuple(leaf.shape), chunk))
+      continue
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
     stored = None
     if wq is None:
@@ -133,6 +129,13 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
     jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored, two_pass))
+  if short:  # name the array that needs the most: its need is the smallest budget that works for every array
+    need, key, shape, chunk = max(short, key=lambda item: item[0])
+    raise errors.InputError(
+        f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
+        f"{'/'.join(key)} {shape} needs (with the {budget_lib.format_size(held)} the process holds"
+        f"{' and decoded source chunks of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
+        f"{budget_lib.format_size(need)}")
   return sorted(jobs, key=lambda job: job.quant is not None)  # copies first: the quantizers compile meanwhile
 
 
