@@ -11,7 +11,8 @@ import click
               help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
 @click.option("--format", "fmt", type=click.Choice(("text", "json", "markdown", "html")), default="text",
               show_default=True, help="html: the treescope module tree marked by rule.")
-@click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight.")
+@click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight; "
+              "the verdict (passed or FAILED) is the last line on stderr.")
 @click.option("--explain", "explain_path", metavar="MODULE_PATH",
               help="Show each rule tried for one module path (e.g. decoder/moe_layers/self_attention/out).")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the trace uses and which it ignores.")
@@ -32,17 +33,18 @@ def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
     _check_traced(report, explain_path)
     click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)
   elif fmt == "html":
-    click.echo(model_coverage.coverage_html(cfg, report), nl=False)
+    click.echo(model_coverage.coverage_html(cfg, report, overrides), nl=False)
   else:
     formatter = {"text": coverage_format.to_text, "json": coverage_format.to_json,
                  "markdown": coverage_format.to_markdown}[fmt]
     click.echo(formatter(report), nl=False)
+  if not strict:
+    return 0
   findings = report.strict_findings()
-  if strict and findings:
-    for finding in findings:
-      click.echo(f"strict: {finding}", err=True)
-    return 1
-  return 0
+  for finding in findings:
+    click.echo(f"strict: {finding}", err=True)
+  click.echo(coverage_report.strict_verdict(report, findings), err=True)
+  return 1 if findings else 0
 
 
 def _check_traced(report, module_path: str) -> None:
