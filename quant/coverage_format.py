@@ -180,12 +180,14 @@ def _summary_rows(report: coverage_report.CoverageReport) -> list[coverage_repor
   return rows + [report.total]
 
 
-_MD_ACTIVE = re.compile(r"([\\`*\[\]<>|~&])")
+# Characters that could start emphasis, code, links, HTML or entities, or end a cell; `_` between two letters or
+# digits never delimits emphasis, so `dot_general` stays as typed.
+_MD_ACTIVE = re.compile(r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
 
 
 def md_cell(text: str) -> str:
   """Plain text for a Markdown table cell: line breaks as spaces, `|` and the characters that would start
-  emphasis, code, links, HTML or entities backslash-escaped (`decoder/.*layers.*` stays literal)."""
+  emphasis, code, links, HTML or entities backslash-escaped (`decoder/.*layers.*` reads back as typed)."""
   return _MD_ACTIVE.sub(r"\\\1", " ".join(str(text).split()))
 
 

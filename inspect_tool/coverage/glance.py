@@ -54,7 +54,7 @@ def verdicts(cfg, report, *, config_rules: bool = True) -> tuple:
                                                     "decoder/.*layers.* only)")
     if name == "head" and reason.kind == "no_match" and fp8_full and not cfg.quantize_logits_proj:
       return "quantize_logits_proj=false"
-    if name == "router" and reason.kind == "no_weight_qtype" and not cfg.quantize_router_proj:
+    if reason.kind == "no_weight_qtype" and not cfg.quantize_router_proj:  # MaxText's all-None router rule
       return f"quantize_router_proj=false ({reason.text})"
     return reason.text
 
