@@ -38,7 +38,7 @@ def human(n: float) -> str:
   return f"{n:g}"
 
 
-def _pct(part: float, whole: float) -> str:
+def share_text(part: float, whole: float) -> str:
   """`part / whole` as a percentage that never rounds a partial share up to 100% or down to 0%."""
   if not whole:
     return "-"
@@ -149,9 +149,9 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
   rows = [("group / part", "weights", "params", "share", "FLOPs/token", "share")]
   for s in _summary_rows(report):
     rows.append(("  " + s.part if s.part else s.group, f"{s.quantized_weights}/{s.weights}",
-                 f"{human(s.quantized_params)}/{human(s.params)}", _pct(s.quantized_params, s.params),
+                 f"{human(s.quantized_params)}/{human(s.params)}", share_text(s.quantized_params, s.params),
                  f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}",
-                 _pct(s.quantized_flops_per_token, s.flops_per_token)))
+                 share_text(s.quantized_flops_per_token, s.flops_per_token)))
   lines += _table(rows, right=(1, 2, 3, 4, 5))
   lines.append(f"  (other params, not consumed by any matmul: {human(report.other_params)})")
   if report.other_params_by_part:
@@ -237,9 +237,9 @@ def to_markdown(report: coverage_report.CoverageReport) -> str:
   for s in _summary_rows(report):
     name = f"&nbsp;&nbsp;{md_cell(s.part)}" if s.part else md_cell(s.group)
     out.append(_md_row([name, f"{s.quantized_weights}/{s.weights}", f"{human(s.quantized_params)}/{human(s.params)}",
-                        _pct(s.quantized_params, s.params),
+                        share_text(s.quantized_params, s.params),
                         f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}",
-                        _pct(s.quantized_flops_per_token, s.flops_per_token)]))
+                        share_text(s.quantized_flops_per_token, s.flops_per_token)]))
   return "\n".join(out) + "\n"
 
 

@@ -13,8 +13,10 @@ LAYOUTS = ("orbax", "deepseek-fp8")
 
 @click.command()
 @click.argument("overrides", nargs=-1)
-@click.option("--checkpoint", "source", type=str,
-              help="Float MaxText-layout Orbax checkpoint to export (default: the seeded random init).")
+@click.option("--checkpoint", "source", type=str, help="Float MaxText-layout Orbax checkpoint to export.")
+@click.option("--random-init", "--random_init", "random_init", is_flag=True,
+              help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
+                   "not of a model.")
 @click.option("--output", "dst", required=True, type=str,
               help="Output directory; it appears only when complete (with quantization_report.json).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output (kept intact if the export fails).")
@@ -32,31 +34,42 @@ LAYOUTS = ("orbax", "deepseek-fp8")
                    "are read, quantized and written by slices that fit.")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
 @cli_options.distributed_options
-def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout, max_memory, fmt,
-           coordinator, num_processes, process_id, quiet):
+def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout,
+           max_memory, fmt, coordinator, num_processes, process_id, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
   block with quantize_mtp=true) is written as float8_e4m3fn values plus scales at the forward pass's granularity;
   everything else is copied. Exit 0 when validation passes, 1 when a head's top-1 agreement is below --min-top1.
 
+  The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
+  first line printed says which.
+
   Example: inspect_checkpoint export model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full
   --checkpoint CKPT --output OUT
   """
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
 
+  if source is None and not random_init:
+    raise errors.InputError("export needs --checkpoint CKPT (the float MaxText Orbax checkpoint to export); "
+                            "accepted without one: --random-init, to export the seeded random init")
+  if source is not None and random_init:
+    raise errors.InputError(f"--random-init and --checkpoint {source!r} exclude each other; accepted: one of them")
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
   if layout == "deepseek-fp8":
     summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
                                            max_memory=max_bytes)
+    used = _weights_text(overrides, source)
     if fmt == "json":
-      click.echo(json.dumps(summary, indent=1))
+      click.echo(json.dumps(dict(summary, weights=used), indent=1))
     else:
-      click.echo(f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({summary['num_fp8']} fp8 with "
+      click.echo(f"weights: {used}\n"
+                 f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({summary['num_fp8']} fp8 with "
                  f"128x128 block scales) in {len(summary['files'])} file(s), {summary['total_size']:,} bytes")
     return 0
   data = None
@@ -74,5 +87,14 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
   if fmt == "json":
     click.echo(json.dumps(result.report, indent=1))
   else:
+    click.echo(f"weights: {_weights_text(overrides, source)}")
     click.echo(report.format_text(result), nl=False)
   return 0 if result.passed else 1
+
+
+def _weights_text(overrides, source) -> str:
+  """`run.weights.describe` of the export's source."""
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+
+  return weights.describe(config.resolve_config(overrides), source)
