@@ -101,6 +101,9 @@ def test_verdicts_equal_what_maxtext_qwix_trace_shows(quantize_mtp):
   assert [v.name for v in report.glance] == [
       "dense stack", "MoE attention", "router", "routed experts wi_0", "routed experts wi_1", "routed experts wo",
       "shared experts", "MTP block", "head"]
+  assert coverage_format.to_json_data(report)["summary"]["glance"] == [
+      {"name": v.name, "weights": v.weights, "quantized_weights": v.quantized, "types": list(v.types),
+       "reasons": list(v.reasons)} for v in report.glance]
   reasons = {v.name: v.reasons for v in report.glance if v.quantized < v.weights}
   mtp = {"MTP block": ("quantize_mtp=false",)} if quantize_mtp == "false" else {}
   assert reasons == {**mtp, "head": ("quantize_logits_proj=false",)}

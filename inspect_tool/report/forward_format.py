@@ -23,9 +23,9 @@ def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None
       "mtp_per_depth": [], "top1": np.asarray(result.top1).tolist(),
   }
   if result.mtp_losses is not None:
-    losses, weights = np.asarray(result.mtp_losses), np.asarray(result.mtp_weights)
+    losses, counts = np.asarray(result.mtp_losses), np.asarray(result.mtp_weights)
     data["mtp_per_depth"] = [{"depth": k + 1, "xent_sum": float(l), "tokens": float(w),
-                              "mean_xent": float(l / w) if w else None} for k, (l, w) in enumerate(zip(losses, weights))]
+                              "mean_xent": float(l / w) if w else None} for k, (l, w) in enumerate(zip(losses, counts))]
     data["mtp_top1"] = np.asarray(result.mtp_top1).tolist()
   if comparisons:
     data["compare_unquantized_vs_quantized"] = [c.to_dict() for c in comparisons]
