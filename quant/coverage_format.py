@@ -196,7 +196,8 @@ def md_code(text: str) -> str:
   text = " ".join(str(text).split())
   fence = "``" if "`" in text else "`"
   pad = " " if text.startswith("`") or text.endswith("`") else ""
-  return f"{fence}{pad}{text.replace('|', r'\|')}{pad}{fence}"
+  escaped = text.replace("|", "\\|")
+  return f"{fence}{pad}{escaped}{pad}{fence}"
 
 
 def _md_row(cells: Sequence[str]) -> str:
