@@ -9,17 +9,23 @@ JSON (`to_json_data`) is the stable machine format, schema_version 1:
    "unquantized_weights": [{"weight", "group", "part", "shape", "params", "flops_per_token", "ops", "rules"}],
    "summary": {"provider", "ops", "quantized_ops", "hidden_lowering_ops", "other_params",
                "groups": {name: {...}}, "total": {...},
-               "parts": {group: {part: {...}}}, "other_params_by_part": {part: params}}}
-`rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null. `part` and the two `parts`
-keys were added within version 1 (empty when the report has no parts); each group's parts sum to the group.
+               "parts": {group: {part: {...}}}, "other_params_by_part": {part: params},
+               "glance": [{"name", "weights", "quantized_weights", "types", "reasons"}]}}
+`rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null. `part`, the two `parts`
+keys and `glance` were added within version 1 (empty when the report has none); each group's parts sum to the
+group. `glance` is the verdict block (`quant.coverage_verdict`): types as "e4m3 · e4m3 · e5m2".
 """
 
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from typing import Any, Sequence
 
 from quant import coverage_report, rules as rules_lib
+
+GLANCE_WIDTH = 100  # the verdict block's lines fit in this many columns
 
 SCHEMA_VERSION = 1
 
@@ -32,8 +38,16 @@ def human(n: float) -> str:
   return f"{n:g}"
 
 
-def _pct(share: float) -> str:
-  return f"{100 * share:.1f}%"
+def share_text(part: float, whole: float) -> str:
+  """`part / whole` as a percentage that never rounds a partial share up to 100% or down to 0%."""
+  if not whole:
+    return "-"
+  text = f"{100 * part / whole:.1f}%"
+  if part != whole and text == "100.0%":
+    return ">99.9%"
+  if part and text == "0.0%":
+    return "<0.1%"
+  return text
 
 
 def _group_data(s: coverage_report.GroupSummary) -> dict[str, Any]:
@@ -70,6 +84,7 @@ def to_json_data(report: coverage_report.CoverageReport) -> dict[str, Any]:
           "parts": {g.group: {p.part: _group_data(p) for p in report.parts if p.group == g.group}
                     for g in report.groups if any(p.group == g.group for p in report.parts)},
           "other_params_by_part": dict(report.other_params_by_part),
+          "glance": [v.to_dict() for v in report.glance],
       },
   }
 
@@ -98,6 +113,8 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
 def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True) -> str:
   """A plain-text report for terminals."""
   lines = [f"Qwix rule coverage ({len(report.rules)} rules, provider {report.provider or 'none'}; first match wins)"]
+  if report.glance:
+    lines += [""] + glance_text(report.glance)
   lines.append("")
   lines.append("Rules:")
   if not report.rules:
@@ -110,7 +127,7 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
             "token):"]
   rows = [("module", "op", "rule", "q", "params", "FLOPs/token")]
   for op in ops:
-    rows.append((op.module, op.op, _rule_label(op.rule), "Q" if report.op_quantized(op) else "",
+    rows.append((op.module, coverage_report.op_label(op), _rule_label(op.rule), "Q" if report.op_quantized(op) else "",
                  human(op.params) if op.weight else "", human(op.flops_per_token) if op.flops_per_token else ""))
   lines += _table(rows, right=(4, 5))
   if report.hidden_ops:
@@ -132,14 +149,27 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
   rows = [("group / part", "weights", "params", "share", "FLOPs/token", "share")]
   for s in _summary_rows(report):
     rows.append(("  " + s.part if s.part else s.group, f"{s.quantized_weights}/{s.weights}",
-                 f"{human(s.quantized_params)}/{human(s.params)}", _pct(s.params_share),
-                 f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}", _pct(s.flops_share)))
+                 f"{human(s.quantized_params)}/{human(s.params)}", share_text(s.quantized_params, s.params),
+                 f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}",
+                 share_text(s.quantized_flops_per_token, s.flops_per_token)))
   lines += _table(rows, right=(1, 2, 3, 4, 5))
   lines.append(f"  (other params, not consumed by any matmul: {human(report.other_params)})")
   if report.other_params_by_part:
     lines.append("  (of which " + ", ".join(f"{part or '-'} {human(n)}" for part, n in report.other_params_by_part)
                  + ")")
   return "\n".join(lines) + "\n"
+
+
+def glance_text(verdicts) -> list[str]:
+  """The verdict block: one row per group, wrapped to `GLANCE_WIDTH` columns."""
+  lines = ["At a glance (matmul weights quantized / all; types: weights · activations · gradients):"]
+  name_width = max(len(v.name) for v in verdicts)
+  count_width = max(len(v.count) for v in verdicts)
+  for v in verdicts:
+    head = f"  {v.name.ljust(name_width)}  {v.count.ljust(count_width)}  "
+    lines += textwrap.wrap(v.status, GLANCE_WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
+                           break_on_hyphens=False) or [head.rstrip()]
+  return lines
 
 
 def _summary_rows(report: coverage_report.CoverageReport) -> list[coverage_report.GroupSummary]:
@@ -150,20 +180,52 @@ def _summary_rows(report: coverage_report.CoverageReport) -> list[coverage_repor
   return rows + [report.total]
 
 
+# Characters that could start emphasis, code, links, HTML or entities, or end a cell; `_` between two letters or
+# digits never delimits emphasis, so `dot_general` stays as typed.
+_MD_ACTIVE = re.compile(r"([\\`*\[\]<>|~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+
+
+def md_cell(text: str) -> str:
+  """Plain text for a Markdown table cell: line breaks as spaces, `|` and the characters that would start
+  emphasis, code, links, HTML or entities backslash-escaped (`decoder/.*layers.*` reads back as typed)."""
+  return _MD_ACTIVE.sub(r"\\\1", " ".join(str(text).split()))
+
+
+def md_code(text: str) -> str:
+  """A code span for a table cell; only `|` is escaped (GFM removes that escape inside a table's code spans)."""
+  text = " ".join(str(text).split())
+  fence = "``" if "`" in text else "`"
+  pad = " " if text.startswith("`") or text.endswith("`") else ""
+  escaped = text.replace("|", "\\|")
+  return f"{fence}{pad}{escaped}{pad}{fence}"
+
+
+def _md_row(cells: Sequence[str]) -> str:
+  return "| " + " | ".join(cells) + " |"
+
+
 def to_markdown(report: coverage_report.CoverageReport) -> str:
-  """A Markdown report (tables) for pull requests and docs."""
-  out = ["# Qwix rule coverage", "", f"Provider `{report.provider or 'none'}`; first matching rule wins.", "",
-         "## Rules", "", "| # | module_path | op_names | weight | act | bwd | matches |", "|---|---|---|---|---|---|---|"]
+  """A Markdown report (tables) for pull requests and docs; every cell escaped (`md_cell`, `md_code`)."""
+  out = ["# Qwix rule coverage", "", f"Provider `{report.provider or 'none'}`; first matching rule wins.", ""]
+  if report.glance:
+    out += ["## At a glance", "", "Matmul weights quantized / all; types: weights · activations · gradients.", "",
+            "| group | quantized | types | not quantized because |", "|---|---:|---|---|"]
+    for v in report.glance:
+      out.append(_md_row([md_cell(v.name), v.count, md_cell(" / ".join(v.types) if v.quantized else ""),
+                          md_cell("; ".join(v.reasons))]))
+    out.append("")
+  out += ["## Rules", "", "| # | module_path | op_names | weight | act | bwd | matches |", "|---|---|---|---|---|---|---|"]
   for row in report.rules:
     r = row.rule
-    out.append(f"| {row.index} | `{r.module_path}` | {', '.join(r.op_names) or '*'} | "
-               f"{rules_lib.qtype_name(r.weight_qtype)} | {rules_lib.qtype_name(r.act_qtype)} | "
-               f"{rules_lib.qtype_name(getattr(r, 'bwd_qtype', None))} | {row.matches} |")
+    out.append(_md_row([str(row.index), md_code(r.module_path), md_cell(", ".join(r.op_names) or "*"),
+                        md_cell(rules_lib.qtype_name(r.weight_qtype)), md_cell(rules_lib.qtype_name(r.act_qtype)),
+                        md_cell(rules_lib.qtype_name(getattr(r, "bwd_qtype", None))), str(row.matches)]))
   out += ["", "## Ops", "", "| module | op | rule | quantized | weight params | FLOPs/token |",
           "|---|---|---|---|---:|---:|"]
   for op in report.ops:
-    out.append(f"| `{op.module}` | {op.op} | {_rule_label(op.rule)} | {'yes' if report.op_quantized(op) else ''} | "
-               f"{human(op.params) if op.weight else ''} | {human(op.flops_per_token) if op.flops_per_token else ''} |")
+    out.append(_md_row([md_code(op.module), md_cell(coverage_report.op_label(op)), _rule_label(op.rule),
+                        "yes" if report.op_quantized(op) else "", human(op.params) if op.weight else "",
+                        human(op.flops_per_token) if op.flops_per_token else ""]))
   out += ["", "## Findings", "",
           f"* Unused rules: {', '.join(map(str, report.unused_rules)) or 'none'}",
           "* Shadowed rules: " + (", ".join(f"{s.index} (by {', '.join(map(str, s.by))})"
@@ -174,10 +236,11 @@ def to_markdown(report: coverage_report.CoverageReport) -> str:
   out += ["", "## Summary", "", "| group / part | weights | params quantized | share | FLOPs/token quantized | share |",
           "|---|---:|---:|---:|---:|---:|"]
   for s in _summary_rows(report):
-    name = f"&nbsp;&nbsp;{s.part}" if s.part else s.group
-    out.append(f"| {name} | {s.quantized_weights}/{s.weights} | {human(s.quantized_params)}/{human(s.params)} | "
-               f"{_pct(s.params_share)} | {human(s.quantized_flops_per_token)}/{human(s.flops_per_token)} | "
-               f"{_pct(s.flops_share)} |")
+    name = f"&nbsp;&nbsp;{md_cell(s.part)}" if s.part else md_cell(s.group)
+    out.append(_md_row([name, f"{s.quantized_weights}/{s.weights}", f"{human(s.quantized_params)}/{human(s.params)}",
+                        share_text(s.quantized_params, s.params),
+                        f"{human(s.quantized_flops_per_token)}/{human(s.flops_per_token)}",
+                        share_text(s.quantized_flops_per_token, s.flops_per_token)]))
   return "\n".join(out) + "\n"
 
 

@@ -120,6 +120,7 @@ class CoverageReport:
   default_group: str
   parts: tuple[GroupSummary, ...] = ()  # per (group, part), groups in `groups` order; they sum to their group
   other_params_by_part: tuple[tuple[str, int], ...] = ()  # `other_params` split by part (with `part_of` only)
+  glance: tuple = ()  # `quant.coverage_verdict.Verdict`s, the report at a glance (set by the caller)
 
   @property
   def unquantized_weights(self) -> tuple[WeightRow, ...]:
@@ -155,9 +156,33 @@ class CoverageReport:
     for weight in self.unquantized_weights:
       if weight.group in required_groups:
         part = f"{weight.part}, " if weight.part else ""
+        ops = [f"{op.module}:{op_label(op)}" for op in self.ops if op.matmul and op.weight == weight.weight]
         findings.append(f"{weight.group} weight {weight.weight} ({part}{weight.params:,} params) is not quantized "
-                        f"(ops {', '.join(weight.ops)})")
+                        f"(ops {', '.join(ops)})")
     return findings
+
+
+def strict_verdict(report: CoverageReport, findings: Sequence[str], required_groups: Sequence[str] = ("decoder",)
+                   ) -> str:
+  """`--strict`'s one-line verdict, passed or FAILED, with what it required (`findings`: `strict_findings`)."""
+  required = [g for g in report.groups if g.group in required_groups]
+  others = [g.group for g in report.groups if g.group not in required_groups and g.weights]
+  weights, quantized = sum(g.weights for g in required), sum(g.quantized_weights for g in required)
+  scope = f"{'/'.join(required_groups)} matmul weights"
+  not_required = f" (not required: {', '.join(others)})" if others else ""
+  unused = len(report.unused_rules)
+  if findings:
+    return (f"strict: FAILED: {quantized}/{weights} {scope} quantized, {unused} unused rule(s){not_required}; "
+            "exit 1")
+  return f"strict: passed: {quantized}/{weights} {scope} quantized, every rule used{not_required}"
+
+
+def op_label(op: coverage.OpRecord) -> str:
+  """How the text reports name an op: Qwix's id (`dot_general0`); a grouped matmul by the expert weight it
+  consumes (`gmm(wi_0)`, not the lookup id `gmm0`)."""
+  if op.op_name in coverage.GROUPED_OPS and op.weight:
+    return f"{op.op_name}({op.weight.rsplit('/', 1)[-1]})"
+  return op.op
 
 
 def group_of(module_path: str, table: GroupTable, default: str) -> str:

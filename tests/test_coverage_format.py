@@ -60,8 +60,9 @@ def test_text_report_sections():
                    "Unused rules: 2", "Shadowed rules: 2 (by 0, 1)", "Unquantized matmul weights (3):",
                    "decoder/head/kernel", "Quantized share of matmul weights:"):
     assert fragment in text
-  gmm_line = next(line for line in text.splitlines() if "gmm1" in line and "decoder/layers" in line)
-  assert gmm_line.split()[1:4] == ["gmm1", "1", "Q"]
+  gmm_line = next(line for line in text.splitlines() if "gmm(wi_1)" in line and "decoder/layers" in line)
+  assert gmm_line.split()[1:4] == ["gmm(wi_1)", "1", "Q"]
+  assert "gmm1" not in text  # the lookup ids are named by the expert weight they consume
   assert "einsum0" not in coverage_format.to_text(_report(), show_einsum=False)
 
 
@@ -69,7 +70,7 @@ def test_markdown_report_tables():
   markdown = coverage_format.to_markdown(_report())
   assert markdown.startswith("# Qwix rule coverage")
   assert "| 0 | `.*/gate$` | dot_general | None | None | None | 2 |" in markdown
-  assert "| `decoder/layers/MoeBlock_0` | gmm0 | 1 | yes |" in markdown
+  assert "| `decoder/layers/MoeBlock_0` | gmm(wi_0) | 1 | yes |" in markdown
   assert "* Shadowed rules: 2 (by 0, 1)" in markdown
 
 

@@ -63,7 +63,7 @@ def test_export_never_replaces_the_working_directory(tmp_path, capsys, monkeypat
   (work / "notes.txt").write_text("mine")
   monkeypatch.chdir(work)
   before = _snapshot(tmp_path)
-  code, out, err = _export(capsys, "--output", output, "--overwrite")
+  code, out, err = _export(capsys, "--random-init", "--output", output, "--overwrite")
   assert code == 2 and out == "" and len(err.splitlines()) == 1, err
   assert ("working directory" in err) if output.strip() else ("output path is empty" in err)
   assert _snapshot(tmp_path) == before
@@ -83,7 +83,7 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path, capsys, kind):
     (target / "quantization_report.json").write_text(json.dumps({"producer": {"name": "inspect_checkpoint"}}))
     dst.symlink_to(target)
   before = _snapshot(tmp_path)
-  code, _, err = _export(capsys, "--output", str(dst), "--overwrite")
+  code, _, err = _export(capsys, "--random-init", "--output", str(dst), "--overwrite")
   assert code == 2 and len(err.splitlines()) == 1, err
   assert {"plain_dir": "not a checkpoint", "file": "is a file", "symlink": "symbolic link"}[kind] in err
   assert _snapshot(tmp_path) == before

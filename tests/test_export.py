@@ -154,7 +154,7 @@ def test_forward_loads_the_export_into_the_quantized_model_and_reproduces_maxtex
   code, out, err = _run(capsys, "forward", *_tokens(True), "--checkpoint", exports[True].dst, "--save-logits",
                         str(logits))
   assert code == 0, err
-  assert "mtp depth 1" in out
+  assert "mtp depth 1" in out and f"weights: FP8 export {os.path.abspath(exports[True].dst)}" in out.splitlines()
   saved = np.load(logits)
   _assert_reproduces_fp8_golden(saved["logits"], saved["mtp_logits"][0], quantize_mtp=True)
   code, _, err = _run(capsys, "forward", *TINY, "--checkpoint", exports[True].dst)
@@ -230,14 +230,15 @@ def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys
   assert report["validation"]["tokens"] == str(tokens)
 
 
-def test_export_without_checkpoint_exports_the_seeded_init(tmp_path, capsys):
+def test_export_with_random_init_exports_the_seeded_init_and_says_so(tmp_path, capsys):
   from inspect_tool import model  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
 
   dst = tmp_path / "init"
-  code, out, err = _run(capsys, "export", *_tokens(False), "--output", str(dst), "--no-validate")
+  code, out, err = _run(capsys, "export", *_tokens(False), "--random-init", "--output", str(dst),
+                         "--no-validate")
   assert code == 0, err
-  assert "validation skipped" in out
+  assert "validation skipped" in out and out.splitlines()[0] == "weights: random init, seed 0"
   report = json.loads((dst / "quantization_report.json").read_text())
   assert report["source"] == {"checkpoint": None, "init": "random (seed 0)"} and report["validation"] == {
       "skipped": True, "reason": "--no-validate"}

@@ -148,8 +148,9 @@ def test_max_memory_below_the_smallest_slice_is_one_line(tmp_path):
   assert out.stderr.startswith("error: --max-memory 976.6 KiB is smaller than the smallest slice of ")
   assert "accepted: at least " in out.stderr and not (tmp_path / "dst").exists()
   assert os.listdir(tmp_path) == []
-  bad = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *tiny, "--output", str(tmp_path / "d"),
-                        "--max-memory", "lots"], capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
+  bad = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *tiny, "--random-init", "--output",
+                        str(tmp_path / "d"), "--max-memory", "lots"], capture_output=True, text=True, cwd=REPO,
+                       check=False, timeout=300)
   assert bad.returncode == 2 and bad.stderr.strip() == (
       "error: --max-memory 'lots' is not a size; accepted: a positive number with an optional unit, e.g. 600MB, "
       "2GiB, 1.5G")
@@ -162,7 +163,8 @@ def test_max_memory_over_what_the_machine_has_is_one_line(tmp_path):
   ceiling, _ = budget.memory_ceiling()
   ask = f"{int(ceiling * 2 / 10**9) + 1}GB"
   out = subprocess.run([sys.executable, "-m", "inspect_tool", "export", "model_name=deepseek3-tiny",
-                        "quantization=fp8_full", "--output", str(tmp_path / "dst"), "--max-memory", ask],
+                        "quantization=fp8_full", "--random-init", "--output", str(tmp_path / "dst"),
+                        "--max-memory", ask],
                        capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
   assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
   assert out.stderr.startswith(f"error: --max-memory {budget.format_size(budget.parse_size(ask))} is more than this "

@@ -88,9 +88,10 @@ def _source_value(source, key):
 
 def _forward(capsys, path, batch_files, tmp_path, *extra):
   out = tmp_path / "logits.npz"
-  code, _, err = _run(capsys, "forward", *L4, *extra, "--checkpoint", path, "--tokens", batch_files[0],
-                      "--targets", batch_files[1], "--save-logits", str(out))
+  code, printed, err = _run(capsys, "forward", *L4, *extra, "--checkpoint", path, "--tokens", batch_files[0],
+                            "--targets", batch_files[1], "--save-logits", str(out))
   assert code == 0, err
+  assert printed.splitlines()[1].startswith(f"weights: Hugging Face directory {os.path.abspath(path)}")
   saved = np.load(out)
   return saved["logits"], saved["mtp_logits"].reshape((-1,) + saved["logits"].shape)[0]
 

@@ -172,3 +172,17 @@ def test_deep_unscanned_tree_renders_every_layer():
   ]
   page = html.render_leaves_html(leaves, title="big")
   assert all(f"moe_layers_{i}" in page for i in (0, 30, 60)) and "w19" in page
+
+
+def test_tables_above_the_tree_are_escaped_and_labels_get_their_colours():
+  colors = html.distinct_colors([f"rule {i}" for i in range(12)] + ["unquantized"], neutral=("unquantized",))
+  assert len(set(colors.values())) == 13 and colors["unquantized"] == html.NEUTRAL
+  table = html.Table("legend <b>", ("label", "meaning"), (("rule 0", "a|b <script>"),), swatches=(colors["rule 0"],))
+  page = html.render_model_html(_abstract_model(), title="t", annotations={"decoder": "rule 0"}, colors=colors,
+                                tables=(table,))
+  tables = page[page.index("<table"):page.index('<div class="total">')]
+  assert "<caption>legend &lt;b&gt;</caption>" in tables and "a|b &lt;script&gt;" in tables
+  assert "<script>" not in tables
+  assert f'class="swatch" style="background-color:{colors["rule 0"]}"' in page
+  assert page.index("legend &lt;b&gt;") < page.index("treescope")
+  assert f"background-color:{colors['rule 0']};border-radius" in page  # the badge on `decoder`

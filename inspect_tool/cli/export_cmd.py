@@ -17,8 +17,10 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
                                           "--checkpoint tests/data/ckpt_deepseek3-tiny-L4-V1024 --output "
                                           "/tmp/tiny-fp8"))
 @cli_options.overrides_argument
-@click.option("--checkpoint", "source", type=click.Path(),
-              help="Float MaxText-layout Orbax checkpoint to export (default: the seeded random init).")
+@click.option("--checkpoint", "source", type=click.Path(), help="Float MaxText-layout Orbax checkpoint to export.")
+@click.option("--random-init", "--random_init", "random_init", is_flag=True,
+              help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
+                   "not of a model.")
 @click.option("--output", "dst", required=True, type=click.Path(),
               help="Output directory; it appears only when complete (with quantization_report.json).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
@@ -39,19 +41,28 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
                    "are read, quantized and written by slices that fit.")
 @cli_options.report_options(overwrite=False)
 @cli_options.distributed_options
-def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout, max_memory, fmt,
-           output_file, coordinator, num_processes, process_id, quiet):
+def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout,
+           max_memory, fmt, output_file, coordinator, num_processes, process_id, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
   block with quantize_mtp=true) is written as float8_e4m3fn values plus scales at the forward pass's granularity;
   everything else is copied. Exit 0 when validation passes, 1 when a head's top-1 agreement is below --min-top1.
+
+  The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
+  first line printed says which.
   """
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
 
+  if source is None and not random_init:
+    raise errors.InputError("export needs --checkpoint CKPT (the float MaxText Orbax checkpoint to export); "
+                            "accepted without one: --random-init, to export the seeded random init")
+  if source is not None and random_init:
+    raise errors.InputError(f"--random-init and --checkpoint {source!r} exclude each other; accepted: one of them")
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
@@ -59,12 +70,13 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
     fp8 = layout == "deepseek-fp8"
     summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
                                            max_memory=max_bytes, fp8=fp8)
+    used = _weights_text(overrides, source)
     if fmt == "json":
-      text = json.dumps(summary, indent=1) + "\n"
+      text = json.dumps(dict(summary, weights=used), indent=1) + "\n"
     else:
       kind = f"{summary['num_fp8']} fp8 with 128x128 block scales" if fp8 else "bf16, unquantized"
-      text = (f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({kind}) in {len(summary['files'])} "
-              f"file(s), {summary['total_size']:,} bytes\n")
+      text = (f"weights: {used}\nwrote {summary['dst']}: {summary['num_tensors']} tensors ({kind}) in "
+              f"{len(summary['files'])} file(s), {summary['total_size']:,} bytes\n")
     cli_options.emit_text(text, output_file)
     return 0
   data = None
@@ -79,6 +91,17 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
                            max_memory=max_bytes)
   if distributed.process_index() != 0:
     return 0  # process 0 reports
-  text = json.dumps(result.report, indent=1) + "\n" if fmt == "json" else report.format_text(result)
+  if fmt == "json":
+    text = json.dumps(result.report, indent=1) + "\n"
+  else:
+    text = f"weights: {_weights_text(overrides, source)}\n" + report.format_text(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
+
+
+def _weights_text(overrides, source) -> str:
+  """`run.weights.describe` of the export's source."""
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+
+  return weights.describe(config.resolve_config(overrides), source)

@@ -29,7 +29,8 @@ from inspect_tool.cli import options
 @options.distributed_options
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, verbose, fmt, output_file,
             coordinator, num_processes, process_id, quiet):
-  """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.
+  """Run the model of key=value overrides; print the weights it ran, the loss, MTP loss per depth and top-1
+  predictions.
 
   With quantization=fp8_full the pass runs under Qwix quantized training (QT) with the config's rules.
   """
@@ -47,6 +48,9 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+  if compare and weights.is_random(checkpoint):
+    click.echo(weights.RANDOM_WARNING.format(seed=cfg.init_weights_seed), err=True)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   if distributed.process_count() > 1:  # results sharded over every process's devices: gather, process 0 reports
@@ -60,5 +64,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                              comparisons=comparisons, grad=outcome.grad), output_file)
+                              comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint)),
+                    output_file)
   return 0

@@ -12,7 +12,8 @@ from inspect_tool.cli import options
 @options.overrides_argument
 @click.option("--rules", "rules_file", type=click.Path(dir_okay=False),
               help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
-@click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight.")
+@click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight; "
+              "the verdict (passed or FAILED) is the last line on stderr.")
 @click.option("--explain", "explain_path", metavar="PATH",
               help="Show each rule tried for one module or weight, dotted as listings print it or as a module "
               "path: decoder/moe_layers/self_attention/out.")
@@ -32,7 +33,7 @@ def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report = model_coverage.trace_coverage(cfg, rules_file)
-  page = model_coverage.coverage_html(cfg, report) if html_file or (fmt == "html" and not explain_path) else None
+  page = model_coverage.coverage_html(cfg, report, overrides) if html_file or (fmt == "html" and not explain_path) else None
   if explain_path:
     module = _traced_module(report, explain_path)
     options.emit_text(coverage_format.explain_text(coverage_report.explain(report, module)), output_file)
@@ -44,12 +45,13 @@ def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file
     options.emit_text(formatter(report), output_file)
   if html_file:
     options.write_html(html_file, page)
+  if not strict:
+    return 0
   findings = report.strict_findings()
-  if strict and findings:
-    for finding in findings:
-      click.echo(f"strict: {finding}", err=True)
-    return 1
-  return 0
+  for finding in findings:
+    click.echo(f"strict: {finding}", err=True)
+  click.echo(coverage_report.strict_verdict(report, findings), err=True)
+  return 1 if findings else 0
 
 
 def _traced_module(report, name: str) -> str:

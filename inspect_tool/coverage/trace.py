@@ -72,11 +72,16 @@ def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
 
 
 def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
-  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part."""
+  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part,
+  with its verdicts at a glance (`glance.verdicts`)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.coverage import glance  # pylint: disable=import-outside-toplevel
   from quant import coverage_report  # pylint: disable=import-outside-toplevel
 
-  return coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP, part_of=part_of,
-                                      part_order=part_order())
+  report = coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP, part_of=part_of,
+                                        part_order=part_order())
+  return dataclasses.replace(report, glance=glance.verdicts(cfg, report, config_rules=rules is None))
 
 
 def module_labels(report) -> dict[str, str]:
@@ -93,11 +98,57 @@ def module_labels(report) -> dict[str, str]:
   return labels
 
 
-def coverage_html(cfg, report) -> str:
-  """The treescope module tree of the (abstract) model, each module marked by the rule that won its ops."""
+RULE_KEYS = ("quantization", "quantize_mtp", "quantize_router_proj", "quantize_logits_proj", "megablox")
+
+
+def key_set(cfg, overrides: Sequence[str] = ()) -> str:
+  """The given keys as typed, then the config's value of every key the rules depend on that was not given."""
+  given = [t for t in overrides if "=" in t]
+  names = {t.split("=", 1)[0] for t in given}
+  tokens = given if "model_name" in names else [f"model_name={cfg.model_name}"] + given
+  for key in RULE_KEYS:
+    if key not in names:
+      value = getattr(cfg, key)
+      tokens.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+  return " ".join(tokens)
+
+
+def coverage_html(cfg, report, overrides: Sequence[str] = ()) -> str:
+  """The treescope module tree of the (abstract) model, each module marked by the rule that won its ops (one
+  colour per label), under the verdicts at a glance and a legend; the title holds the whole key set."""
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
+  from quant import coverage_verdict  # pylint: disable=import-outside-toplevel
 
-  return html.render_model_html(model_lib.build_model(cfg, abstract=True), title=f"Qwix rule coverage: "
-                                f"{cfg.model_name} quantization={cfg.quantization or 'none'}",
-                                annotations=module_labels(report))
+  labels = module_labels(report)
+  order = sorted(set(labels.values()), key=_label_rank)
+  colors = html.distinct_colors(order, neutral=("unquantized",))
+  glance = html.Table("At a glance: matmul weights quantized / all", (
+      "group", "quantized", "types (weights · activations · gradients)", "not quantized because"),
+      tuple((v.name, v.count, " / ".join(v.types) if v.quantized else "", "; ".join(v.reasons))
+            for v in report.glance))
+  counts = {label: sum(1 for v in labels.values() if v == label) for label in order}
+  legend = html.Table("Legend: the rule that won each module's ops", ("label", "meaning", "modules"), tuple(
+      (label, _label_meaning(report, label, coverage_verdict), str(counts[label])) for label in order),
+      swatches=tuple(colors[label] for label in order))
+  return html.render_model_html(model_lib.build_model(cfg, abstract=True),
+                                title=f"Qwix rule coverage: {key_set(cfg, overrides)}", annotations=labels,
+                                colors=colors, tables=(glance, legend) if report.glance else (legend,))
+
+
+def _label_rank(label: str) -> tuple:
+  """Rules in index order, then "unquantized"."""
+  if label.startswith("rule "):
+    return (0, int(label.split()[1]), label)
+  return (1, 0, label)
+
+
+def _label_meaning(report, label: str, coverage_verdict) -> str:
+  if not label.startswith("rule "):
+    return "no rule won the module's ops: they run unquantized"
+  index = int(label.split()[1])
+  rule = report.rules[index].rule
+  ops = ", ".join(rule.op_names) or "any op"
+  how = (f"quantized {coverage_verdict.types_text(rule)}" if rule.weight_qtype is not None
+         else "matched, no weight type: unquantized")
+  return f"rule {index}: module_path {rule.module_path}, op_names {ops}; {how}"

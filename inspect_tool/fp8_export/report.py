@@ -83,6 +83,7 @@ def _validation_record(validation, skipped: str | None, tokens: Sequence[str], d
 def format_text(result) -> str:
   """The summary `export` prints: what was written, and the validation table."""
   from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+  from quant import coverage_format  # pylint: disable=import-outside-toplevel
 
   r = result.report
   quantized = r["weights"]
@@ -93,7 +94,8 @@ def format_text(result) -> str:
            f"  {r['bytes']['source']:,} source bytes -> {r['bytes']['written']:,} written"]
   groups = r["coverage"]["groups"]
   lines.append("  coverage: " + ", ".join(f"{g['group']} {g['quantized_weights']}/{g['weights']} weights "
-                                        f"({g['params_share']:.1%} of params)" for g in groups))
+                                        f"({coverage_format.share_text(g['quantized_params'], g['params'])} of "
+                                        "params)" for g in groups))
   v = result.validation
   if v is None:
     lines.append(f"validation skipped ({r['validation'].get('reason', '--no-validate')})")

@@ -14,17 +14,18 @@ def _float(x):
   return None if x is None else float(np.asarray(x))
 
 
-def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None) -> dict:
+def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None) -> dict:
+  """The pass as JSON data; `weights` says which weights ran (`run.weights.describe`; added within version 1)."""
   data = {
-      "schema_version": SCHEMA_VERSION, "model": source, "quantization": quantization or None,
+      "schema_version": SCHEMA_VERSION, "model": source, "weights": weights, "quantization": quantization or None,
       "batch_shape": list(np.asarray(result.logits).shape[:2]),
       "loss": _float(result.loss), "mtp_loss": _float(result.mtp_loss), "total_loss": _float(result.total_loss),
       "mtp_per_depth": [], "top1": np.asarray(result.top1).tolist(),
   }
   if result.mtp_losses is not None:
-    losses, weights = np.asarray(result.mtp_losses), np.asarray(result.mtp_weights)
+    losses, counts = np.asarray(result.mtp_losses), np.asarray(result.mtp_weights)
     data["mtp_per_depth"] = [{"depth": k + 1, "xent_sum": float(l), "tokens": float(w),
-                              "mean_xent": float(l / w) if w else None} for k, (l, w) in enumerate(zip(losses, weights))]
+                              "mean_xent": float(l / w) if w else None} for k, (l, w) in enumerate(zip(losses, counts))]
     data["mtp_top1"] = np.asarray(result.mtp_top1).tolist()
   if comparisons:
     data["compare_unquantized_vs_quantized"] = [c.to_dict() for c in comparisons]
@@ -37,11 +38,13 @@ def format_json(result, **kwargs) -> str:
   return json.dumps(to_dict(result, **kwargs), indent=2) + "\n"
 
 
-def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None) -> str:
+def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None
+                ) -> str:
   from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
 
   batch, seq = np.asarray(result.logits).shape[:2]
-  lines = [f"model: {source}", f"quantization: {quantization or 'none'}", f"batch: {batch} x {seq} tokens"]
+  lines = [f"model: {source}"] + ([f"weights: {weights}"] if weights else []) + [
+      f"quantization: {quantization or 'none'}", f"batch: {batch} x {seq} tokens"]
   if result.loss is not None:
     lines.append(f"main loss: {float(result.loss):.6f}")
   if result.mtp_losses is not None:

@@ -57,6 +57,7 @@ class _Node:
   path: str
   type_name: str = ""
   label: str = ""
+  color: str = ""  # the label's badge colour (default: treescope's colour for the label's text)
   children: dict = dataclasses.field(default_factory=dict)
   params: int = 0
   values: int = 0
@@ -98,7 +99,7 @@ class _Node:
     """`# 1.23M params` in comment grey, then the label (if any) as a badge in the label's own color."""
     parts = [rendering_parts.comment_color(rendering_parts.text(f" # {self.count}"))]
     if self.label:
-      color = treescope.formatting_util.color_from_string(self.label)
+      color = self.color or treescope.formatting_util.color_from_string(self.label)
       parts += [rendering_parts.comment_color(rendering_parts.text(" · ")), rendering_parts.custom_style(
           rendering_parts.text(self.label), f"background-color:{color};border-radius:3px;padding:0 0.5ch")]
     return rendering_parts.siblings(*parts)
@@ -161,7 +162,7 @@ def _spec_label(sharding, names, is_param: bool, dtype: str) -> str:
   return f"{placement.spec_text()} → {short_type(placement.shard_shape, dtype)}" if placement else ""
 
 
-def _model_tree(model, annotations, sharding=None) -> _Node:
+def _model_tree(model, annotations, sharding=None, colors=None) -> _Node:
   """Modules and non-RNG variables of an NNX model, each at its first (canonical) path."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
@@ -179,7 +180,7 @@ def _model_tree(model, annotations, sharding=None) -> _Node:
       _walk(root, names[:-1]).children[names[-1]] = _Array(shape, dtype, is_param, kind, spec)
     elif isinstance(node, nnx.Module) and names:
       modules[names] = type(node).__name__
-  _label(root, annotations)
+  _label(root, annotations, colors)
   for names, type_name in modules.items():  # modules without variables or a label stay out
     node = _find(root, names)
     if node is not None:
@@ -227,13 +228,54 @@ def _find(root: _Node, names) -> _Node | None:
   return node
 
 
-def _label(root: _Node, annotations) -> None:
+def _label(root: _Node, annotations, colors=None) -> None:
   for path, label in (annotations or {}).items():
     # A path the tree lacks is added, so that no label is lost.
-    _walk(root, tuple(name for name in path.split("/") if name)).label = label
+    node = _walk(root, tuple(name for name in path.split("/") if name))
+    node.label, node.color = label, (colors or {}).get(label, "")
 
 
-def _page(root: _Node, title: str) -> str:
+# Light background colours that stay apart from one another (and from the grey of "unquantized").
+PALETTE = ("#a5d6a7", "#90caf9", "#ffcc80", "#ce93d8", "#80deea", "#fff59d", "#f48fb1", "#bcaaa4", "#c5e1a5",
+           "#b39ddb", "#ffab91", "#80cbc4")
+NEUTRAL = "#e0e0e0"
+
+
+def distinct_colors(labels, neutral=()) -> dict[str, str]:
+  """A colour per label: the palette's colours in the labels' order (cycling past 12), grey for `neutral` ones."""
+  out, i = {}, 0
+  for label in dict.fromkeys(labels):
+    if label in neutral:
+      out[label] = NEUTRAL
+    else:
+      out[label], i = PALETTE[i % len(PALETTE)], i + 1
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A small table shown above the tree (e.g. the rule coverage at a glance)."""
+
+  caption: str
+  header: tuple[str, ...]
+  rows: tuple[tuple[str, ...], ...]
+  swatches: tuple[str, ...] = ()  # per row: a colour shown as a swatch in the first cell ("" for none)
+
+
+def _table_html(table: Table) -> str:
+  head = "".join(f"<th>{html.escape(h)}</th>" for h in table.header)
+  body = []
+  for i, row in enumerate(table.rows):
+    cells = [html.escape(c) for c in row]
+    color = table.swatches[i] if i < len(table.swatches) else ""
+    if color and cells:
+      cells[0] = f'<span class="swatch" style="background-color:{html.escape(color)}"></span>{cells[0]}'
+    body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+  return (f'<table class="info"><caption>{html.escape(table.caption)}</caption>\n<thead><tr>{head}</tr></thead>\n'
+          f"<tbody>\n" + "\n".join(body) + "\n</tbody></table>\n")
+
+
+def _page(root: _Node, title: str, tables=()) -> str:
   root.finish()
   with treescope.active_autovisualizer.set_scoped(None), \
       treescope.abbreviation_threshold.set_scoped(_ABBREVIATE), \
@@ -244,12 +286,19 @@ def _page(root: _Node, title: str) -> str:
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       f"<title>{heading}</title>\n"
       "<style>body{font-family:sans-serif;margin:1.5em} h1{font-size:1.3em}"
-      " .total{color:#555;margin-bottom:1em}</style>\n</head>\n<body>\n"
-      f"<h1>{heading}</h1>\n<div class=\"total\">{html.escape(root.count)}</div>\n"
+      " .total{color:#555;margin-bottom:1em}"
+      " table.info{border-collapse:collapse;margin-bottom:1em;font-size:0.9em}"
+      " table.info caption{text-align:left;font-weight:bold;padding:0.3em 0}"
+      " table.info th,table.info td{border:1px solid #ccc;padding:0.15em 0.6em;text-align:left}"
+      " .swatch{display:inline-block;width:1em;height:1em;border-radius:3px;margin-right:0.5ch;"
+      "vertical-align:middle}</style>\n</head>\n<body>\n"
+      f"<h1>{heading}</h1>\n" + "".join(_table_html(t) for t in tables)
+      + f"<div class=\"total\">{html.escape(root.count)}</div>\n"
       f"{body}\n</body>\n</html>\n")
 
 
-def render_model_html(model, *, title: str, annotations: dict[str, str] | None = None, sharding=None) -> str:
+def render_model_html(model, *, title: str, annotations: dict[str, str] | None = None, sharding=None,
+                      colors: dict[str, str] | None = None, tables=()) -> str:
   """The module tree of an NNX model (abstract or real) as one self-contained HTML page.
 
   Args:
@@ -258,8 +307,10 @@ def render_model_html(model, *, title: str, annotations: dict[str, str] | None =
     annotations: module path (`decoder/moe_layers/DeepSeekMoeBlock_0`, `""` for the root) to a short
       label shown on that module's node, e.g. the quantization rule that won its ops.
     sharding: a `sharding.placement.ShardingPlan`: each leaf shows its spec and shard type beside it.
+    colors: label → CSS colour of its badge (e.g. `distinct_colors`); others get treescope's colour.
+    tables: `Table`s shown between the heading and the tree (a summary, a legend).
   """
-  return _page(_model_tree(model, annotations, sharding), title)
+  return _page(_model_tree(model, annotations, sharding, colors), title, tables)
 
 
 def render_leaves_html(leaves: list[tree.Leaf], *, title: str) -> str:

@@ -1,0 +1,47 @@
+"""Which weights a run used, in words, for `forward` and `export` to print: nothing is left to guess.
+
+`describe(cfg, checkpoint)`: "random init, seed 0", "Orbax checkpoint /abs/ckpt/1000/items (step 1000)",
+"FP8 export /abs/fp8-export", or "Hugging Face directory /abs/hf (fp8 block-quantized)". The checkpoint kinds are
+recognised in the order `runner.load_model` tries them.
+"""
+
+from __future__ import annotations
+
+import os
+
+RANDOM_WARNING = ("warning: --compare on random-init weights (seed {seed}): these figures compare the quantized and "
+                  "unquantized random model and say nothing about a trained model; pass --checkpoint for that")
+
+
+def is_random(checkpoint: str | None) -> bool:
+  return not checkpoint
+
+
+def describe(cfg, checkpoint: str | None) -> str:
+  """The weights of a run of `cfg` from `checkpoint` (None: the seeded random init)."""
+  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import locate  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
+
+  if is_random(checkpoint):
+    return f"random init, seed {cfg.init_weights_seed}"
+  path = os.path.abspath(checkpoint)
+  if hf_restore.is_hf_checkpoint(checkpoint):
+    return f"Hugging Face directory {path}{_hf_kind(checkpoint)}"
+  if export_load.is_export(checkpoint):
+    return f"FP8 export {os.path.dirname(export_load.find_report(checkpoint))}"
+  resolved = locate.resolve_orbax_path(checkpoint)
+  step = f" (step {resolved.step})" if resolved.step is not None else " (no step number)"
+  return f"Orbax checkpoint {os.path.abspath(resolved.items_dir)}{step}"
+
+
+def _hf_kind(path: str) -> str:
+  """" (fp8 block-quantized)" when config.json declares an fp8 `quantization_config`, else ""."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  try:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+      quant = json.load(f).get("quantization_config") or {}
+  except (OSError, ValueError, AttributeError):
+    return ""
+  return " (fp8 block-quantized)" if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else ""
