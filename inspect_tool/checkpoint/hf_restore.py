@@ -27,10 +27,11 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
 
-CONFIG_NAME = "config.json"
+CONFIG_NAME = hf_config.CONFIG_NAME
 _FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 _FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 SCALE_SUFFIX = "_scale_inv"
@@ -70,6 +71,7 @@ class Tensors:
     self.path = path
     self.table = safetensors_header.read_tensor_table(path)
     self.block = block_size(path) if files.kind(os.path.join(path, CONFIG_NAME)) == "file" else hf_names.BLOCK
+    self.rope_interleaved = hf_config.stored_rope_interleaved(path)
 
   def __contains__(self, name: str) -> bool:
     return name in self.table
@@ -202,12 +204,13 @@ def _layer_value(tensors: Tensors, entry, layer, index: tuple, cfg) -> np.ndarra
   name = rule.names[0].replace("{i}", str(layer))
   if rule.kind == hf_names.EXPERTS_FP8:
     experts = range(shape[0])[index[0]]
-    value = np.stack([hf_names.maxtext_kernel(tensors.read(name.replace("{j}", str(j))), rule, shape[1:], cfg)
+    value = np.stack([hf_names.maxtext_kernel(tensors.read(name.replace("{j}", str(j))), rule, shape[1:], cfg,
+                                              tensors.rope_interleaved)
                       for j in experts]) if len(experts) else np.zeros((0,) + shape[1:], np.float32)
     return value[(slice(None),) + index[1:]]
   value = tensors.read(name)
   if rule.kind in (hf_names.FP8, hf_names.BF16_LINEAR):
-    value = hf_names.maxtext_kernel(value, rule, shape, cfg)
+    value = hf_names.maxtext_kernel(value, rule, shape, cfg, tensors.rope_interleaved)
   return value.reshape(shape)[index]
 
 
