@@ -3,7 +3,7 @@
 `derive_keys(path)` reads `config.json` (every field it uses typed; a wrong JSON type is one line naming the field)
 and the safetensors headers, and returns every MaxText key that changes shapes or the computation, in order:
 sizes, MLA ranks and head dims, routing (`num_experts_per_tok`, `routed_scaling_factor`, score function, gate bias
-from the stored `e_score_correction_bias`, routing groups), norm epsilon, tied embeddings, RoPE (YaRN factor,
+when a stored `e_score_correction_bias` is non-zero (the only data read), routing groups), norm epsilon, tied embeddings, RoPE (YaRN factor,
 mscale, interleave, truncation, attention scaling), the MTP layers actually stored (`model.layers.{L+k-1}.eh_proj`,
 not `num_nextn_predict_layers`) and V3.2's indexer. The RoPE parameters are read from transformers 5's
 `rope_parameters`, transformers 4's `rope_scaling` (DeepSeek's published spelling) and a top-level `rope_theta`.
@@ -199,6 +199,17 @@ def stored_mtp_layers(table, num_layers: int) -> int:
   return depth
 
 
+def _nonzero_bias(path: str, table) -> bool:
+  """Whether any stored `e_score_correction_bias` is non-zero (all zero: routing without a bias is the same)."""
+  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
+
+  names = [name for name in table if name.endswith(".mlp.gate.e_score_correction_bias")]
+  if not names:
+    return False
+  tensors = hf_restore.Tensors(path)
+  return any(bool(tensors.read(name).any()) for name in names)
+
+
 def _routing(path: str, family: str, get, table, first_moe: int) -> dict[str, Any]:
   score, method, renorm = get("scoring_func"), get("topk_method"), get("norm_topk_prob")
   x, groups, top_groups = get("n_routed_experts"), get("n_group"), get("topk_group")
@@ -208,7 +219,7 @@ def _routing(path: str, family: str, get, table, first_moe: int) -> dict[str, An
       raise _bad(path, f"DeepSeek-V3 routing with scoring_func={score!r}, topk_method={method!r}, "
                  f"norm_topk_prob={str(renorm).lower()} cannot be expressed in MaxText; accepted: sigmoid, "
                  "noaux_tc, true")
-    bias = f"model.layers.{first_moe}.mlp.gate.e_score_correction_bias" in table
+    bias = _nonzero_bias(path, table)
   else:
     if score != "softmax" or renorm or (method == "group_limited_greedy" and grouped) or method not in (
         "greedy", "group_limited_greedy"):
@@ -337,6 +348,8 @@ def conflicts(cfg, keys: dict[str, Any]) -> list[tuple[str, str]]:
   found = []
   for attr, key in pairs:
     ours, theirs = getattr(cfg, attr), getattr(want, attr)
+    if attr == "routed_bias" and ours and not theirs:
+      continue  # the model reads the stored all-zero bias (a missing one shows as a missing tensor)
     if not _same(ours, theirs):
       shown = keys.get(key, theirs)
       found.append((key, f"{attr}: the model has {format_value(ours)}, config.json gives {key}="
