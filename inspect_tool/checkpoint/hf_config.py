@@ -3,7 +3,7 @@
 `derive_keys(path)` reads `config.json` (every field it uses typed; a wrong JSON type is one line naming the field)
 and the safetensors headers, and returns every MaxText key that changes shapes or the computation, in order:
 sizes, MLA ranks and head dims, routing (`num_experts_per_tok`, `routed_scaling_factor`, score function, gate bias
-when a stored `e_score_correction_bias` is non-zero (the only data read), routing groups), norm epsilon, tied embeddings, RoPE (YaRN factor,
+when `e_score_correction_bias` is stored, routing groups), norm epsilon, tied embeddings, RoPE (YaRN factor,
 mscale, interleave, truncation, attention scaling), the MTP layers actually stored (`model.layers.{L+k-1}.eh_proj`,
 not `num_nextn_predict_layers`) and V3.2's indexer. The RoPE parameters are read from transformers 5's
 `rope_parameters`, transformers 4's `rope_scaling` (DeepSeek's published spelling) and a top-level `rope_theta`.
@@ -199,14 +199,12 @@ def stored_mtp_layers(table, num_layers: int) -> int:
   return depth
 
 
-def _nonzero_bias(path: str, table) -> bool:
-  """Whether any stored `e_score_correction_bias` is non-zero (all zero: routing without a bias is the same)."""
+def _nonzero_bias(path: str) -> bool:
+  """Whether any stored `e_score_correction_bias` is non-zero (the only tensor data this module reads)."""
   from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
 
-  names = [name for name in table if name.endswith(".mlp.gate.e_score_correction_bias")]
-  if not names:
-    return False
   tensors = hf_restore.Tensors(path)
+  names = [name for name in tensors.table if name.endswith(".mlp.gate.e_score_correction_bias")]
   return any(bool(tensors.read(name).any()) for name in names)
 
 
@@ -219,7 +217,7 @@ def _routing(path: str, family: str, get, table, first_moe: int) -> dict[str, An
       raise _bad(path, f"DeepSeek-V3 routing with scoring_func={score!r}, topk_method={method!r}, "
                  f"norm_topk_prob={str(renorm).lower()} cannot be expressed in MaxText; accepted: sigmoid, "
                  "noaux_tc, true")
-    bias = _nonzero_bias(path, table)
+    bias = any(name.endswith(".mlp.gate.e_score_correction_bias") for name in table)
   else:
     if score != "softmax" or renorm or (method == "group_limited_greedy" and grouped) or method not in (
         "greedy", "group_limited_greedy"):
@@ -338,8 +336,12 @@ def _gain(cfg) -> float:
   return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_attention_scaling and cfg.rope_factor > 1 else 1.0
 
 
-def conflicts(cfg, keys: dict[str, Any]) -> list[tuple[str, str]]:
-  """(MaxText key, sentence) for every way `cfg` computes differently from the directory's keys `keys`."""
+def conflicts(cfg, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
+  """(MaxText key, sentence) for every way `cfg` computes differently from the keys `keys` of directory `path`.
+
+  A model without the gate bias computes as the stored bias when it is all zero (the exporter writes zeros for
+  such models); one with the bias reads whatever is stored.
+  """
   from inspect_tool.configuration import config as config_lib  # pylint: disable=import-outside-toplevel
 
   want = config_lib.resolve_config(tokens(keys))
@@ -348,12 +350,10 @@ def conflicts(cfg, keys: dict[str, Any]) -> list[tuple[str, str]]:
   found = []
   for attr, key in pairs:
     ours, theirs = getattr(cfg, attr), getattr(want, attr)
-    if attr == "routed_bias" and ours and not theirs:
-      continue  # the model reads the stored all-zero bias (a missing one shows as a missing tensor)
-    if not _same(ours, theirs):
-      shown = keys.get(key, theirs)
-      found.append((key, f"{attr}: the model has {format_value(ours)}, config.json gives {key}="
-                         f"{format_value(shown)}"))
+    if _same(ours, theirs) or (attr == "routed_bias" and (ours or not _nonzero_bias(path))):
+      continue  # a missing bias shows as a missing tensor
+    shown = keys.get(key, theirs)
+    found.append((key, f"{attr}: the model has {format_value(ours)}, config.json gives {key}={format_value(shown)}"))
   if _groups(cfg) != _groups(want):
     found.append(("n_routing_groups", f"routing groups (n_routing_groups, topk_routing_group): the model has "
                   f"{_groups(cfg) or 'none'}, config.json gives {_groups(want) or 'none'}"))

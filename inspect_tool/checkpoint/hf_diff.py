@@ -59,7 +59,7 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
     shown = "; ".join(p.text for p in problems[:3])
     more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
     result.causes.append(diff.Cause("hf_tensors", f"Hugging Face tensors: {shown}{more}"))
-  found = hf_config.conflicts(cfg, keys)
+  found = hf_config.conflicts(cfg, keys, path)
   result.conflicts = [text for _, text in found]
   for key, text in found:
     value = keys.get(key)

@@ -243,7 +243,7 @@ def check_keys(cfg, path: str) -> None:
   """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
   the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
   keys = hf_config.derive_keys(path)
-  found = [(key, text) for key, text in hf_config.conflicts(cfg, keys)
+  found = [(key, text) for key, text in hf_config.conflicts(cfg, keys, path)
            if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
   if found:
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
