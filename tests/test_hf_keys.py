@@ -189,3 +189,59 @@ def test_forward_without_mtp_names_the_unused_mtp_tensors(capsys, tmp_path):
   with open(os.path.join(HF, "model.safetensors.index.json"), encoding="utf-8") as f:
     mtp = [name for name in json.load(f)["weight_map"] if name.startswith("model.layers.3.")]
   assert len(unused) == 1 and f"holds {len(mtp)} array(s) the model does not use: model.layers.3." in unused[0]
+
+
+# DeepSeek's published config.json of DeepSeek-V3 / R1 (transformers 4 spelling; fields that do not change the
+# model left out), and of DeepSeek-V2.5 (236B), whose group-limited softmax routing MaxText's deepseek2 lacks.
+PUBLISHED_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280}
+
+
+def _published(tmp_path, doc, tensors):
+  (tmp_path / "config.json").write_text(json.dumps(doc))
+  st_numpy.save_file(tensors, str(tmp_path / "model.safetensors"))  # headers are all the keys need
+  return str(tmp_path)
+
+
+def test_deepseeks_published_v3_config_is_maxtexts_deepseek3_671b(tmp_path, capsys):
+  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  path = _published(tmp_path, PUBLISHED_V3, {
+      "model.layers.3.mlp.gate.e_score_correction_bias": np.zeros(256, np.float32),
+      "model.layers.61.eh_proj.weight": np.zeros((1, 1), np.float32)})
+  keys = hf_config.derive_keys(path)
+  assert keys["mtp_num_layers"] == 1 and keys["routed_bias"] is True
+  # MaxText's preset leaves group-limited routing off (its yml: "set 8 / 4 to get DeepSeek's device-limited
+  # routing"): the one way it computes differently from DeepSeek's config.
+  maxtext = config.resolve_config(["model_name=deepseek3-671b", "mtp_num_layers=1"])
+  assert [key for key, _ in hf_config.conflicts(maxtext, keys, path)] == ["n_routing_groups"]
+  grouped = config.resolve_config(["model_name=deepseek3-671b", "mtp_num_layers=1", "override_model_config=true",
+                                   "n_routing_groups=8", "topk_routing_group=4"])
+  assert hf_config.conflicts(grouped, keys, path) == []
+  tiny = config.resolve_config(["model_name=deepseek3-tiny", "mtp_num_layers=1"])
+  assert [key for key, _ in hf_config.conflicts(tiny, keys, path)] == [
+      "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim",
+      "num_experts", "q_lora_rank", "kv_lora_rank", "n_routing_groups"]
+
+
+def test_deepseek_v25_group_limited_softmax_routing_is_refused(tmp_path, capsys):
+  v25 = dict(PUBLISHED_V3, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", first_k_dense_replace=1,
+             intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160, n_shared_experts=2,
+             norm_topk_prob=False, num_experts_per_tok=6, num_hidden_layers=60, routed_scaling_factor=16.0,
+             scoring_func="softmax", topk_group=3, topk_method="group_limited_greedy", vocab_size=102400)
+  path = _published(tmp_path, v25, {"model.embed_tokens.weight": np.zeros((1, 1), np.float32)})
+  code, out, err = _run(capsys, "hf", "--path", path, "--keys")
+  assert code == 2 and out == "" and err.count("\n") == 1
+  assert "topk_method='group_limited_greedy'" in err and "topk_group/n_group=3/8" in err
