@@ -32,6 +32,16 @@ def _ds2(tmp: pathlib.Path) -> str:
   return str(tmp / "0")
 
 
+AXIS0 = ["model_name=deepseek3-tiny", "override_model_config=true", "param_scan_axis=0", "base_num_decoder_layers=5",
+         "first_num_dense_layers=2", "vocab_size=256", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=48",
+         "base_mlp_dim=96", "shared_experts=2", "mtp_num_layers=2", "q_lora_rank=0"]
+
+
+def _axis0(tmp: pathlib.Path) -> str:
+  export_sources.write_source(str(tmp / "0"), AXIS0)
+  return str(tmp / "0")
+
+
 CASES = {  # bare preset, checkpoint, keys the fix must set
     "L4": ("deepseek3-tiny", lambda tmp: str(DATA / "ckpt_deepseek3-tiny-L4-V1024"),
            ["vocab_size=1024", "first_num_dense_layers=1", "base_num_decoder_layers=4", "mtp_num_layers=1"]),
@@ -42,6 +52,8 @@ CASES = {  # bare preset, checkpoint, keys the fix must set
     "V4": ("deepseek4-tiny", test_export_family._v4_checkpoint, ["vocab_size=512"]),  # pylint: disable=protected-access
     "DS2 unscanned": ("deepseek2-16b", _ds2, [t for t in DS2[2:] if not t.startswith(  # the preset's own values,
         ("num_experts_per_tok", "shared_experts", "first_num_dense_layers"))]),      # or not in the shapes
+    "layer axis 0, no q LoRA, 2 MTP layers, fewer experts than the preset's top-k": (
+        "deepseek3-tiny", _axis0, AXIS0[2:7] + AXIS0[8:] + ["num_experts_per_tok=4"]),
     "transformers": ("deepseek3-tiny", lambda tmp: HF, ["routed_scaling_factor=1.5", "n_routing_groups=2",
                                                         "rope_factor=4.0", "mscale=1.0"]),
 }

@@ -139,6 +139,8 @@ def changed(cfg, keys: dict[str, Any]) -> dict[str, Any]:
     out.pop("indexer_head_dim", None)
   if "base_num_query_heads" in out and cfg.num_kv_heads == cfg.num_query_heads:
     out["base_num_kv_heads"] = out["base_num_query_heads"]
+  if "num_experts" in out and cfg.num_experts_per_tok > out["num_experts"]:
+    out["num_experts_per_tok"] = out["num_experts"]  # not in the shapes; the model needs top-k <= experts
   if keys.get("use_indexer") and not cfg.use_indexer:
     out.update({k: keys[k] for k in ("indexer_n_heads", "indexer_head_dim") if k in keys})
   return out
