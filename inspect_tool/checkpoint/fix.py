@@ -59,7 +59,7 @@ def _suggestions(result) -> dict[str, str]:
   for cause in result.causes:
     for token in cause.suggestion.split():
       key, sep, value = token.partition("=")
-      if sep and key in config_lib.FIELDS | {"model_name": None}:
+      if sep and key in config_lib.FIELDS:
         out[key] = value
   return out
 
