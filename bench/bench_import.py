@@ -83,7 +83,6 @@ def main() -> None:
   args = parser.parse_args()
   size = "tiny" if args.tiny else "full"
   emb, moe_mlp, mlp, experts, layers, vocab = SIZES[size]
-  keys = hf_sources.keys(emb, moe_mlp, mlp, experts, layers, vocab)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
       "PYTHONPATH")])))
   root = tempfile.mkdtemp(prefix="bench_import_", dir=args.dir)
@@ -92,7 +91,7 @@ def main() -> None:
     os.mkdir(source)
     source_bytes = hf_sources.write_hf_dir(source, emb, moe_mlp, mlp, experts, layers, vocab)
     params = source_bytes // 2
-    ours = [sys.executable, "-m", "inspect_tool", "import", *keys, "--path", source, "--quiet"]
+    ours = [sys.executable, "-m", "inspect_tool", "import", "--path", source, "--quiet"]
     cases = [("import (float32)", ours + ["--output", os.path.join(root, "a")]),
              ("import weight_dtype=float16", ours + ["weight_dtype=float16", "--output", os.path.join(root, "b")])]
     if not args.tiny:

@@ -11,15 +11,6 @@ import numpy as np
 from test_import import write_safetensors
 
 
-def keys(emb: int, moe_mlp: int, mlp: int, experts: int, layers: int, vocab: int) -> list[str]:
-  """MaxText keys of the model `write_hf_dir` writes (4 heads, q/kv LoRA 64/32, one dense layer, one shared expert)."""
-  return ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", f"base_emb_dim={emb}",
-          f"base_moe_mlp_dim={moe_mlp}", f"base_mlp_dim={mlp}", f"num_experts={experts}", "num_experts_per_tok=2",
-          f"base_num_decoder_layers={layers}", "first_num_dense_layers=1", f"vocab_size={vocab}",
-          "base_num_query_heads=4", "base_num_kv_heads=4", "q_lora_rank=64", "kv_lora_rank=32",
-          "qk_nope_head_dim=32", "qk_rope_head_dim=16", "v_head_dim=32", "shared_experts=1"]
-
-
 def write_hf_dir(root: str, emb: int, moe_mlp: int, mlp: int, experts: int, layers: int, vocab: int,
                  dtype=np.float16, seed: int = 0) -> int:
   """Writes the directory (random weights ~N(0, 0.02), unit norms, a random routing bias); returns its bytes."""

@@ -119,7 +119,9 @@ def test_diff_agrees_with_matching_overrides_and_explains_mismatches(capsys):
   data = json.loads(out)
   assert code == 0 and data["agree"] and data["schema_version"] == 1 and data["matched"] == 53
   code, out, _ = run(capsys, "diff", *REF_TINY, "scan_layers=false", "--path", CKPT_ITEMS)
-  assert code == 1 and "scan_layers=true" in out and out.strip().splitlines()[-1].startswith("DISAGREE")
+  lines = out.strip().splitlines()
+  assert code == 1 and "scan_layers=true" in out and lines[-2].startswith("DISAGREE")
+  assert lines[-1] == f"try: inspect_checkpoint diff {' '.join(REF_TINY)} scan_layers=true --path {CKPT_ITEMS}"
   code, out, _ = run(capsys, "diff", *REF_TINY[:1], "override_model_config=true", "base_num_decoder_layers=4",
                      "first_num_dense_layers=1", "vocab_size=1024", "--path", CKPT_ITEMS)
   assert code == 1 and "mtp_num_layers=1" in out

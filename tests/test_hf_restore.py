@@ -8,6 +8,7 @@ names come from the DeepSeek-V3 release's naming, written out below.
 
 import json
 import os
+import shlex
 
 import ml_dtypes
 import numpy as np
@@ -145,7 +146,11 @@ def test_diff_agrees_with_the_fp8_export_and_names_what_differs(fp8_dir, capsys)
   code, out, _ = _run(capsys, "diff", *L4, "vocab_size=512", "mtp_num_layers=0", "--path", fp8_dir)
   assert code == 1
   assert "model.embed_tokens.weight is (1024, 64), the model needs (512, 64)" in out
-  assert out.rstrip().endswith("try vocab_size=1024 mtp_num_layers=1")
+  fix = out.rstrip().splitlines()[-1]
+  assert fix.startswith("try: inspect_checkpoint diff model_name=deepseek3-tiny ")
+  assert " vocab_size=1024 " in fix and " mtp_num_layers=1 " in fix
+  code, out, _ = _run(capsys, *shlex.split(fix[len("try: inspect_checkpoint "):]))
+  assert code == 0 and "AGREE" in out
 
 
 def test_diff_does_not_read_a_fifo_in_place_of_config_json(fp8_dir, tmp_path):

@@ -22,14 +22,7 @@ from test_export_distributed import _arrays
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data", "import")
 HF = os.path.join(DATA, "hf_small")
-# MaxText keys of hf_small's config.json (as MaxText's converter was run on it, data/import: see tests/data/README).
-KEYS = ["model_name=deepseek3-tiny", "override_model_config=true", "base_emb_dim=128", "base_mlp_dim=256",
-        "base_moe_mlp_dim=64", "base_num_decoder_layers=3", "first_num_dense_layers=1", "num_experts=8",
-        "num_experts_per_tok=2", "n_routing_groups=2", "topk_routing_group=1", "q_lora_rank=64", "kv_lora_rank=32",
-        "qk_nope_head_dim=32", "qk_rope_head_dim=16", "v_head_dim=32", "base_num_query_heads=2",
-        "base_num_kv_heads=2", "vocab_size=512", "routed_scaling_factor=1.5", "rope_factor=4",
-        "original_max_position_embeddings=2048", "max_position_embeddings=8192", "rope_max_timescale=10000",
-        "mscale=1.0", "normalization_layer_epsilon=1e-6", "mtp_num_layers=1", "shared_experts=1"]
+CONFIG = json.loads(open(os.path.join(HF, "config.json"), encoding="utf-8").read())
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
@@ -89,9 +82,13 @@ def _fp8_release(tensors: dict[str, np.ndarray]) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
   dst = tmp_path_factory.mktemp("import") / "ckpt"
-  out = _run("import", *KEYS, "--path", HF, "--output", str(dst))
+  out = _run("import", "--path", HF, "--output", str(dst))
   assert out.returncode == 0, out.stderr[-3000:]
   return dst, out
+
+
+def _keys(dst) -> list[str]:
+  return json.loads((dst / "import_report.json").read_text())["maxtext_keys"]
 
 
 def test_import_writes_maxtexts_own_converter_arrays(imported):
@@ -109,7 +106,7 @@ def test_forward_of_the_import_reproduces_transformers_logits(imported, tmp_path
   dst, out = imported
   assert f"--checkpoint {dst}" in out.stdout.splitlines()[-1]  # the command prints the keys to use with DST
   logits = tmp_path / "logits.npz"
-  run = _run("forward", *KEYS, "dtype=float32", "--checkpoint", str(dst), "--tokens",
+  run = _run("forward", *_keys(dst), "dtype=float32", "--checkpoint", str(dst), "--tokens",
              os.path.join(DATA, "tokens.npy"), "--save-logits", str(logits))
   assert run.returncode == 0, run.stderr[-3000:]
   ours = np.load(logits)["logits"].astype(np.float64)
@@ -121,7 +118,16 @@ def test_forward_of_the_import_reproduces_transformers_logits(imported, tmp_path
 def test_the_report_records_keys_sources_and_the_mtp_copies(imported):
   dst, _ = imported
   report = json.loads((dst / "import_report.json").read_text())
-  assert report["maxtext_keys"] == KEYS and report["source"] == HF
+  keys = dict(key.split("=", 1) for key in report["maxtext_keys"])
+  rope = CONFIG["rope_parameters"]
+  assert report["source"] == HF and {  # what config.json and the stored tensors say, as MaxText keys
+      "base_emb_dim": str(CONFIG["hidden_size"]), "base_num_decoder_layers": str(CONFIG["num_hidden_layers"]),
+      "num_experts": str(CONFIG["n_routed_experts"]), "n_routing_groups": str(CONFIG["n_group"]),
+      "topk_routing_group": str(CONFIG["topk_group"]), "q_lora_rank": str(CONFIG["q_lora_rank"]),
+      "kv_lora_rank": str(CONFIG["kv_lora_rank"]), "routed_scaling_factor": str(CONFIG["routed_scaling_factor"]),
+      "rope_factor": str(rope["factor"]), "original_max_position_embeddings": str(
+          rope["original_max_position_embeddings"]), "routed_bias": "true", "mtp_num_layers": "1",
+      "rope_interleave": "true"}.items() <= keys.items()
   assert report["num_arrays"] == 53 and report["weight_dtype"] == "float32" and report["scan_layers"] is True
   experts = report["arrays"]["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"]
   assert experts["shape"] == [8, 2, 128, 64] and experts["source"]["count"] == 16  # 2 layers x 8 experts
@@ -143,7 +149,7 @@ def test_the_fp8_release_layout_is_dequantized_exactly(tmp_path):
       config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                        "activation_scheme": "dynamic"}
     (tmp_path / name / "config.json").write_text(json.dumps(config))
-    out = _run("import", *KEYS, "--path", str(tmp_path / name), "--output", str(tmp_path / f"{name}.ckpt"))
+    out = _run("import", "--path", str(tmp_path / name), "--output", str(tmp_path / f"{name}.ckpt"))
     assert out.returncode == 0, out.stderr[-3000:]
   from_fp8, from_float = _arrays(str(tmp_path / "fp8.ckpt")), _arrays(str(tmp_path / "float.ckpt"))
   changed = 0
@@ -161,7 +167,7 @@ def test_mtp_copies_that_differ_and_tensors_no_leaf_reads_are_named(tmp_path):
   os.mkdir(tmp_path / "hf")
   write_safetensors(str(tmp_path / "hf" / "model.safetensors"), tensors)
   shutil.copy(os.path.join(HF, "config.json"), tmp_path / "hf" / "config.json")
-  out = _run("import", *KEYS, "--path", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"))
+  out = _run("import", "--path", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"))
   assert out.returncode == 0, out.stderr[-3000:]
   assert "1 tensor(s)" in out.stderr and "model.layers.9.extra.weight" in out.stderr
   assert "model.layers.3.shared_head.head.weight differ" in out.stderr
@@ -174,8 +180,9 @@ def test_mtp_copies_that_differ_and_tensors_no_leaf_reads_are_named(tmp_path):
 def test_refusals_are_one_line_and_leave_nothing(tmp_path):
   dst = tmp_path / "out"
   cases = [
-      (["model_name=deepseek4-tiny"], "import reads DeepSeek-V2/V3 layouts"),
-      (KEYS[:-1] + ["mtp_num_layers=2"], "does not fit the model"),  # no second MTP layer stored
+      (["mtp_num_layers=2"], "mtp_num_layers"),  # one MTP layer is stored
+      (["base_emb_dim=64"], "base_emb_dim"),  # config.json's hidden_size is 128
+      (["model_name=deepseek4-tiny"], ""),
   ]
   for keys, message in cases:
     out = _run("import", *keys, "--path", HF, "--output", str(dst))
@@ -183,16 +190,16 @@ def test_refusals_are_one_line_and_leave_nothing(tmp_path):
   assert not dst.exists() and os.listdir(tmp_path) == []
   dst.mkdir()
   (dst / "mine.txt").write_text("x")
-  out = _run("import", *KEYS, "--path", HF, "--output", str(dst))
+  out = _run("import", "--path", HF, "--output", str(dst))
   assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and (dst / "mine.txt").exists()
 
 
 def test_overwrite_replaces_an_earlier_import_only(imported, tmp_path):
   earlier = tmp_path / "earlier"
   shutil.copytree(imported[0], earlier)
-  out = _run("import", *KEYS, "scan_layers=false", "--path", HF, "--output", str(earlier))
+  out = _run("import", "scan_layers=false", "--path", HF, "--output", str(earlier))
   assert out.returncode == 2 and "--overwrite" in out.stderr
-  out = _run("import", *KEYS, "scan_layers=false", "--path", HF, "--output", str(earlier), "--overwrite")
+  out = _run("import", "scan_layers=false", "--path", HF, "--output", str(earlier), "--overwrite")
   assert out.returncode == 0, out.stderr[-2000:]
   report = json.loads((earlier / "import_report.json").read_text())
   assert report["scan_layers"] is False and "params.params.decoder.moe_layers_1.self_attention.wq_b.kernel" in (
@@ -202,7 +209,8 @@ def test_overwrite_replaces_an_earlier_import_only(imported, tmp_path):
 
 def test_import_export_bf16_import_round_trip_gives_the_same_bf16_arrays(imported, tmp_path):
   dst, _ = imported
-  out = _run("export", *KEYS, "--checkpoint", str(dst), "--layout", "deepseek-bf16", "--output", str(tmp_path / "hf"))
+  out = _run("export", *_keys(dst), "--checkpoint", str(dst), "--layout", "deepseek-bf16", "--output",
+             str(tmp_path / "hf"))
   assert out.returncode == 0, out.stderr[-3000:]
   assert "bf16, unquantized" in out.stdout
   written = read_safetensors(str(tmp_path / "hf"))
@@ -211,7 +219,7 @@ def test_import_export_bf16_import_round_trip_gives_the_same_bf16_arrays(importe
   assert set(written) == set(read_safetensors(HF))  # the release's names, the MTP layer as layer 3 included
   config = json.loads((tmp_path / "hf" / "config.json").read_text())
   assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
-  out = _run("import", *KEYS, "--path", str(tmp_path / "hf"), "--output", str(tmp_path / "again"))
+  out = _run("import", "--path", str(tmp_path / "hf"), "--output", str(tmp_path / "again"))
   assert out.returncode == 0, out.stderr[-3000:]
   first, again = _arrays(str(dst)), _arrays(str(tmp_path / "again"))
   assert sorted(first) == sorted(again)
@@ -220,3 +228,37 @@ def test_import_export_bf16_import_round_trip_gives_the_same_bf16_arrays(importe
     if name.endswith("gate.bias"):
       expected = value  # the release keeps e_score_correction_bias float32
     assert again[name].tobytes() == expected.tobytes(), name
+
+
+def test_diff_agrees_with_the_keys_the_import_recorded(imported):
+  dst, _ = imported
+  keys = json.loads((dst / "import_report.json").read_text())["maxtext_keys"]
+  out = _run("diff", *keys, "--path", str(dst))
+  assert out.returncode == 0 and "AGREE" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_two_processes_import_what_one_process_imports(imported, tmp_path):
+  from test_export_distributed import _run_processes  # pylint: disable=import-outside-toplevel
+
+  outs = _run_processes(["import", "--path", HF, "--output", str(tmp_path / "two")])
+  for code, _, err in outs:
+    assert code == 0, err[-3000:]
+  assert outs[0][1].startswith("imported ") and outs[1][1] == ""  # process 0 reports for the job
+  one, two = _arrays(str(imported[0])), _arrays(str(tmp_path / "two"))
+  assert sorted(one) == sorted(two)
+  for name in one:
+    assert one[name].tobytes() == two[name].tobytes(), name
+  assert sorted(d for d in os.listdir(tmp_path / "two" / "0" / "items") if d.startswith("ocdbt.process_")) == [
+      "ocdbt.process_0", "ocdbt.process_1"]
+
+
+@pytest.mark.parametrize("point", ["start", "written", "report"])
+def test_a_killed_import_leaves_no_destination_and_the_next_run_cleans_up(point, tmp_path):
+  dst = tmp_path / "dst"
+  killed = subprocess.run([sys.executable, "-m", "inspect_tool", "import", "--path", HF, "--output",
+                           str(dst), "--quiet"], capture_output=True, text=True, cwd=REPO, check=False, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", INSPECT_EXPORT_KILL_AT=point))
+  assert killed.returncode == -9 and not dst.exists()
+  out = _run("import", "--path", HF, "--output", str(dst))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert os.listdir(tmp_path) == ["dst"] and (dst / "import_report.json").exists()

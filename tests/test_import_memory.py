@@ -19,7 +19,6 @@ import hf_sources
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 600 * 10**6
 E, FM, X, F, V = 1024, 1536, 64, 2048, 1024  # routed experts wi_0/wi_1/wo: (64, 2, 1024, 1536) float32 = 805 MB each
-KEYS = hf_sources.keys(E, FM, F, X, 3, V)
 WI_0 = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"
 
 
@@ -35,7 +34,7 @@ def _import_in(cgroup: str | None, source: str, dst: str, *extra: str):
   """The import as a child (joining `cgroup` before exec when given); the completed process and its peak RSS."""
   join = 'if [ -n "$0" ]; then echo $$ > "$0/cgroup.procs"; fi && exec "$@"'
   cmd = ["sh", "-c", join, cgroup or "", "/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable, "-m",
-         "inspect_tool", "import", *KEYS, "--path", source, "--output", dst, "--format", "json", *extra]
+         "inspect_tool", "import", "--path", source, "--output", dst, "--format", "json", *extra]
   out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                        check=False, timeout=900)
   peak = [int(line.split()[1]) * 1024 for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB")]

@@ -58,6 +58,8 @@ class DiffResult:
   aliased: list[Pair]
   ignored: list[tree.Leaf]
   causes: list[Cause]
+  conflicts: list[str] = dataclasses.field(default_factory=list)  # keys that compute differently (HF config.json)
+  fix: str = ""  # a command, re-checked, under which model and checkpoint agree
 
   @property
   def loadable(self) -> bool:
@@ -66,16 +68,19 @@ class DiffResult:
 
   @property
   def agree(self) -> bool:
-    return self.loadable and not self.unexpected
+    return self.loadable and not self.unexpected and not self.conflicts
 
   def summary(self, *, unexpected: bool = True) -> str:
     """One line: the counts with the first few keys, and the recognised causes' suggestions.
 
     `unexpected=False` leaves out checkpoint weights the model does not use (for loading, they do no harm).
     """
-    if self.agree or (not unexpected and self.loadable):
+    if self.agree or (not unexpected and self.loadable and not self.conflicts):
       return f"model and checkpoint agree ({len(self.matched)} weights)"
     parts = []
+    if self.conflicts:
+      parts.append(f"{len(self.conflicts)} key(s) compute differently from the checkpoint's config "
+                   f"({_first(self.conflicts)})")
     if self.missing:
       parts.append(f"{len(self.missing)} missing from checkpoint ({_first(l.dotted for l in self.missing)})")
     if self.unexpected and unexpected:
@@ -104,6 +109,8 @@ class DiffResult:
         "aliased": [p.to_dict() for p in self.aliased],
         "ignored": len(self.ignored),
         "causes": [c.to_dict() for c in self.causes],
+        "conflicts": list(self.conflicts),
+        "fix": self.fix or None,
     }
 
 

@@ -81,6 +81,14 @@ def layer_rules(cfg, moe: bool) -> dict[tuple[str, ...], tuple[tuple[int, ...], 
   else:
     rules[("self_attention", "query", "kernel")] = ((e, h, dn + dr), Rule((p + "self_attn.q_proj.weight",), FP8,
                                                                            rope=True))
+  if cfg.use_indexer:  # DeepSeek-V3.2's lightning indexer, in its release's names (weights_proj kept unquantized)
+    hi, di, ix = cfg.indexer_n_heads, cfg.indexer_head_dim, ("self_attention", "indexer")
+    rules[ix + ("wq_b", "kernel")] = ((qr, hi, di), Rule((p + "self_attn.indexer.wq_b.weight",), FP8))
+    rules[ix + ("wk", "kernel")] = ((e, di), Rule((p + "self_attn.indexer.wk.weight",), FP8))
+    rules[ix + ("k_norm", "scale")] = ((di,), Rule((p + "self_attn.indexer.k_norm.weight",), BF16))
+    rules[ix + ("k_norm", "bias")] = ((di,), Rule((p + "self_attn.indexer.k_norm.bias",), BF16))
+    rules[ix + ("weights_proj", "kernel")] = ((e, hi), Rule((p + "self_attn.indexer.weights_proj.weight",),
+                                                            BF16_LINEAR))
   projections = (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj"))
   if not moe:
     f = cfg.mlp_dim
@@ -172,14 +180,21 @@ def hf_matrix(kernel, rule: Rule, cfg) -> np.ndarray:
   return np.ascontiguousarray(kernel.reshape(n_in, -1).T)
 
 
-def maxtext_kernel(w_oi, rule: Rule, shape: tuple[int, ...], cfg) -> np.ndarray:
-  """The MaxText kernel of per-layer `shape` of an HF (out, in) Linear weight: `hf_matrix` undone."""
+def maxtext_kernel(w_oi, rule: Rule, shape: tuple[int, ...], cfg, stored_interleaved: bool = True) -> np.ndarray:
+  """The MaxText kernel of per-layer `shape` of an HF (out, in) Linear weight: `hf_matrix` undone.
+
+  `stored_interleaved`: the rope columns are stored in HF's interleaved layout (config.json `rope_interleave`,
+  true unless it says false); otherwise they are stored in halves, which is MaxText's `rope_interleave=false`.
+  """
   kernel = np.asarray(w_oi, np.float32).T.reshape(shape)
-  if rule.rope and not cfg.rope_interleave:
+  if rule.rope and stored_interleaved != bool(cfg.rope_interleave):
     dr = cfg.qk_rope_head_dim
     start = kernel.shape[-1] - dr
     kernel = kernel.copy()
-    kernel[..., start + rope_order(dr)] = kernel[..., start:].copy()
+    if stored_interleaved:  # interleaved pairs (2i, 2i+1) -> halves (i, i + dr/2)
+      kernel[..., start + rope_order(dr)] = kernel[..., start:].copy()
+    else:  # halves -> interleaved
+      kernel[..., start:] = kernel[..., start + rope_order(dr)].copy()
   return kernel
 
 

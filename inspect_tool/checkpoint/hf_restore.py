@@ -21,19 +21,20 @@ import math
 import os
 from typing import Iterable
 
-import ml_dtypes
 import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import safetensors_header
 
-CONFIG_NAME = "config.json"
-_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-_FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-SCALE_SUFFIX = "_scale_inv"
+CONFIG_NAME = hf_tensors.CONFIG_NAME
+SCALE_SUFFIX = hf_tensors.SCALE_SUFFIX
+_FLOATS, _FP8 = hf_tensors.FLOATS, hf_tensors.FP8
+scale_shape = hf_tensors.scale_shape
 
 
 def is_hf_checkpoint(path: str | None) -> bool:
@@ -50,85 +51,12 @@ def is_hf_checkpoint(path: str | None) -> bool:
   return found
 
 
-def block_size(path: str) -> tuple[int, int]:
-  """`quantization_config.weight_block_size` of `config.json` (DeepSeek's [128, 128] when absent)."""
-  raw = files.read_bytes(os.path.join(path, CONFIG_NAME), 1 << 20, "Hugging Face config")
-  doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{path}/{CONFIG_NAME}: {why}"))
-  block = (doc.get("quantization_config") or {}).get("weight_block_size") if isinstance(doc, dict) else None
-  if block is None:
-    return hf_names.BLOCK
-  if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-    raise errors.CheckpointError(f"{path}/{CONFIG_NAME}: weight_block_size {str(block)[:40]} is not two positive "
-                                 "integers")
-  return tuple(block)
-
-
-class Tensors:
-  """The tensors of a safetensors directory, read by name as float32 (float8 ones dequantized)."""
+class Tensors(hf_tensors.Tensors):
+  """`hf_tensors.Tensors`, knowing how the directory stores rope columns (`config.json`'s `rope_interleave`)."""
 
   def __init__(self, path: str):
-    self.path = path
-    self.table = safetensors_header.read_tensor_table(path)
-    self.block = block_size(path) if files.kind(os.path.join(path, CONFIG_NAME)) == "file" else hf_names.BLOCK
-
-  def __contains__(self, name: str) -> bool:
-    return name in self.table
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self.table[name][1]["shape"])
-
-  def dtype(self, name: str) -> str:
-    return self.table[name][1]["dtype"]
-
-  def _raw(self, name: str) -> np.ndarray:
-    file, entry = self.table[name]
-    dtype = np.dtype(_FP8.get(entry["dtype"]) or _FLOATS[entry["dtype"]])
-    count = math.prod(entry["shape"])
-    try:
-      with open(file, "rb") as f:
-        f.seek(entry["start"])
-        data = f.read(count * dtype.itemsize)
-    except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
-    if len(data) != count * dtype.itemsize:
-      raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
-    return np.frombuffer(data, dtype).reshape(entry["shape"])
-
-  def read(self, name: str) -> np.ndarray:
-    """`name` as float32; a float8 weight times its `<name>_scale_inv` per block."""
-    value = self._raw(name)
-    if self.dtype(name) not in _FP8:
-      return value.astype(np.float32)
-    return dequantize(value, self._raw(name + SCALE_SUFFIX), self.block)
-
-  def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of `name` as float32, reading only their bytes (a float8 weight: whole, then cut)."""
-    file, entry = self.table[name]
-    if entry["dtype"] in _FP8 or not entry["shape"]:
-      return self.read(name)[start:stop]
-    dtype = np.dtype(_FLOATS[entry["dtype"]])
-    row = math.prod(entry["shape"][1:]) * dtype.itemsize
-    try:
-      with open(file, "rb") as f:
-        f.seek(entry["start"] + start * row)
-        data = f.read((stop - start) * row)
-    except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
-    if len(data) != (stop - start) * row:
-      raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
-    return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(entry["shape"][1:])).astype(np.float32)
-
-
-def dequantize(qvalue: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = hf_names.BLOCK) -> np.ndarray:
-  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c]."""
-  rows = np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0)[:qvalue.shape[0]]
-  full = np.repeat(rows, block[1], axis=1)[:, :qvalue.shape[1]]
-  return qvalue.astype(np.float32) * full
-
-
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-  """The `weight_scale_inv` grid of an (out, in) weight: one per block, rounded up at the edges."""
-  return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    super().__init__(path)
+    self.rope_interleaved = hf_config.stored_rope_interleaved(path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,12 +147,13 @@ def _layer_value(tensors: Tensors, entry, layer, index: tuple, cfg) -> np.ndarra
   name = rule.names[0].replace("{i}", str(layer))
   if rule.kind == hf_names.EXPERTS_FP8:
     experts = range(shape[0])[index[0]]
-    value = np.stack([hf_names.maxtext_kernel(tensors.read(name.replace("{j}", str(j))), rule, shape[1:], cfg)
+    value = np.stack([hf_names.maxtext_kernel(tensors.read(name.replace("{j}", str(j))), rule, shape[1:], cfg,
+                                              tensors.rope_interleaved)
                       for j in experts]) if len(experts) else np.zeros((0,) + shape[1:], np.float32)
     return value[(slice(None),) + index[1:]]
   value = tensors.read(name)
   if rule.kind in (hf_names.FP8, hf_names.BF16_LINEAR):
-    value = hf_names.maxtext_kernel(value, rule, shape, cfg)
+    value = hf_names.maxtext_kernel(value, rule, shape, cfg, tensors.rope_interleaved)
   return value.reshape(shape)[index]
 
 
@@ -253,8 +182,23 @@ def planned(leaves: Iterable[tree.Leaf], plan: dict) -> list[tuple[tree.Leaf, tu
   return pairs
 
 
-def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None) -> dict[tuple[str, ...], object]:
+def check_keys(cfg, path: str) -> None:
+  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
+  the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
+  keys = hf_config.derive_keys(path)
+  found = [(key, text) for key, text in hf_config.conflicts(cfg, keys, path)
+           if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
+  if found:
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise errors.ConfigError(f"the model does not compute as {path} does: {found[0][1]}{more}; "
+                             f"'inspect_checkpoint hf --path {path} --keys' prints every key it determines")
+
+
+def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
+                   report_unused: bool = False) -> dict[tuple[str, ...], object]:
   """Reads the HF checkpoint at `path` as `{leaf key: jax.Array}` for the model `leaves` of `cfg`, on `mesh`.
+
+  `report_unused`: say on stderr which tensors no model leaf reads.
 
   Raises:
     errors.CheckpointError: unreadable files or headers.
@@ -266,10 +210,12 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None) ->
 
   plan = hf_names.leaf_plan(cfg)
   tensors = Tensors(path)
-  problems, _ = check(tensors, plan, cfg)
+  problems, known = check(tensors, plan, cfg)
   if problems:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     raise errors.MismatchError(f"Hugging Face checkpoint {path} does not fit the model: {problems[0].text}{more}")
+  if report_unused:
+    restore.note_unused(path, sorted(name for name in tensors.table if name not in known))
   mesh = mesh if mesh is not None else restore.default_mesh()
   arrays = {}
   for leaf, target in planned(_wanted(leaves), plan):
@@ -289,6 +235,7 @@ def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
   from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
+  check_keys(model.config, path)
   leaves = params.param_leaves(model, include_non_params=True)
-  params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh))
+  params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh, report_unused=True))
   return model

@@ -14,6 +14,7 @@ import re
 from typing import Iterable, Mapping
 
 from inspect_tool import errors
+from inspect_tool import progress
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
@@ -49,8 +50,18 @@ def _wanted(leaves: Iterable[tree.Leaf]) -> list[tree.Leaf]:
   return [l for l in leaves if not (l.key[:2] == tree.AUX_PREFIX and "rngs" in l.key)]
 
 
-def plan(listing: orbax_metadata.Listing, leaves: Iterable[tree.Leaf]) -> list[diff.Pair]:
+def note_unused(where: str, names: list[str]) -> None:
+  """One line on stderr naming the checkpoint arrays the model does not read (the first three and the count)."""
+  if names:
+    more = f", +{len(names) - 3} more" if len(names) > 3 else ""
+    progress.note(f"note: {where} holds {len(names)} array(s) the model does not use: {', '.join(names[:3])}{more}")
+
+
+def plan(listing: orbax_metadata.Listing, leaves: Iterable[tree.Leaf], *, report_unused: bool = False
+         ) -> list[diff.Pair]:
   """Pairs each model leaf with the checkpoint leaf to read (gate-bias alias resolved).
+
+  `report_unused`: say on stderr which checkpoint arrays no model leaf reads (`note_unused`).
 
   Raises:
     errors.MismatchError: a weight is missing or its shape or dtype differs.
@@ -59,6 +70,8 @@ def plan(listing: orbax_metadata.Listing, leaves: Iterable[tree.Leaf]) -> list[d
   if not result.loadable:
     summary = result.summary(unexpected=False)
     raise errors.MismatchError(f"checkpoint {listing.resolved.items_dir} does not fit the model: {summary}")
+  if report_unused:
+    note_unused(listing.resolved.items_dir, [l.dotted for l in result.unexpected])
   return result.matched
 
 
@@ -122,7 +135,8 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
 
 
 def restore_leaves(path: str, leaves: Iterable[tree.Leaf], *, mesh=None,
-                   shardings: Mapping[tuple[str, ...], object] | None = None) -> dict[tuple[str, ...], object]:
+                   shardings: Mapping[tuple[str, ...], object] | None = None,
+                   report_unused: bool = False) -> dict[tuple[str, ...], object]:
   """Restores the checkpoint arrays for model `leaves` (keys as `param_leaves` gives them) onto `mesh`.
 
   Args:
@@ -139,13 +153,13 @@ def restore_leaves(path: str, leaves: Iterable[tree.Leaf], *, mesh=None,
     errors.MismatchError: weights are missing or mis-shaped (names the first few, with the count).
   """
   listing = orbax_metadata.read_listing(path)
-  return restore_pairs(listing, plan(listing, leaves), mesh=mesh, shardings=shardings)
+  return restore_pairs(listing, plan(listing, leaves, report_unused=report_unused), mesh=mesh, shardings=shardings)
 
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of `model` (an NNX model from `inspect_tool.model.build_model`) from `path`."""
   from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   leaves = params.param_leaves(model, include_non_params=True)
-  arrays = restore_leaves(path, leaves, mesh=mesh)
+  arrays = restore_leaves(path, leaves, mesh=mesh, report_unused=True)
   params.assign_arrays(model, arrays)
   return model

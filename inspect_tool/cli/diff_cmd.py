@@ -33,5 +33,7 @@ def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
+    from inspect_tool.checkpoint import fix  # pylint: disable=import-outside-toplevel
+    result.fix = fix.suggest(list(overrides), path, result, compare, compare is hf_diff.diff_config_hf)
     options.emit_text(diff_format.FORMATTERS[fmt](result, source=source, path=path), output_file)
   return 0 if result.agree else 1

@@ -76,10 +76,16 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 @click.command(epilog=options.example("hf --path tests/data/import/hf_small --summary"))
 @click.option("--path", required=True, type=click.Path(),
               help="A .safetensors file, a directory of them, or a sharded index.json set.")
+@click.option("--keys", "keys", is_flag=True, help="Print the MaxText keys of the DeepSeek directory (config.json and "
+              "the stored tensors) as one line of key=value, instead of the listing.")
 @options.output_options
-def hf(path, fmt, check_dtype, output_file, html_file, summary):
+def hf(path, keys, fmt, check_dtype, output_file, html_file, summary):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""
   from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
+  if keys:
+    from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+    click.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))))
+    return 0
   _emit_leaves(listings.hf_listing(path), path, fmt, check_dtype, output_file, html_file, summary)
   return 0

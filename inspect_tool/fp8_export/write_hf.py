@@ -279,9 +279,14 @@ def hf_config(cfg, fp8: bool = True) -> dict[str, Any]:
   rope_scaling = None
   if cfg.rope_type == "yarn":
     rope_scaling = _rope_scaling(cfg)
-  doc = {
-      "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-      "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+  indexer = {"index_n_heads": cfg.indexer_n_heads, "index_head_dim": cfg.indexer_head_dim,
+             "index_topk": cfg.indexer_topk} if cfg.use_indexer else {}  # DeepSeek-V3.2's release fields
+  architecture, model_type = (("DeepseekV32ForCausalLM", "deepseek_v32") if cfg.use_indexer else
+                              ("DeepseekV3ForCausalLM", "deepseek_v3") if v3 else
+                              ("DeepseekV2ForCausalLM", "deepseek_v2"))
+  doc = indexer | {
+      "architectures": [architecture],
+      "model_type": model_type,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.emb_dim,
       "intermediate_size": cfg.mlp_dim,

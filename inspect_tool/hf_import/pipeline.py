@@ -31,7 +31,7 @@ from inspect_tool.paramtree import tree
 
 REPORT_NAME = "import_report.json"
 FORMAT_VERSION = 1
-SUPPORTED = "DeepSeek-V2/V3 layouts (decoder_block=deepseek without the V3.2 indexer)"
+SUPPORTED = "DeepSeek-V2, V3 and V3.2 layouts (decoder_block=deepseek)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
                       max_memory: int | None = None, command: str | None = None) -> ImportResult:
   """Imports the HF DeepSeek directory `path` into a MaxText Orbax checkpoint at `dst` (`dst/0/items`).
 
-  `tokens` are MaxText key=value overrides on top of the keys config.json determines (`scan_layers`,
+  `tokens` are MaxText key=value overrides on top of the keys the directory determines (`keys`: `scan_layers`,
   `weight_dtype`, `param_scan_axis` are free; keys contradicting config.json are refused). Under
   `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
   """
@@ -70,9 +70,9 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
 
 
 def _check_supported(cfg) -> None:
-  if cfg.decoder_block != "deepseek" or cfg.use_indexer:
+  if cfg.decoder_block != "deepseek":
     raise errors.ConfigError(f"import reads {SUPPORTED}; model {cfg.model_name!r} (decoder_block="
-                             f"{cfg.decoder_block}{', use_indexer=true' if cfg.use_indexer else ''}) is not one")
+                             f"{cfg.decoder_block}) has no Hugging Face DeepSeek layout here")
 
 
 def _leaves(cfg) -> list[tree.Leaf]:

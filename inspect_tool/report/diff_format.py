@@ -18,6 +18,7 @@ def _sections(result):
                              for p in result.shape_mismatches]
   yield "dtype mismatches", [f"{p.model.dotted}: model {p.model.dtype} vs checkpoint {p.checkpoint.dtype}"
                              for p in result.dtype_mismatches]
+  yield "keys that compute differently from the checkpoint's config.json", list(result.conflicts)
   yield "likely causes", [c.message + (f" → {c.suggestion}" if c.suggestion else "") for c in result.causes]
 
 
@@ -32,6 +33,8 @@ def format_text(result, *, source: str, path: str) -> str:
       lines.extend(f"  {row}" for row in rows)
   verdict = "AGREE" if result.agree else "DISAGREE"
   lines.append(f"{verdict}: {result.summary()}")
+  if result.fix:
+    lines.append(f"try: {result.fix}")
   return "\n".join(lines) + "\n"
 
 
@@ -41,7 +44,7 @@ def format_json(result, *, source: str, path: str) -> str:
 
 def format_markdown(result, *, source: str, path: str) -> str:
   lines = [f"# Model `{source}` vs checkpoint `{path}`", "", f"**{'Agree' if result.agree else 'Disagree'}**: "
-           f"{result.summary()}", ""]
+           f"{result.summary()}", ""] + ([f"try: `{result.fix}`", ""] if result.fix else [])
   for title, rows in _sections(result):
     if rows:
       lines += [f"## {title.capitalize()} ({len(rows)})", ""] + [f"- `{row}`" for row in rows] + [""]
