@@ -1,7 +1,9 @@
 """`inspect_checkpoint import`: a Hugging Face DeepSeek-V3 directory (transformers-made, and the same in DeepSeek's
 FP8 release layout) into a MaxText Orbax checkpoint, checked against references that are not ours: MaxText 0.2.5's
-own standalone converter's arrays (`data/import/maxtext_converted`, float16) and transformers' logits
-(`data/import/hf_small_transformers_logits.npz`); FP8 dequantization against the numpy reference of the format."""
+own standalone converter's arrays (`data/import/maxtext_converted`, float16), transformers' logits
+(`data/import/hf_small_transformers_logits.npz`) and, for the MTP head, a numpy reference of the architecture
+(`deepseek_numpy_reference.py`, whose main logits match transformers'); FP8 dequantization against the numpy
+reference of the format."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 import deepseek_fp8_reference
+import deepseek_numpy_reference
 from test_export_distributed import _arrays
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +105,7 @@ def test_import_writes_maxtexts_own_converter_arrays(imported):
     assert np.array_equal(value.astype(np.float16), theirs[name]), name  # MaxText's converter stores float16
 
 
-def test_forward_of_the_import_reproduces_transformers_logits(imported, tmp_path):
+def test_forward_of_the_import_reproduces_transformers_and_the_numpy_mtp_reference(imported, tmp_path):
   dst, out = imported
   assert f"--checkpoint {dst}" in out.stdout.splitlines()[-1]  # the command prints the keys to use with DST
   logits = tmp_path / "logits.npz"
@@ -113,6 +116,15 @@ def test_forward_of_the_import_reproduces_transformers_logits(imported, tmp_path
   reference = np.load(os.path.join(DATA, "hf_small_transformers_logits.npz"))["logits"]
   assert np.linalg.norm(ours - reference) / np.linalg.norm(reference) < 1e-6  # measured 3.8e-7
   assert (ours.argmax(-1) == reference.argmax(-1)).all()
+  # The MTP head from the release's nextn tensors, by the numpy reference (itself checked against transformers).
+  numpy_model = deepseek_numpy_reference.Reference(CONFIG, read_safetensors(HF))
+  tokens = np.load(os.path.join(DATA, "tokens.npy"))
+  main = numpy_model.main_logits(tokens)
+  assert np.linalg.norm(main - reference) / np.linalg.norm(reference) < 1e-6  # measured 3.5e-7
+  expected = numpy_model.mtp_logits(tokens)
+  mtp = np.load(logits)["mtp_logits"].astype(np.float64).reshape(expected.shape)
+  assert np.linalg.norm(mtp - expected) / np.linalg.norm(expected) < 1e-6  # measured 3.8e-7
+  assert (mtp.argmax(-1) == expected.argmax(-1)).all()
 
 
 def test_the_report_records_keys_sources_and_the_mtp_copies(imported):

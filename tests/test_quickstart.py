@@ -1,7 +1,7 @@
 """README.md's Quick start runs as printed: every command exits 0 and prints the sample lines shown under it.
 
 The commands run as `python -m inspect_tool` with the same arguments from the repository root; the export's
-destination (/tmp/ic-quickstart-fp8) is replaced by a directory under pytest's tmp_path. The forward of the export
+and import's destinations (/tmp/ic-quickstart-*) are replaced by directories under pytest's tmp_path. The forward of the export
 is also held to MaxText's own fp8_full run of the same checkpoint (tests/data/golden/c_fp8full_mtptrue.npz), and
 every path the README and docs/ cite must exist.
 """
@@ -20,7 +20,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
-EXPORT_DST = "/tmp/ic-quickstart-fp8"
+OUTPUTS = ("/tmp/ic-quickstart-fp8", "/tmp/ic-quickstart-import")  # replaced by directories under tmp_path
 
 
 def quick_start_steps(text: str) -> list[tuple[list[str], list[str]]]:
@@ -44,7 +44,8 @@ STEPS = quick_start_steps(open(README, encoding="utf-8").read())
 
 
 def test_quick_start_covers_every_flow():
-  assert [args[0] for args, _ in STEPS] == ["maxtext", "orbax", "diff", "rules", "maxtext", "export", "forward"]
+  assert [args[0] for args, _ in STEPS] == ["maxtext", "orbax", "diff", "rules", "maxtext", "export", "forward",
+                                            "import"]
   assert "--devices" in STEPS[4][0]
   assert all(sample for _, sample in STEPS)
 
@@ -56,22 +57,27 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
                         env=env, timeout=900, check=False)
 
 
+def _local(text: str, tmp_path) -> str:
+  for i, path in enumerate(OUTPUTS):
+    text = text.replace(path, str(tmp_path / f"out{i}"))
+  return text
+
+
 def test_quick_start_commands_run_as_printed(tmp_path):
-  dst = str(tmp_path / "fp8")
   outputs = []
   for args, sample in STEPS:
-    args = [a.replace(EXPORT_DST, dst) for a in args]
+    args = [_local(a, tmp_path) for a in args]
     result = _run(args)
     assert result.returncode == 0, (args, result.stdout[-2000:], result.stderr[-2000:])
     lines = {line.rstrip() for line in (result.stdout + result.stderr).splitlines()}
-    missing = [line for line in (s.replace(EXPORT_DST, dst) for s in sample) if line not in lines]
+    missing = [line for line in (_local(s, tmp_path) for s in sample) if line not in lines]
     assert not missing, (args[0], missing, result.stdout[-3000:])
     outputs.append(result.stdout)
   # The forward of the export against MaxText's own fp8_full forward of the same checkpoint and batch.
   golden = np.load(os.path.join(REPO, "tests", "data", "golden", "c_fp8full_mtptrue.npz"))
-  main_loss = float(re.search(r"^main loss: (\S+)$", outputs[-1], re.MULTILINE).group(1))
+  main_loss = float(re.search(r"^main loss: (\S+)$", outputs[-2], re.MULTILINE).group(1))
   assert main_loss == pytest.approx(float(golden["main_xent_per_token"].mean()), abs=1e-6)
-  mtp = re.search(r"^mtp depth 1: .* \(sum (\S+) over (\d+) tokens\)$", outputs[-1], re.MULTILINE)
+  mtp = re.search(r"^mtp depth 1: .* \(sum (\S+) over (\d+) tokens\)$", outputs[-2], re.MULTILINE)
   assert float(mtp.group(1)) == pytest.approx(float(golden["mtp_losses__mtp_block__losses"][0]), abs=1e-4)
   assert int(mtp.group(2)) == int(golden["mtp_losses__mtp_block__weights"][0])
 

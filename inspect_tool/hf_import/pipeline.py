@@ -36,6 +36,7 @@ SUPPORTED = "DeepSeek-V2, V3 and V3.2 layouts (decoder_block=deepseek)"
 
 @dataclasses.dataclass(frozen=True)
 class ImportResult:
+  source: str  # as given
   dst: str
   report: dict
 
@@ -57,16 +58,18 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   """
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
-  path = os.path.abspath(path)
+  given, path = path, os.path.abspath(path)
   keys = keys_lib.maxtext_keys(path, list(tokens))
   cfg = config_lib.resolve_config(keys)
   _check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
-    return _import(cfg, keys, path, dst, **args)
-  with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
-    return _import(cfg, keys, path, claimed.path, **args)
+    report = _import(cfg, keys, path, dst, **args)
+  else:
+    with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
+      report = _import(cfg, keys, path, claimed.path, **args)
+  return ImportResult(given, os.path.abspath(dst), report)
 
 
 def _check_supported(cfg) -> None:
@@ -81,7 +84,8 @@ def _leaves(cfg) -> list[tree.Leaf]:
   return [leaf for leaf in plan_lib.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
 
 
-def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportResult:
+def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
+  """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   budget.return_freed_memory()
@@ -99,7 +103,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportRe
       written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
                                                step=True)
       if index != 0:
-        return ImportResult(os.path.abspath(dst), {})
+        return {}
       atomic.test_point("written")
       copies = mtp_copies(src, cfg)
       report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
@@ -110,7 +114,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportRe
       atomic.test_point("report")
   finally:
     src.close()
-  return ImportResult(os.path.abspath(dst), report)
+  return report
 
 
 def mtp_copies(src: source_lib.HfSource, cfg) -> list[dict]:
@@ -177,9 +181,8 @@ def format_text(result: ImportResult) -> str:
   """The command's summary, ending with the keys to use with DST."""
   report = result.report
   keys = " ".join(report["maxtext_keys"])
-  lines = [f"imported {report['source']} -> {result.dst}: {report['num_arrays']} arrays, "
-           f"{report['num_parameters']:,} parameters ({report['weight_dtype']}, "
-           f"{'scanned' if report['scan_layers'] else 'unscanned'})",
+  lines = [f"imported {result.source}: {report['num_arrays']} arrays, {report['num_parameters']:,} parameters "
+           f"({report['weight_dtype']}, {'scanned' if report['scan_layers'] else 'unscanned'}) into {result.dst}",
            f"MaxText keys: {keys}",
            f"use with: inspect_checkpoint forward {keys} --checkpoint {result.dst}"]
   return "\n".join(lines) + "\n"
