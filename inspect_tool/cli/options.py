@@ -30,6 +30,28 @@ def output_options(func):
   return func
 
 
+def listing_options(func):
+  """--filter and --collapse for the listing commands (maxtext, orbax, hf)."""
+  options = [
+      click.option("--filter", "key_filter", metavar="REGEX",
+                   help="List only arrays whose dotted key (as printed) contains a match of REGEX; totals and "
+                   "summary then describe what is shown and say so."),
+      click.option("--collapse/--no-collapse", default=False,
+                   help="One line per stack of repeated layers or experts (layers_{1..60}, experts.{0..255}): "
+                   "count, shape each, total."),
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
+
+
+def listing_view(report, *, collapse: bool):
+  """The report as `--collapse` shows it."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  return dataclasses.replace(report, collapse=collapse)
+
+
 def _remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
   ctx.meta["inspect_checkpoint.overwrite"] = bool(value)
   return value
