@@ -4,7 +4,7 @@ An index in a key is a number of its own (`model.layers.3.mlp.experts.17.gate_pr
 number of a MaxText layer (`dense_layers_0`, `moe_layers_12`, V4's `layers_5`). Indices are folded innermost
 first: leaves that differ only in that index, with the same shape, dtype (and whatever else `signature` adds, e.g.
 the sharding) and the same folded inner part, become one `Stack` whose index set prints as a range
-(`experts.{0..255}`, `moe_layers_{0..57}`, V4's alternating `layers_{2,4..42}`); then the next index outwards, so
+(`experts.{0..255}`, `moe_layers_{0..57}`, V4's alternating `layers_{2..42 step 2}`); then the next index outwards, so
 a DeepSeek-V3 safetensors directory's per-expert tensors become one line per projection and layer range.
 """
 
@@ -48,7 +48,7 @@ def _split(segment: str) -> tuple[str, int] | None:
 
 
 def ranges(values: Sequence[int]) -> str:
-  """`{0..255}`, `{1,4}`, `{2,4..42}`: sorted values as runs of consecutive numbers or of one step."""
+  """`{0..255}`, `{1,4}`, `{2..42 step 2}`: sorted values as runs (three or more) of one step, and single values."""
   values = sorted(set(values))
   parts, i = [], 0
   while i < len(values):
@@ -58,7 +58,7 @@ def ranges(values: Sequence[int]) -> str:
       while j + 1 < len(values) and values[j + 1] - values[j] == step:
         j += 1
     if j - i >= 2:  # a run of three or more
-      parts.append(f"{values[i]}..{values[j]}" if step == 1 else f"{values[i]},{values[i] + step}..{values[j]}")
+      parts.append(f"{values[i]}..{values[j]}" + (f" step {step}" if step != 1 else ""))
       i = j + 1
     else:
       parts.append(str(values[i]))

@@ -34,7 +34,7 @@ class Fp8Sizing:
 
 def as_stored(scales: int) -> Fp8Sizing:
   """A checkpoint already in FP8 form (an export, FP8 safetensors): every leaf, scales included, as stored."""
-  return Fp8Sizing({}, f"as stored (already FP8: {scales} scale arrays)")
+  return Fp8Sizing({}, f"as stored (already FP8: {scales} scale arrays beside their weights)")
 
 
 def from_plan(plan, basis: str) -> Fp8Sizing:
@@ -42,7 +42,8 @@ def from_plan(plan, basis: str) -> Fp8Sizing:
   dtype_bytes = summary_lib.dtype_bytes
   quantized = {key: (dtype_bytes(wq.qtype), math.prod(wq.scale_shape) * dtype_bytes(wq.compute_dtype))
                for key, wq in plan.weights.items()}
-  return Fp8Sizing(quantized, f"{basis}: {len(quantized)} weights quantized")
+  return Fp8Sizing(quantized, f"{basis}: the {len(quantized)} weights they quantize at their qtype plus their "
+                   "scales, every other array at its stored dtype")
 
 
 def for_config(cfg) -> Fp8Sizing | None:

@@ -29,7 +29,7 @@ class KeyFilter:
     return self.pattern.pattern
 
   def describe(self) -> str:
-    return f"filtered by --filter {self.text!r}: {self.shown} of {self.total} arrays"
+    return f"filtered by --filter '{self.text}': {self.shown} of {self.total} arrays"
 
   def to_dict(self) -> dict:
     return {"regex": self.text, "arrays_shown": self.shown, "arrays_total": self.total}
@@ -47,7 +47,7 @@ def compile_filter(pattern: str | None) -> KeyFilter | None:
   try:
     return KeyFilter(safe_regex.check(pattern))
   except ValueError as e:
-    raise errors.InputError(f"--filter {pattern!r}: {e}; accepted: a Python regex searched in each dotted key") \
+    raise errors.InputError(f"--filter '{pattern}': {e}; accepted: a Python regex searched in each dotted key") \
         from None
 
 

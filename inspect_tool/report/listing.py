@@ -149,8 +149,7 @@ def listing_lines(report: ParamReport, check_dtype: bool) -> list[str]:
 def _fp8_note(s: summary_lib.Summary) -> str:
   if s.fp8_basis is None:
     return "fp8: unknown here (no quantization rules: list the model with `maxtext <keys>` to size it)"
-  return (f"fp8: {s.fp8_basis}; weights the rules quantize at their qtype plus their scales, every other "
-          "array at its stored dtype")
+  return f"fp8: {s.fp8_basis}"
 
 
 def summary_lines(s: summary_lib.Summary, key_filter: select.KeyFilter | None = None) -> list[str]:
