@@ -17,6 +17,9 @@ import tensorstore as ts
 
 import maxtext_listings
 from inspect_tool import cli
+from inspect_tool.cli import options
+from inspect_tool.paramtree import listings
+from inspect_tool.report import listing
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.fp8_export import pipeline as export
 
@@ -180,10 +183,9 @@ def test_collapse_makes_a_deepseek_v3_sized_safetensors_listing_short(capsys, tm
   weights = sum(math.prod(s) for n, (_, s) in tensors.items() if not n.endswith("_scale_inv"))
   scales = sum(math.prod(s) for n, (_, s) in tensors.items() if n.endswith("_scale_inv"))
   assert f"Total Parameters: {weights} (~0.00 B)" in out and f" + {scales / 1e3:.2f} K scale values" in out
-  for fmt in ("json", "markdown"):
-    code, out, _ = _run(capsys, "hf", "--path", str(tmp_path), "--format", fmt, "--collapse")
-    assert code == 0 and out.count("experts.{0..255}") == 6  # gate, up, down: weight and weight_scale_inv
-  data = json.loads(_run(capsys, "hf", "--path", str(tmp_path), "--format", "json", "--collapse")[1])
+  report = options.listing_view(listings.hf_listing(str(tmp_path)), collapse=True)  # built once for both formats
+  assert listing.format_markdown(report).count("experts.{0..255}") == 6  # gate, up, down: weight, weight_scale_inv
+  data = json.loads(listing.format_json(report))
   assert sum(p["count"] for p in data["parameters"]) == len(tensors) and data["total_scales"] == scales
 
 
