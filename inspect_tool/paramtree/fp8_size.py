@@ -53,11 +53,11 @@ def for_config(cfg) -> Fp8Sizing | None:
   from inspect_tool.fp8_export import plan  # pylint: disable=import-outside-toplevel
   from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
 
-  if cfg.quantization:
-    rules, basis = None, f"quantization={cfg.quantization} rules"
-  else:
-    rules, basis = trace.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
   try:
+    if cfg.quantization:
+      rules, basis = None, f"quantization={cfg.quantization} rules"
+    else:
+      rules, basis = trace.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
     return from_plan(plan.plan_export(cfg, rules), basis)
-  except (errors.InspectError, quant_errors.QuantError):
+  except (errors.InspectError, quant_errors.QuantError):  # e.g. a batch-split model: MaxText's own fp8 path
     return None

@@ -148,7 +148,8 @@ def listing_lines(report: ParamReport, check_dtype: bool) -> list[str]:
 
 def _fp8_note(s: summary_lib.Summary) -> str:
   if s.fp8_basis is None:
-    return "fp8: unknown here (no quantization rules: list the model with `maxtext <keys>` to size it)"
+    return ("fp8: unknown here (no Qwix rules to size it by: a float checkpoint listed without its model, whose "
+            "`maxtext <keys> --summary` sizes it, or a config the rules cannot export)")
   return f"fp8: {s.fp8_basis}"
 
 
