@@ -271,3 +271,20 @@ def test_fp8_column_is_what_export_writes(capsys, fp8_export):
   assert total_row.split()[-1] == "MiB" and f"{written / 2**20:.2f}" in total_row
   code, out, _ = _run(capsys, "orbax", "--path", CKPT, "--summary")  # a float checkpoint without rules: unknown
   assert code == 0 and "fp8: unknown here" in out
+
+
+def test_diff_filter_lists_only_matching_differences_and_keeps_the_whole_verdict(capsys):
+  argv = ["diff", "model_name=deepseek3-tiny", "mtp_num_layers=1", "--path", CKPT]
+  code, full, _ = _run(capsys, *argv)
+  rows = [l.strip() for l in full.splitlines() if l.startswith("  ") and " vs checkpoint " in l]  # shape mismatches
+  regex = r"self_attention\.w"
+  code_f, out, _ = _run(capsys, *argv, "--filter", regex)
+  want = [r for r in rows if re.search(regex, r.split(":")[0])]
+  got = [l.strip() for l in out.splitlines() if l.startswith("  ") and " vs checkpoint " in l]
+  assert code == code_f == 1 and 0 < len(want) < len(rows) and got == want
+  assert f"shown: the {len(want)} of {len(rows)} differences whose key matches --filter '{regex}'" in out
+  assert out.splitlines()[-1] == full.splitlines()[-1]  # the verdict: the whole model's
+  data = json.loads(_run(capsys, *argv, "--filter", regex, "--format", "json")[1])
+  assert data["agree"] is False and len(data["shape_mismatches"]) == len(want)
+  code, out, err = _run(capsys, *argv, "--filter", "(")
+  assert code == 2 and out == "" and len(err.strip().splitlines()) == 1

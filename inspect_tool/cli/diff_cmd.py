@@ -12,8 +12,10 @@ from inspect_tool.cli import options
 @click.option("--path", required=True, help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @click.option("--format", "fmt", type=click.Choice(options.FORMATS), default="text", show_default=True)
+@click.option("--filter", "key_filter", metavar="REGEX", help="List only the differences whose key contains a match "
+              "of REGEX (the verdict and exit code stay the whole model's).")
 @options.distributed_options
-def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
+def diff(overrides, path, fmt, key_filter, coordinator, num_processes, process_id, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -24,9 +26,12 @@ def diff(overrides, path, fmt, coordinator, num_processes, process_id, quiet):
 
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
+  from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
+
+  key_filter = select.compile_filter(key_filter)
   options.start_processes(coordinator, num_processes, process_id, quiet)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
-    click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path), nl=False)
+    click.echo(diff_format.FORMATTERS[fmt](result, source=source, path=path, key_filter=key_filter), nl=False)
   return 0 if result.agree else 1
