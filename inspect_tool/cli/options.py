@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 
@@ -47,8 +48,6 @@ def listing_options(func):
 
 def listing_view(report, *, collapse: bool):
   """The report as `--collapse` shows it."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
   return dataclasses.replace(report, collapse=collapse)
 
 
