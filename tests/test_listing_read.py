@@ -288,3 +288,11 @@ def test_diff_filter_lists_only_matching_differences_and_keeps_the_whole_verdict
   assert data["agree"] is False and len(data["shape_mismatches"]) == len(want)
   code, out, err = _run(capsys, *argv, "--filter", "(")
   assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+
+
+def test_filter_takes_slash_paths_as_rules_writes_them(capsys):
+  dotted = _run(capsys, "maxtext", *L4, "--filter", r"mtp_block\.mtp_layer_1\.mtp_1_transformer_layer\.self_attention")[1]
+  slashed = _run(capsys, "maxtext", *L4, "--filter", "mtp_block/mtp_layer_1/mtp_1_transformer_layer/self_attention")[1]
+  want = [l.split(" | dtype")[0] for l in _reference_lines(L4_SCAN)
+          if ".mtp_1_transformer_layer.self_attention." in l]
+  assert dotted.splitlines()[:-1] == slashed.splitlines()[:-1] == want and len(want) == 7

@@ -2,7 +2,7 @@
 
 A filter is checked before any work (`quant.safe_regex`: invalid or catastrophically backtracking patterns are
 refused in one line) and searched (`re.search`) in each key as printed (`params.params.decoder...`,
-`model.layers.3...`). Scales are the `array/scale` beside an `array/qvalue` (an Orbax FP8 export) and the
+`model.layers.3...`) and '/'-joined (`decoder/moe_layers/...`, as `rules` names module paths). Scales are the `array/scale` beside an `array/qvalue` (an Orbax FP8 export) and the
 `weight_scale_inv` beside a `weight` (Hugging Face FP8 safetensors): a listing counts them apart from parameters.
 """
 
@@ -27,6 +27,10 @@ class KeyFilter:
   @property
   def text(self) -> str:
     return self.pattern.pattern
+
+  def finds(self, leaf: tree.Leaf) -> bool:
+    """Whether the pattern occurs in the key, dotted as printed or '/'-joined as module paths are written."""
+    return bool(self.pattern.search(leaf.dotted) or self.pattern.search("/".join(leaf.key)))
 
   def describe(self) -> str:
     return f"filtered by --filter '{self.text}': {self.shown} of {self.total} arrays"
@@ -55,7 +59,7 @@ def apply(key_filter: KeyFilter | None, leaves: Sequence[tree.Leaf]) -> tuple[li
   """The leaves whose dotted key the filter finds, and the filter with its counts."""
   if key_filter is None:
     return list(leaves), None
-  shown = [leaf for leaf in leaves if key_filter.pattern.search(leaf.dotted)]
+  shown = [leaf for leaf in leaves if key_filter.finds(leaf)]
   return shown, dataclasses.replace(key_filter, shown=len(shown), total=len(leaves))
 
 

@@ -16,11 +16,11 @@ def shown(result, key_filter):
   """The result with only the rows whose model or checkpoint key `key_filter` finds (all of them without one)."""
   if key_filter is None:
     return result
-  find = key_filter.pattern.search
-  pairs = lambda rows: [p for p in rows if find(p.model.dotted) or find(p.checkpoint.dotted)]  # pylint: disable=unnecessary-lambda-assignment
+  find = key_filter.finds
+  pairs = lambda rows: [p for p in rows if find(p.model) or find(p.checkpoint)]  # pylint: disable=unnecessary-lambda-assignment
   return dataclasses.replace(result, matched=pairs(result.matched), aliased=pairs(result.aliased),
-                             missing=[l for l in result.missing if find(l.dotted)],
-                             unexpected=[l for l in result.unexpected if find(l.dotted)],
+                             missing=[l for l in result.missing if find(l)],
+                             unexpected=[l for l in result.unexpected if find(l)],
                              shape_mismatches=pairs(result.shape_mismatches),
                              dtype_mismatches=pairs(result.dtype_mismatches))
 
