@@ -296,3 +296,8 @@ def test_filter_takes_slash_paths_as_rules_writes_them(capsys):
   want = [l.split(" | dtype")[0] for l in _reference_lines(L4_SCAN)
           if ".mtp_1_transformer_layer.self_attention." in l]
   assert dotted.splitlines()[:-1] == slashed.splitlines()[:-1] == want and len(want) == 7
+
+
+def test_a_filtered_listing_never_judges_device_memory(capsys):
+  code, out, err = _run(capsys, "maxtext", *L4, "--devices", "4", "--device-memory", "1GB", "--filter", "wi_0")
+  assert code == 2 and out == "" and "--device-memory" in err and len(err.strip().splitlines()) == 1

@@ -39,6 +39,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   devices = sharding.devices_for(cfg, devices, topology)
   if devices is None and (train or device_memory):
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
+  if key_filter is not None and device_memory:
+    raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
   report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides),
                                          key_filter=key_filter, fp8_column=summary or fmt != "text")
   if devices is not None:
