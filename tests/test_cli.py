@@ -70,7 +70,7 @@ def test_orbax_listing_is_maxtext_listing(capsys, tmp_path):
     expected = f.read().splitlines()[2:]
   assert target.read_text().splitlines()[2:] == expected
   assert target.read_text().startswith("# inspect_checkpoint ")
-  assert out.splitlines()[:-1] == expected and out.splitlines()[-1].startswith("Total Parameters: ")
+  assert out.splitlines()[:-2] == expected and out.splitlines()[-2].startswith("Total Parameters: ")
 
 
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1"]

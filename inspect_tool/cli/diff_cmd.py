@@ -15,9 +15,11 @@ from inspect_tool.cli import options
 @click.option("--path", required=True, type=click.Path(),
               help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
+@click.option("--filter", "key_filter", metavar="REGEX", help="List only the differences whose key contains a match "
+              "of REGEX (the verdict and exit code stay the whole model's).")
 @options.report_options(formats=options.FORMATS)
 @options.distributed_options
-def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_id, quiet):
+def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_processes, process_id, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -29,11 +31,15 @@ def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file)
+  from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
+
+  key_filter = select.compile_filter(key_filter)
   options.start_processes(coordinator, num_processes, process_id, quiet)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
     from inspect_tool.checkpoint import fix  # pylint: disable=import-outside-toplevel
     result.fix = fix.suggest(list(overrides), path, result, compare, compare is hf_diff.diff_config_hf)
-    options.emit_text(diff_format.FORMATTERS[fmt](result, source=source, path=path), output_file)
+    options.emit_text(diff_format.FORMATTERS[fmt](result, source=source, path=path, key_filter=key_filter),
+                      output_file)
   return 0 if result.agree else 1

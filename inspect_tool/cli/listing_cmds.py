@@ -22,12 +22,14 @@ from inspect_tool.cli import options
 @click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB): exit 1 when the "
               "largest device does not fit, naming the largest contributors.")
 @options.output_options
+@options.listing_options
 def maxtext(overrides, include_all, verbose, devices, topology, train, device_memory, fmt, check_dtype, output_file,
-            html_file, summary):
+            html_file, summary, key_filter, collapse):
   """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
 
+  key_filter = select.compile_filter(key_filter)
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
@@ -36,9 +38,13 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   devices = sharding.devices_for(cfg, devices, topology)
   if devices is None and (train or device_memory):
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
-  report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides))
+  if key_filter is not None and device_memory:
+    raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
+  report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides),
+                                         key_filter=key_filter, fp8_column=summary or fmt != "text")
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory)
+  report = options.listing_view(report, collapse=collapse)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:
     from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
@@ -55,11 +61,14 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
               help="Step directory, its items directory, or a directory of steps.")
 @click.option("--all", "include_all", is_flag=True, help="List every item (nnx_aux, opt_state, step), grouped.")
 @options.output_options
-def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
+@options.listing_options
+def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
-  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
 
-  report = listings.orbax_listing(path, include_all=include_all)
+  key_filter = select.compile_filter(key_filter)
+  report = options.listing_view(listings.orbax_listing(path, include_all=include_all, key_filter=key_filter),
+                                collapse=collapse)
   for note in report.notes:
     click.echo(note, err=True)
   _emit_leaves(report, path, fmt, check_dtype, output_file, html_file, summary)
@@ -79,13 +88,16 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 @click.option("--keys", "keys", is_flag=True, help="Print the MaxText keys of the DeepSeek directory (config.json and "
               "the stored tensors) as one line of key=value, instead of the listing.")
 @options.output_options
-def hf(path, keys, fmt, check_dtype, output_file, html_file, summary):
+@options.listing_options
+def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""
-  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
 
   if keys:
     from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
     click.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))))
     return 0
-  _emit_leaves(listings.hf_listing(path), path, fmt, check_dtype, output_file, html_file, summary)
+  key_filter = select.compile_filter(key_filter)
+  report = options.listing_view(listings.hf_listing(path, key_filter=key_filter), collapse=collapse)
+  _emit_leaves(report, path, fmt, check_dtype, output_file, html_file, summary)
   return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 
@@ -58,6 +59,26 @@ def output_options(func):
   for option in reversed(options):
     func = option(func)
   return func
+
+
+def listing_options(func):
+  """--filter and --collapse for the listing commands (maxtext, orbax, hf)."""
+  options = [
+      click.option("--filter", "key_filter", metavar="REGEX",
+                   help="List only arrays whose dotted key (as printed) contains a match of REGEX; totals and "
+                   "summary then describe what is shown and say so."),
+      click.option("--collapse/--no-collapse", default=False,
+                   help="One line per stack of repeated layers or experts (layers_{1..60}, experts.{0..255}): "
+                   "count, shape each, total."),
+  ]
+  for option in reversed(options):
+    func = option(func)
+  return func
+
+
+def listing_view(report, *, collapse: bool):
+  """The report as `--collapse` shows it."""
+  return dataclasses.replace(report, collapse=collapse)
 
 
 def report_options(formats=("text", "json"), html: str | None = None, overwrite: bool = True):

@@ -72,10 +72,11 @@ def group_of(leaf: tree.Leaf) -> tuple[str, str]:
 class GroupRow:
   group: str
   part: str  # "" for the group's total row
-  params: int
-  bytes: float  # at the stored dtype
+  params: int  # FP8 scales excluded (see `scales`)
+  bytes: float  # at the stored dtype, scales included
   bytes_bf16: int
-  bytes_fp8: int
+  bytes_fp8: float | None  # weights the rules quantize at their qtype plus scales, the rest stored; None: unknown
+  scales: int = 0  # values of the FP8 scale arrays (an export's `array/scale`, safetensors' `weight_scale_inv`)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -91,36 +92,47 @@ class Summary:
   active_params: int | None  # per token, main model (no MTP)
   active_params_with_mtp: int | None
   routed_fraction: float | None  # num_experts_per_tok / num_experts
+  total_scales: int = 0  # scale values, apart from total_params
+  total_bytes_fp8: float | None = None
+  fp8_basis: str | None = None  # what decided the fp8 column (None: unknown)
 
   def to_dict(self) -> dict:
     return {"groups": [r.to_dict() for r in self.rows], "total_params": self.total_params,
-            "total_bytes": self.total_bytes, "active_params_per_token": self.active_params,
+            "total_scales": self.total_scales, "total_bytes": self.total_bytes,
+            "total_bytes_fp8": self.total_bytes_fp8, "fp8_basis": self.fp8_basis,
+            "active_params_per_token": self.active_params,
             "active_params_per_token_with_mtp": self.active_params_with_mtp,
             "routed_expert_fraction": self.routed_fraction}
 
 
 def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, all_leaves: bool = False,
-              classify: Callable[[tree.Leaf], tuple[str, str]] = group_of) -> Summary:
+              classify: Callable[[tree.Leaf], tuple[str, str]] = group_of, scales=frozenset(),
+              fp8=None) -> Summary:
   """Sums parameter leaves (`params.params.*`, or every leaf with `all_leaves`) by group; others are ignored.
 
   `routed_fraction` (experts per token / experts) turns routed-expert counts into active parameters per token:
   every other parameter is counted as active. `classify` maps a leaf to its (group, part) (MaxText keys by
-  default; `checkpoint.hf_layout.classifier` for Hugging Face names).
+  default; `checkpoint.hf_layout.classifier` for Hugging Face names). Leaves whose key is in `scales` count as
+  scales, not parameters (their bytes are counted). `fp8` (`fp8_size.Fp8Sizing`) sizes the fp8 column; None: unknown.
   """
-  sums: dict[tuple[str, str], list[float]] = {}
+  sums: dict[tuple[str, str], list[float]] = {}  # params, bytes, fp8 bytes, scales
   for leaf in leaves:
     if not (leaf.is_param or all_leaves):
       continue
     group, part = classify(leaf)
+    is_scale = leaf.key in scales
     for key in ((group, ""), (group, part)) if part else ((group, ""),):
-      acc = sums.setdefault(key, [0, 0.0])
-      acc[0] += leaf.size
+      acc = sums.setdefault(key, [0, 0.0, 0.0, 0])
+      acc[0 if not is_scale else 3] += leaf.size
       acc[1] += leaf.size * dtype_bytes(leaf.dtype)
+      acc[2] += fp8.bytes_of(leaf) if fp8 is not None else 0
   keys = sorted(sums, key=lambda k: (_GROUP_ORDER.index(k[0]), k[1] != "", _PART_ORDER.index(k[1]) if k[1] else 0))
-  rows = tuple(GroupRow(g, p, int(sums[(g, p)][0]), sums[(g, p)][1], int(sums[(g, p)][0]) * 2,
-                        int(sums[(g, p)][0])) for g, p in keys)
+  rows = tuple(GroupRow(g, p, int(n), stored, int(n) * 2, fp8_bytes if fp8 is not None else None, int(s))
+               for (g, p), (n, stored, fp8_bytes, s) in ((k, sums[k]) for k in keys))
   total = sum(r.params for r in rows if not r.part)
   total_bytes = sum(r.bytes for r in rows if not r.part)
+  total_scales = sum(r.scales for r in rows if not r.part)
+  total_fp8 = sum(r.bytes_fp8 for r in rows if not r.part) if fp8 is not None else None
   active = active_mtp = None
   if routed_fraction is not None:
     def inactive(group: str) -> float:
@@ -129,14 +141,15 @@ def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, 
     mtp_total = sums.get(("mtp block", ""), [0, 0])[0]
     active_mtp = int(round(total - inactive("moe stack") - inactive("mtp block")))
     active = int(round(total - mtp_total - inactive("moe stack")))
-  return Summary(rows, total, total_bytes, active, active_mtp, routed_fraction)
+  return Summary(rows, total, total_bytes, active, active_mtp, routed_fraction, total_scales, total_fp8,
+                 fp8.basis if fp8 is not None else None)
 
 
-def human(n: float) -> str:
-  """1234567 -> '1.23M'."""
+def human(n: float, sep: str = "") -> str:
+  """1234567 -> '1.23M' (`sep=" "`: '1.23 M', as the listings' totals print counts)."""
   for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
     if abs(n) >= scale:
-      return f"{n / scale:.2f}{unit}"
+      return f"{n / scale:.2f}{sep}{unit}"
   return f"{n:.0f}"
 
 
