@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import ml_dtypes
 import numpy as np
@@ -16,7 +15,8 @@ import pytest
 
 import deepseek_fp8_reference
 import export_sources
-from test_export_memory import CGROUP_ROOT, _arrays, _cgroup_available
+import memory_cgroup
+from test_export_memory import _arrays
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 600 * 10**6
@@ -36,33 +36,19 @@ def source(tmp_path_factory):
   return str(step)
 
 
-def _export_in(cgroup: str, source: str, dst: str, *extra: str):
-  """Runs the export as a child that joins `cgroup` before exec (so its limit applies to the export alone);
-  returns the completed process and its peak RSS in bytes."""
-  join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
-  cmd = ["sh", "-c", join, cgroup, "/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable, "-m", "inspect_tool",
-         "export", *MODEL, "--layout", "deepseek-fp8", "--checkpoint", source, "--output", dst, "--format", "json",
-         *extra]
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                       check=False, timeout=600)
-  peak = [int(line.split()[1]) * 1024 for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB")]
-  return out, (peak or [None])[-1]
+def _export_in(cgroup, source: str, dst: str, *extra: str):
+  """The export inside `cgroup` (a `memory_cgroup.Cgroup`): the completed process and its peak RSS in bytes."""
+  return memory_cgroup.run_tool(["export", *MODEL, "--layout", "deepseek-fp8", "--checkpoint", source, "--output", dst,
+                                 "--format", "json", *extra], cgroup, timeout=600)
 
 
-@pytest.mark.skipif(not _cgroup_available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+@pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
 def test_deepseek_fp8_export_streams_a_shard_larger_than_its_memory_cgroup(source, tmp_path):
   import safetensors  # pylint: disable=import-outside-toplevel
 
-  cgroup = os.path.join(CGROUP_ROOT, f"inspect_hf_export_test_{uuid.uuid4().hex[:8]}")
-  os.mkdir(cgroup)
-  try:
-    with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w", encoding="ascii") as f:
-      f.write(str(LIMIT))
+  with memory_cgroup.limited(LIMIT, "hf_export_test") as cgroup:
     out, peak = _export_in(cgroup, source, str(tmp_path / "hf"), "--max-memory", "600MB")
-    with open(os.path.join(cgroup, "memory.max_usage_in_bytes"), encoding="ascii") as f:
-      charged = int(f.read())
-  finally:
-    os.rmdir(cgroup)
+  charged = cgroup.charged
   assert out.returncode == 0, out.stderr[-3000:]
   assert 100 * 10**6 < charged <= LIMIT, charged  # the export ran inside the cgroup
   assert peak is not None and peak <= LIMIT, peak  # resident memory (the cgroup also counts page cache)

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import uuid
 
 import pytest
 
 from test_export_distributed import _arrays
-from test_export_memory import CGROUP_ROOT, _cgroup_available
+import memory_cgroup
 import hf_sources
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 600 * 10**6
 E, FM, X, F, V = 1024, 1536, 64, 2048, 1024  # routed experts wi_0/wi_1/wo: (64, 2, 1024, 1536) float32 = 805 MB each
 WI_0 = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"
@@ -30,37 +26,22 @@ def hf_dir(tmp_path_factory):
   return str(root)
 
 
-def _import_in(cgroup: str | None, source: str, dst: str, *extra: str):
-  """The import as a child (joining `cgroup` before exec when given); the completed process and its peak RSS."""
-  join = 'if [ -n "$0" ]; then echo $$ > "$0/cgroup.procs"; fi && exec "$@"'
-  cmd = ["sh", "-c", join, cgroup or "", "/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable, "-m",
-         "inspect_tool", "import", "--path", source, "--output", dst, "--format", "json", *extra]
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                       check=False, timeout=900)
-  peak = [int(line.split()[1]) * 1024 for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB")]
-  return out, (peak or [None])[-1]
+def _import(source: str, dst: str, *extra: str, cgroup=None):
+  return memory_cgroup.run_tool(["import", "--path", source, "--output", dst, "--format", "json", *extra], cgroup)
 
 
-@pytest.mark.skipif(not _cgroup_available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+@pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
 def test_import_stays_within_a_memory_cgroup_smaller_than_each_expert_stack(hf_dir, tmp_path):
-  cgroup = os.path.join(CGROUP_ROOT, f"inspect_import_test_{uuid.uuid4().hex[:8]}")
-  os.mkdir(cgroup)
-  try:
-    with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w", encoding="ascii") as f:
-      f.write(str(LIMIT))
-    bounded, peak = _import_in(cgroup, hf_dir, str(tmp_path / "bounded"), "--max-memory", "600MB")
-    with open(os.path.join(cgroup, "memory.max_usage_in_bytes"), encoding="ascii") as f:
-      charged = int(f.read())
-  finally:
-    os.rmdir(cgroup)
+  with memory_cgroup.limited(LIMIT, "import_test") as cgroup:
+    bounded, peak = _import(hf_dir, str(tmp_path / "bounded"), "--max-memory", "600MB", cgroup=cgroup)
   assert bounded.returncode == 0, bounded.stderr[-3000:]
-  assert 100 * 10**6 < charged <= LIMIT, charged  # the import ran inside the cgroup
+  assert 100 * 10**6 < cgroup.charged <= LIMIT, cgroup.charged  # the import ran inside the cgroup
   assert peak is not None and peak <= LIMIT, peak
   report = json.loads(bounded.stdout)
   assert report["arrays"][WI_0]["shape"] == [X, 2, E, FM]
   assert X * 2 * E * FM * 4 > LIMIT and report["memory"]["largest_slice_bytes"] < LIMIT // 4
 
-  unbounded, free_peak = _import_in(None, hf_dir, str(tmp_path / "unbounded"))
+  unbounded, free_peak = _import(hf_dir, str(tmp_path / "unbounded"))
   assert unbounded.returncode == 0, unbounded.stderr[-3000:]
   a, b = _arrays(str(tmp_path / "bounded")), _arrays(str(tmp_path / "unbounded"))
   assert sorted(a) == sorted(b)
@@ -70,9 +51,8 @@ def test_import_stays_within_a_memory_cgroup_smaller_than_each_expert_stack(hf_d
 
 
 def test_a_budget_below_the_smallest_read_is_one_line_naming_what_works(hf_dir, tmp_path):
-  out, _ = _import_in(None, hf_dir, str(tmp_path / "dst"), "--max-memory", "200MB")
-  lines = [line for line in out.stderr.strip().splitlines()
-           if not line.startswith(("PEAK_RSS_KB", "Command exited"))]  # /usr/bin/time's lines
+  out, _ = _import(hf_dir, str(tmp_path / "dst"), "--max-memory", "200MB")
+  lines = out.stderr.strip().splitlines()
   assert out.returncode == 2 and len(lines) == 1, out.stderr
   # The floor named is the array whose one read is largest: a dense layer's (2048, 1024) float32 MLP matrix, held as
   # raw, float32 and MaxText-layout copies, two reads at once (48 MiB), beside what the process holds.
