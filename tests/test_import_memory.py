@@ -5,7 +5,6 @@ release's per-expert tensors are read one at a time into slices of the stacked a
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
