@@ -28,6 +28,9 @@ def rules(overrides, rules_file, fmt, strict, explain_path, verbose):
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report = model_coverage.trace_coverage(cfg, rules_file)
+  note = model_coverage.untraced_mtp(cfg)
+  if note:
+    click.echo(f"note: {note}", err=True)
   if explain_path:
     _check_traced(report, explain_path)
     click.echo(coverage_format.explain_text(coverage_report.explain(report, explain_path)), nl=False)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from inspect_tool.output import atomic
 from inspect_tool.configuration import config as config_lib
+from inspect_tool.configuration import validation
 from inspect_tool.output import destination
 from inspect_tool import errors
 from inspect_tool import progress
@@ -72,6 +73,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
+  validation.check_runs(cfg, "export")
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
               run_validation=run_validation, mesh=mesh, command=command,
               max_memory=budget.resolve_max_memory(max_memory))
@@ -184,6 +186,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
+  validation.check_runs(cfg, "export")
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
