@@ -16,7 +16,7 @@ Per layer, the names are those MaxText's modules give their variables (`out_shar
 | routed `wi_*` / `wo` | `exp`, `embed_moe`, `mlp_moe` / `exp`, `mlp_moe`, `embed_moe` (or `routed_expert_axes`) |
 | `token_embedder.embedding` / `logits_dense` | `vocab`, `embed_vocab` / `embed_vocab`, `vocab` |
 | `mtp_k_projection` | `embed`, None |
-| mHC (`mhc_attention`, `mhc_mlp`): `mhc_norm.scale` / `{res,pre,post}_alpha` / scales, betas | `norm` / `activation_embed`, None / None per dim |
+| mHC `mhc_norm.scale` / `{res,pre,post}_alpha` / their scales, betas | `norm` / `activation_embed`, None / None |
 | V4 hyper head `hc_head`: `hc_fn` / `hc_base`, `hc_scale` | `activation_embed`, None / None |
 
 DeepSeek-V4 layers (`decoder/layers_N`, `decoder/scanned_blocks/layers_N`) have their own attention
@@ -24,7 +24,8 @@ DeepSeek-V4 layers (`decoder/layers_N`, `decoder/scanned_blocks/layers_N`) have 
 
 | variable | logical axes |
 |---|---|
-| `wq_a` / `wq_b` / `wkv` | `embed_attn`, `q_lora` / `q_lora`, `q_heads`, `kv` / `embed_attn`, `kv_heads`, `kv_head_dim` |
+| `wq_a` / `wq_b` | `embed_attn`, `q_lora` / `q_lora`, `q_heads`, `kv` |
+| `wkv` | `embed_attn`, `kv_heads`, `kv_head_dim` |
 | `o_a_proj` (grouped) / `o_b_proj` | `o_groups`, `q_heads`, `o_lora_up_proj` / `o_lora_up_proj`, `embed_attn` |
 | `sinks` | None |
 | compressor and indexer `kv_proj`, `gate_proj` | `embed_attn`, `kv` |
@@ -46,6 +47,15 @@ from inspect_tool.paramtree import tree
 Axes = tuple[str | None, ...] | None  # None: the variable carries no names (MaxText gives it P())
 
 _MLP = {"wi_0": ("embed", "mlp"), "wi_1": ("embed", "mlp"), "wi": ("embed", "mlp"), "wo": ("mlp", "embed")}
+_MHC = {
+    "mhc_norm/scale": ("norm",),
+    **{f"{kind}_alpha": ("activation_embed", None) for kind in ("res", "pre", "post")},
+    **{f"{kind}_alpha_scale": (None,) for kind in ("res", "pre", "post")},
+    "res_beta": (None, None),  # (k, k): MaxText's mHC-lite (a permutation vector) is refused by the model
+    "pre_beta": (None,),
+    "post_beta": (None,),
+}
+_MHC_LAYER = {f"{block}/{name}": axes for block in ("mhc_attention", "mhc_mlp") for name, axes in _MHC.items()}
 _LAYER = {
     "pre_self_attention_layer_norm/scale": ("norm",),
     "post_self_attention_layer_norm/scale": ("norm",),
@@ -66,17 +76,8 @@ _LAYER = {
     "DeepSeekMoeBlock_0/MoeBlock_0/gate/bias": (None,),
     **{f"mlp/{name}/kernel": axes for name, axes in _MLP.items()},
     **{f"DeepSeekMoeBlock_0/shared_experts/{name}/kernel": axes for name, axes in _MLP.items()},
+    **_MHC_LAYER,  # deepseek-custom (mhc_expansion_rate > 1)
 }
-_MHC = {
-    "mhc_norm/scale": ("norm",),
-    **{f"{kind}_alpha": ("activation_embed", None) for kind in ("res", "pre", "post")},
-    **{f"{kind}_alpha_scale": (None,) for kind in ("res", "pre", "post")},
-    "res_beta": (None, None),  # (k, k): MaxText's mHC-lite (a permutation vector) is refused by the model
-    "pre_beta": (None,),
-    "post_beta": (None,),
-}
-_MHC_LAYER = {f"{block}/{name}": axes for block in ("mhc_attention", "mhc_mlp") for name, axes in _MHC.items()}
-_LAYER.update(_MHC_LAYER)
 _COMPRESSOR = {"kv_proj/kernel": ("embed_attn", "kv"), "gate_proj/kernel": ("embed_attn", "kv"),
                "position_bias": None, "kv_norm/scale": ("norm",)}
 _V4_INDEXER = {**_COMPRESSOR, "q_proj/kernel": ("q_lora", "indexer_q"),
