@@ -19,6 +19,7 @@ from inspect_tool.model import initializers as inits
 from inspect_tool.model import mhc
 
 DATA = pathlib.Path(__file__).parent / "data" / "listings"
+RUNS = pathlib.Path(__file__).parent / "data" / "maxtext_runs"
 CUSTOM = ["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]"]
 SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
                   "base_moe_mlp_dim=16", "base_num_decoder_layers=2", "vocab_size=64", "num_experts=4",
@@ -27,19 +28,59 @@ SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_head
 
 
 
-@pytest.mark.parametrize("listing, extra", [("deepseek-custom_scan_mtp0.txt", []),
-                                            ("deepseek-custom_noscan_mtp0.txt", ["scan_layers=false"])])
-def test_param_tree_equals_maxtext_listing(listing, extra):
+@pytest.mark.parametrize("listing, extra, total", [
+    ("deepseek-custom_scan_mtp0.txt", [], 428491924),
+    ("deepseek-custom_noscan_mtp0.txt", ["scan_layers=false"], 428491924),
+    ("deepseek-custom_scan_mtp1.txt", ["mtp_num_layers=1"], 461290330),
+    ("deepseek-custom_noscan_mtp1.txt", ["scan_layers=false", "mtp_num_layers=1"], 461290330)])
+def test_param_tree_equals_maxtext_listing(listing, extra, total):
+  """MTP included: MaxText builds and lists the MTP layer with its mHC although its forward pass fails there."""
+  assert set(maxtext_listings.model_keys(listing)) - {"scan_layers=true"} == set(CUSTOM + extra)
   leaves = params.param_leaves(model_lib.build_model(config.resolve_config(CUSTOM + extra)))
   assert {(leaf.dotted, leaf.shape, leaf.dtype) for leaf in leaves} == maxtext_listings.entries(listing)
-  assert sum(leaf.size for leaf in leaves) == 428491924  # MaxText 0.2.5's printed total for both
+  assert sum(leaf.size for leaf in leaves) == total  # MaxText 0.2.5's printed total
 
 
-def test_engram_and_mtp_are_refused_in_one_line():
+def test_engram_is_refused_in_one_line():
   with pytest.raises(errors.ConfigError, match=r"engram_layers=\['1', '4'\] is not supported.*engram_layers=\[\]"):
     config.resolve_config(["model_name=deepseek-custom"])
-  with pytest.raises(errors.ConfigError, match="mtp_num_layers=1 with mhc_expansion_rate=4"):
-    config.resolve_config(CUSTOM + ["mtp_num_layers=1"])
+
+
+def _maxtext_forward_error(name):
+  """The exception line of MaxText's own forward pass (tests/data/maxtext_runs/, see its README)."""
+  lines = (RUNS / name).read_text().splitlines()
+  return lines[-1]
+
+
+@pytest.mark.parametrize("command", [["forward"], ["export", "quantization=fp8_full", "--no-validate"]])
+def test_mtp_with_mhc_runs_are_refused_in_one_line_with_maxtexts_reason(command, capsys, tmp_path):
+  """MaxText's forward fails in the MTP layer's mHC (deepseek-custom_mtp1.txt); it runs without MTP (_mtp0.txt)."""
+  assert _maxtext_forward_error("deepseek-custom_mtp0.txt") == "OK"
+  reason = _maxtext_forward_error("deepseek-custom_mtp1.txt")
+  assert reason.startswith("ValueError: not enough values to unpack")
+  extra = ["--output", str(tmp_path / "out")] if command[0] == "export" else []
+  code = cli.main([command[0], *CUSTOM, "mtp_num_layers=1", *command[1:], *extra])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1, err[-2000:]
+  assert f"{command[0]}: mtp_num_layers=1 with mhc_expansion_rate=4" in err
+  assert reason[len("ValueError: "):] in err and "accepted: mtp_num_layers=0" in err
+  assert not (tmp_path / "out").exists()
+
+
+def test_rules_on_mtp_with_mhc_traces_what_runs_before_the_mtp_layer(capsys):
+  """MaxText's forward reaches the MTP layer (after the decoder and head) and fails there: no mtp_block op."""
+  frames = (RUNS / "deepseek-custom_mtp1.txt").read_text()
+  assert "multi_token_prediction.py" in frames and "models/models.py:339 __call__: self.mtp_block(" in frames
+  code = cli.main(["rules", *CUSTOM, "mtp_num_layers=1", "quantization=fp8_full", "--format", "json"])
+  captured = capsys.readouterr()
+  assert code == 0
+  assert captured.err.startswith("note: mtp_block is not traced: mtp_num_layers=1 with mhc_expansion_rate=4")
+  assert len(captured.err.strip().splitlines()) == 1
+  traced = coverage.trace(config.resolve_config(CUSTOM + ["mtp_num_layers=1", "quantization=fp8_full"]))
+  modules = {op.module for op in traced.ops}
+  assert not any(m.startswith("mtp_block/") for m in modules)
+  assert "decoder/logits_dense" in modules and "decoder/moe_layers/mhc_mlp" in modules
+  assert any(w.startswith("mtp_block/") for w in traced.param_shapes)  # the block is built, only not run
 
 
 def _numpy_mhc(x, p, branch, eps, iters):

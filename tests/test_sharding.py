@@ -2,11 +2,16 @@
 
 import ast
 import glob
+import json
+import math
 import os
 import re
 
 import pytest
 
+import maxtext_listings
+
+from inspect_tool import cli
 from inspect_tool import errors
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
@@ -133,3 +138,38 @@ def test_rule_naming_an_axis_the_mesh_lacks_is_refused():
   leaves = [tree.Leaf(tree.param_key(("token_embedder", "embedding")), (129280, 64), "float32")]
   with pytest.raises(mesh_lib.ShardingError, match="'fsdpp'"):
     placement.plan(leaves, cfg, 8)
+
+
+FAMILY_MEMORY = [  # (MaxText's sharding, MaxText's listing of the same model: its nnx.Params)
+    ("v4tiny_fsdp4_ep2.txt", "deepseek4-tiny_scan_mtp0.txt"),
+    ("v4_284b_fsdp32_ep8.txt", "deepseek4-284b_scan_mtp0.txt"),
+    ("custom_mtp1_fsdp4_ep2.txt", "deepseek-custom_scan_mtp1.txt"),
+]
+
+
+@pytest.mark.parametrize("reference, listing", FAMILY_MEMORY, ids=[r[:-4] for r, _ in FAMILY_MEMORY])
+def test_family_training_memory_is_maxtext_shards_of_its_params(reference, listing, capsys):
+  """`--summary --train adamw --device-memory 16GiB`: params + adamw's mu, nu + gradients, all float32, of every
+  nnx.Param MaxText lists, at MaxText's per-device shard shapes (V4's gate bias and tid2eid are not Params)."""
+  _, devices, keys, variables = read_reference(os.path.join(DATA, reference))
+  listed = {key.split(".", 2)[2] for key, _, _ in maxtext_listings.entries(listing)}
+  assert listed <= set(variables)
+  elements = sum(math.prod(variables[key][2]) for key in listed)
+  code = cli.main(["maxtext", *keys, "--devices", str(devices), "--summary", "--train", "adamw",
+                   "--device-memory", "16GiB", "--format", "json"])
+  out = capsys.readouterr().out
+  memory = json.loads(out)["device_memory"]
+  assert memory["total"]["params_bytes"] == 4 * elements
+  assert memory["largest_device_bytes"] == 16 * elements
+  assert code == (0 if 16 * elements <= 16 * 2**30 else 1) and memory["fits"] == (code == 0)
+
+
+def test_v4_tensor_parallelism_is_refused_as_maxtext_refuses_it():
+  """MaxText: IndivisibleError for wkv (64, 1, 32) on P(('fsdp', 'expert'), 'tensor', None) (its one KV head)."""
+  with open(os.path.join(DATA, "README.md"), encoding="utf-8") as f:
+    assert "P(('fsdp', 'expert'), 'tensor', None)` on shape (64, 1, 32)" in f.read()
+  cfg = config.resolve_config(["model_name=deepseek4-tiny", "scan_layers=false", "ici_fsdp_parallelism=2",
+                               "ici_tensor_parallelism=2", "ici_expert_parallelism=2"])
+  with pytest.raises(mesh_lib.ShardingError) as e:
+    placement.plan(_abstract_leaves(cfg), cfg, 8)
+  assert "self_attention.wkv.kernel (64, 1, 32): dimension 1 (1) is not divisible by 2" in str(e.value)

@@ -33,6 +33,9 @@ def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   report = model_coverage.trace_coverage(cfg, rules_file)
+  note = model_coverage.untraced_mtp(cfg)
+  if note:
+    click.echo(f"note: {note}", err=True)
   page = model_coverage.coverage_html(cfg, report, overrides) if html_file or (fmt == "html" and not explain_path) else None
   if explain_path:
     module = _traced_module(report, explain_path)

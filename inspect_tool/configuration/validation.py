@@ -91,13 +91,32 @@ def validate(c) -> None:
   _check(not c.engram_layers, f"engram_layers={list(c.engram_layers)} is not supported: Engram layers are sized from "
          "a Hugging Face tokenizer (MaxText needs tokenizer_path and hf_access_token); accepted: "
          "override_model_config=true engram_layers=[]")
-  _check(not (c.mhc_expansion_rate > 1 and c.mtp_num_layers > 0),
-         f"mtp_num_layers={c.mtp_num_layers} with mhc_expansion_rate={c.mhc_expansion_rate}: MaxText 0.2.5's MTP layer "
-         "receives the reduced hidden state while its mHC layer expects the expanded streams, so MaxText fails; "
-         "accepted: mtp_num_layers=0")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
   limits.check_config(c)  # finite numbers, buildable sizes (inspect_tool/run/limits.py)
+
+
+def forward_failure(c) -> str | None:
+  """Why MaxText 0.2.5 builds this model but cannot run it (None: it runs).
+
+  With mHC (`mhc_expansion_rate` > 1) and MTP, MaxText builds and lists the MTP layer (mHC included), but its
+  forward pass hands that layer the reduced hidden state [batch, seq, emb] while the layer's mHC expects the
+  expanded streams [batch, seq, k, emb] (MaxText's `mhc.py`: `b, s, k, d = x.shape` raises; its Qwix pass,
+  a forward pass too, fails the same way).
+  """
+  if c.mhc_expansion_rate > 1 and c.mtp_num_layers > 0:
+    return (f"mtp_num_layers={c.mtp_num_layers} with mhc_expansion_rate={c.mhc_expansion_rate}: MaxText 0.2.5 builds "
+            "this model but its forward pass fails in the MTP layer's mHC (ValueError: not enough values to unpack "
+            "(expected 4, got 3)): the MTP layer receives the reduced hidden state while mHC expects the expanded "
+            "streams")
+  return None
+
+
+def check_runs(c, command: str) -> None:
+  """Refuses (exit 2, one line) to run a model MaxText builds but cannot run (`forward_failure`)."""
+  reason = forward_failure(c)
+  _check(reason is None, f"{command}: {reason}; accepted: mtp_num_layers=0 (the listing, --summary, --devices and "
+         "rules show the model as MaxText builds it)")
 
 
 def _validate_deepseek4(c) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from inspect_tool.output import atomic
 from inspect_tool.configuration import config as config_lib
+from inspect_tool.configuration import validation
 from inspect_tool.output import destination
 from inspect_tool import errors
 from inspect_tool import progress
@@ -72,6 +73,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
+  _check_source(cfg, source)
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
               run_validation=run_validation, mesh=mesh, command=command,
               max_memory=budget.resolve_max_memory(max_memory))
@@ -79,6 +81,16 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     return _export(cfg, tokens, claimed.path, **args)
+
+
+def _check_source(cfg, source: str | None) -> None:
+  """Refuses up front (one line, exit 2) a model MaxText cannot run, and a random init (no source) that does not
+  fit in the available memory (`read.InitSource` builds the whole model)."""
+  from inspect_tool.run import limits  # pylint: disable=import-outside-toplevel
+
+  validation.check_runs(cfg, "export")
+  if source is None:
+    limits.check_memory(cfg, 1, 1, what="export from a random init (no --checkpoint)")
 
 
 def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
@@ -175,6 +187,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
+  _check_source(cfg, source)
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:

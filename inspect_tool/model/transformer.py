@@ -27,14 +27,19 @@ class Transformer(nnx.Module):
     self.decoder = decoder_class(cfg, make)
     self.mtp_block = (mtp.MultiTokenPredictionBlock(cfg, self.decoder, make) if cfg.mtp_num_layers > 0
                       else None)
+    self.skip_mtp = False
 
   def __call__(self, decoder_input_tokens, decoder_positions, decoder_segment_ids=None, *,
                decoder_target_tokens=None, decoder_target_mask=None, enable_dropout=False, model_mode="train"):
-    """MaxText's signature (dropout has rate 0 here, so `enable_dropout` changes nothing)."""
+    """MaxText's signature (dropout has rate 0 here, so `enable_dropout` changes nothing).
+
+    `skip_mtp` (an attribute, False by default) stops before the MTP block: the coverage trace of a model whose
+    MTP layer MaxText builds but cannot run (`validation.forward_failure`) records what runs before it.
+    """
     del enable_dropout, model_mode
     tokens = jnp.asarray(decoder_input_tokens).astype(jnp.int32)
     logits, hidden = self.decoder(self.token_embedder, tokens, decoder_positions, decoder_segment_ids)
-    if self.mtp_block is not None:
+    if self.mtp_block is not None and not self.skip_mtp:
       self.mtp_block(self.token_embedder, hidden, tokens, decoder_target_tokens, decoder_target_mask,
                      decoder_positions, decoder_segment_ids)
     return logits

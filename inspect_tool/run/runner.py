@@ -14,6 +14,7 @@ from typing import Sequence
 
 from inspect_tool.run import batch as batch_lib
 from inspect_tool.configuration import config as config_lib
+from inspect_tool.configuration import validation
 from inspect_tool import errors
 from inspect_tool.run import limits
 from inspect_tool import progress
@@ -117,6 +118,7 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
   """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
   from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
+  validation.check_runs(cfg, "forward")
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
   model = load_model(cfg, checkpoint, mesh=mesh)
   if (compare or grad) and export_load.is_quantized_model(model):
