@@ -41,7 +41,7 @@ demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 
 	@$(IC) maxtext $(M671) --summary | sed -n '/^Total Parameters/,$$p'
 	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true   # (the verdict)'
 	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true \
-	  | sed -n '/^Unused rules/p;/^Quantized share/,/^  total/p' | grep -v '^    '
+	  | sed -n '/^At a glance/,/^$$/p'
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 \'
 	@echo '    --devices 256 --summary --train adamw --device-memory 95GiB   # (per-device totals)'
 	@$(IC) maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 --devices 256 --summary --train adamw \
