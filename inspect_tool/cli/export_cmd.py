@@ -50,15 +50,6 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
-  if layout == "deepseek-fp8":
-    summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
-                                           max_memory=max_bytes)
-    if fmt == "json":
-      click.echo(json.dumps(summary, indent=1))
-    else:
-      click.echo(f"wrote {summary['dst']}: {summary['num_tensors']} tensors ({summary['num_fp8']} fp8 with "
-                 f"128x128 block scales) in {len(summary['files'])} file(s), {summary['total_size']:,} bytes")
-    return 0
   data = None
   if validate and distributed.process_count() == 1:
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
@@ -66,13 +57,18 @@ def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top
     cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
-  result = pipeline.export(overrides, dst, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file,
-                           min_top1=min_top1, run_validation=validate, command=cli_options.command_line(),
-                           max_memory=max_bytes)
+  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes)
+  if layout == "deepseek-fp8":
+    if distributed.process_count() > 1:
+      raise click.UsageError("--layout deepseek-fp8 is written by one process")
+    result = pipeline.export_deepseek_fp8(overrides, dst, **args)
+  else:
+    result = pipeline.export(overrides, dst, **args)
   if distributed.process_index() != 0:
     return 0  # process 0 reports
   if fmt == "json":
     click.echo(json.dumps(result.report, indent=1))
   else:
-    click.echo(report.format_text(result), nl=False)
+    click.echo((report.format_hf_text if layout == "deepseek-fp8" else report.format_text)(result), nl=False)
   return 0 if result.passed else 1

@@ -56,5 +56,5 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   click.echo(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                       comparisons=comparisons, grad=outcome.grad), nl=False)
+                       comparisons=comparisons, grad=outcome.grad, compared=outcome.compared), nl=False)
   return 0

@@ -14,7 +14,7 @@ def _float(x):
   return None if x is None else float(np.asarray(x))
 
 
-def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None) -> dict:
+def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None, compared: str | None = None) -> dict:
   data = {
       "schema_version": SCHEMA_VERSION, "model": source, "quantization": quantization or None,
       "batch_shape": list(np.asarray(result.logits).shape[:2]),
@@ -28,6 +28,8 @@ def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None
     data["mtp_top1"] = np.asarray(result.mtp_top1).tolist()
   if comparisons:
     data["compare_unquantized_vs_quantized"] = [c.to_dict() for c in comparisons]
+    if compared:
+      data["compared"] = compared
   if grad is not None:
     data["gradient"] = {"loss": grad[0], "global_norm": grad[1], "finite": grad[2]}
   return data
@@ -37,7 +39,8 @@ def format_json(result, **kwargs) -> str:
   return json.dumps(to_dict(result, **kwargs), indent=2) + "\n"
 
 
-def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None) -> str:
+def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None,
+                compared: str | None = None) -> str:
   from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
 
   batch, seq = np.asarray(result.logits).shape[:2]
@@ -63,7 +66,8 @@ def format_text(result, *, source: str, quantization: str, comparisons=(), grad=
     lines.append(f"gradient: loss {grad[0]:.6f}, global norm {grad[1]:.6g}, finite {grad[2]}")
   text = "\n".join(lines) + "\n"
   if comparisons:
-    text += "\nunquantized (reference) vs quantized:\n" + metrics.format_comparisons(list(comparisons))
+    text += (f"\ncompared: {compared}\n" if compared else "\n") + "unquantized (reference) vs quantized:\n"
+    text += metrics.format_comparisons(list(comparisons))
   return text
 
 
