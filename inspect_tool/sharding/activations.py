@@ -12,13 +12,15 @@ one layer saves, per token, in the compute dtype (elements):
   attention (MLA)  A = 4E + 2·rq + 3·H·dq + (rkv + dr) + rkv + H·(dnope + dv) + H·dv
   dense MLP        4·D + E
   MoE              2·(f/a)·X + K·(2E + 4M) + 2·(f/a)·K·E + 4·shared_experts·M + E
-and B·H·S² attention scores, float32, twice (logits and probabilities). The output head (main, and each MTP
-depth) holds T·V float32 logits three times (logits, log-softmax, their gradient). Per MTP depth its layer's
-activations plus 3E per token (the two norms and the projection input).
+and, with `attention=dot_product` (scores materialised), B·H·S² attention scores in the compute dtype and float32
+(a + f bytes each); flash attention (MaxText's `autoselected` on TPU and GPU) keeps none. The output head (main,
+and each MTP depth) holds T·V float32 logits and their gradient: 2·f·T·V. The MTP block (not rematerialised)
+saves, per depth, its layer's activations plus 3E per token (the two norms and the projection input).
 
-  remat_policy=full   saved = L·T·E·a (each scanned layer's input) + the largest layer's activations (recomputed
-                      for its backward) + MTP layers + heads
-  any other policy    saved = every layer's activations + MTP layers + heads (an upper bound: MaxText's other
+  remat_policy=full   L·T·E·a (each scanned layer's input) + max(the largest decoder layer's activations,
+                      recomputed for its backward; the MTP block's) + heads. The backward pass meets the MTP
+                      block's activations and a recomputed layer's one after the other, not together.
+  any other policy    every layer's activations + the MTP block + heads (an upper bound: MaxText's other
                       policies save a subset; `minimal` e.g. keeps only the matmul outputs)
 
 Activations are taken per device for the batch only: tensor, sequence and context parallelism would divide some
@@ -81,22 +83,23 @@ def estimate(cfg, *, batch: float | None = None, seq: int | None = None,
   policy = str(remat_policy if remat_policy is not None else getattr(cfg, "remat_policy", "full"))
   a = _dtype_bytes(cfg.dtype)
   tokens = batch * seq
-  scores = 2 * F32 * batch * cfg.num_query_heads * seq * seq
+  scores = (a + F32) * batch * cfg.num_query_heads * seq * seq if str(cfg.attention) == "dot_product" else 0.0
   attention = tokens * a * _attention_width(cfg) + scores
   dense = attention + tokens * a * _mlp_width(cfg, False, a)
   moe = attention + tokens * a * _mlp_width(cfg, True, a)
   n_dense, n_moe = cfg.first_num_dense_layers, cfg.num_moe_layers
   layers = n_dense * dense + n_moe * moe
+  depths = int(cfg.mtp_num_layers)
+  mtp_block = depths * (moe if n_moe else dense) + depths * tokens * a * 3 * cfg.emb_dim
   if policy == "full":
     largest = max([dense] * bool(n_dense) + [moe] * bool(n_moe), default=0.0)
     parts = [("layer inputs (remat_policy=full)", (n_dense + n_moe) * tokens * cfg.emb_dim * a),
-             ("one layer recomputed", largest)]
+             ("one layer recomputed" if largest >= mtp_block else "MTP block", max(largest, mtp_block))]
   else:
     parts = [(f"decoder layers (remat_policy={policy}: all saved)", layers)]
-  depths = int(cfg.mtp_num_layers)
-  if depths:
-    parts.append(("MTP layers", depths * (moe if n_moe else dense) + depths * tokens * a * 3 * cfg.emb_dim))
-  parts.append(("output heads (float32 logits ×3)", (1 + depths) * 3 * F32 * tokens * cfg.vocab_size))
+    if depths:
+      parts.append(("MTP block", mtp_block))
+  parts.append(("output heads (float32 logits and gradient)", (1 + depths) * 2 * F32 * tokens * cfg.vocab_size))
   return ActivationEstimate(batch, seq, policy, tuple(parts))
 
 
