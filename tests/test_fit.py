@@ -110,7 +110,7 @@ def test_a_plan_that_does_not_fit_names_the_devices_it_needs_and_whether_bf16_fi
   code, mem, err = _json(capsys, *TINY, *SMALL, "--devices", "8", "--train", "adamw", "--device-memory",
                          f"{tight}B")
   assert code == 1 and mem["advice"]["devices_needed"] is None
-  assert "no fsdp size from 12 to 264 divides every sharded dimension and fits" in err
+  assert "no fsdp size from fsdp=12 to 264 divides every sharded dimension" in err
 
 def test_no_device_count_fits_when_the_unsharded_bytes_and_activations_do_not(capsys):
   total, on_fsdp = _per_device_elements()

@@ -23,7 +23,7 @@ def _verdict(memory) -> list[str]:
   out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B) exact; every device holds the "
          "same (shards divide evenly)."]
   if memory.activations is not None:
-    out.append(f"Plus {activations.describe(memory.activations)}: {hb(memory.needed)} needed per device.")
+    out.append(f"Plus {activations.describe(memory.activations)} = {hb(memory.needed)} needed per device.")
   else:
     out.append("Not counted: activations (add --train for the training step's estimate), XLA temporaries.")
   if memory.limit is not None:

@@ -24,6 +24,7 @@ MAX_TRIES = 64  # grown meshes planned before giving up on divisibility
 class Advice:
   axis: str
   axis_size: int
+  devices_now: int
   devices: int | None  # fewest devices (that axis grown) whose plan fits; None: none found
   needed_there: float | None  # bytes per device on that many devices
   why_not: str | None  # when `devices` is None
@@ -33,7 +34,7 @@ class Advice:
   def describe(self) -> str:
     hb = summary_lib.human_bytes
     if self.devices is not None:
-      grown = self.axis_size * self.devices // self._devices_now
+      grown = self.axis_size * self.devices // self.devices_now
       out = (f"needs {self.devices} devices of this kind ({self.axis}={grown} instead of {self.axis_size}, the "
              f"other axes unchanged: {hb(self.needed_there)} per device)")
     else:
@@ -42,8 +43,6 @@ class Advice:
       out += (f"; weight_dtype=bfloat16 would {'fit' if self.bf16_fits else 'not fit'} on these devices "
               f"({hb(self.bf16_needed)} per device)")
     return out
-
-  _devices_now: int = 1
 
   def to_dict(self) -> dict:
     return {"axis": self.axis, "axis_size": self.axis_size, "devices_needed": self.devices,
@@ -80,6 +79,7 @@ def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, f
       return axis, size, None, None, (f"{hb(mem.total.total - sharded)} per device is not sharded over {axis} and "
                                       f"the activations take {hb(mem.activation_bytes)} (estimate)")
     start = max(2, math.ceil(sharded / room))
+  planned = []
   for factor in range(start, start + MAX_TRIES):
     grown_cfg, grown_devices = mesh_lib.scaled(cfg, devices, axis, factor)
     try:
@@ -88,8 +88,13 @@ def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, f
       continue  # a dimension the grown axis does not divide
     if grown.fits:
       return axis, size, grown_devices, grown.needed, None
-  return axis, size, None, None, (f"no {axis} size from {size * start} to {size * (start + MAX_TRIES - 1)} divides "
-                                  "every sharded dimension and fits")
+    planned.append(size * factor)
+  tried = f"{axis}={size * start} to {size * (start + MAX_TRIES - 1)}"
+  if not planned:
+    return axis, size, None, None, f"no {axis} size from {tried} divides every sharded dimension"
+  return axis, size, None, None, (f"of {tried}, the sizes that divide every sharded dimension "
+                                  f"({', '.join(map(str, planned[:3]))}{', ...' if len(planned) > 3 else ''}) "
+                                  "do not fit")
 
 
 def advise(leaves, cfg, devices: int, mem) -> Advice:
@@ -103,4 +108,4 @@ def advise(leaves, cfg, devices: int, mem) -> Advice:
     bf16_cfg = dataclasses.replace(cfg, weight_dtype="bfloat16")
     bf16 = memory_lib.device_memory(bf16_leaves, plan, bf16_cfg, optimizer=mem.optimizer, limit=mem.limit)
     bf16_needed, bf16_fits = bf16.needed, bf16.fits
-  return Advice(axis, size, needed_devices, needed_there, why_not, bf16_needed, bf16_fits, _devices_now=devices)
+  return Advice(axis, size, devices, needed_devices, needed_there, why_not, bf16_needed, bf16_fits)
