@@ -37,7 +37,8 @@ class Validation:
 
   def to_dict(self) -> dict:
     return {"batch_shape": list(self.batch_shape), "tokens": self.tokens, "min_top1": self.min_top1,
-            "passed": self.passed, "method": self.method, "gate": "top1_agreement of every head vs the source under the same rules (QT)",
+            "passed": self.passed, "method": self.method,
+            "gate": "top1_agreement of every head vs the source under the same rules (QT)",
             "vs_quantized_source": [r.to_dict() for r in self.vs_quantized],
             "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
 
