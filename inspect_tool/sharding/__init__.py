@@ -2,7 +2,9 @@
 
 `placement.plan(leaves, cfg, devices)` gives each leaf MaxText 0.2.5's `PartitionSpec` and shard shape;
 `memory.device_memory(...)` sums the bytes one device holds. Modules: `mesh` (axis sizes from the ici_*/dcn_*
-keys), `logical_axes` (MaxText's names per variable), `rules` (names → mesh axes), `memory`.
+keys; `--topology` names, their chips and memory), `logical_axes` (MaxText's names per variable), `rules` (names →
+mesh axes), `memory` (exact bytes and the verdict), `activations` (the training step's activation estimate),
+`advice` (what would fit: more devices, bfloat16 weights).
 """
 
 from __future__ import annotations
