@@ -66,19 +66,6 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
   cli_options.start_processes(coordinator, num_processes, process_id, quiet)
-  if layout in ("deepseek-fp8", "deepseek-bf16"):
-    fp8 = layout == "deepseek-fp8"
-    summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
-                                           max_memory=max_bytes, fp8=fp8)
-    used = _weights_text(overrides, source)
-    if fmt == "json":
-      text = json.dumps(dict(summary, weights=used), indent=1) + "\n"
-    else:
-      kind = f"{summary['num_fp8']} fp8 with 128x128 block scales" if fp8 else "bf16, unquantized"
-      text = (f"weights: {used}\nwrote {summary['dst']}: {summary['num_tensors']} tensors ({kind}) in "
-              f"{len(summary['files'])} file(s), {summary['total_size']:,} bytes\n")
-    cli_options.emit_text(text, output_file)
-    return 0
   data = None
   if validate and distributed.process_count() == 1:
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
@@ -86,15 +73,21 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
-  result = pipeline.export(overrides, dst, source=source, overwrite=overwrite, data=data, tokens_file=tokens_file,
-                           min_top1=min_top1, run_validation=validate, command=cli_options.command_line(),
-                           max_memory=max_bytes)
+  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes)
+  if layout in ("deepseek-fp8", "deepseek-bf16"):
+    if distributed.process_count() > 1:
+      raise click.UsageError(f"--layout {layout} is written by one process")
+    result = pipeline.export_deepseek_fp8(overrides, dst, fp8=layout == "deepseek-fp8", **args)
+  else:
+    result = pipeline.export(overrides, dst, **args)
   if distributed.process_index() != 0:
     return 0  # process 0 reports
   if fmt == "json":
     text = json.dumps(result.report, indent=1) + "\n"
   else:
-    text = f"weights: {_weights_text(overrides, source)}\n" + report.format_text(result)
+    formatter = report.format_text if layout == "orbax" else report.format_hf_text
+    text = f"weights: {_weights_text(overrides, source)}\n" + formatter(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
 

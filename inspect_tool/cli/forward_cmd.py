@@ -64,6 +64,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                              comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint)),
-                    output_file)
+                              comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint),
+                              compared=outcome.compared), output_file)
   return 0

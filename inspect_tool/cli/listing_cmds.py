@@ -14,13 +14,14 @@ from inspect_tool.cli import options
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys shape the tree and which are ignored.")
 @click.option("--devices", type=click.IntRange(min=1), help="Shard on an abstract mesh of N devices: spec and "
               "shard shape per parameter, as MaxText does from the ici_*/dcn_* keys and logical_axis_rules.")
-@click.option("--topology", help="A MaxText slice name (v5p-256, v6e-64, a3; all of them: inspect_checkpoint "
-              "topologies) giving the device count.")
+@click.option("--topology", help="A MaxText slice name (v5p-512, v6e-64, a3, h100-8, ...; all of them: "
+              "inspect_checkpoint topologies) giving the device count and the memory of one device (its chip's), "
+              "or a chip's name (v5p, h100, b200) with --devices.")
 @click.option("--train", type=click.Choice(["adamw", "adam_pax", "sgd"]),
               help="With --summary: add optimizer state and gradients per device (default: MaxText's opt_type "
               "when the config sets it).")
-@click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB): exit 1 when the "
-              "largest device does not fit, naming the largest contributors.")
+@click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB; default: the --topology "
+              "chip's): exit 1 when the largest device does not fit, naming the largest contributors and what fits.")
 @options.output_options
 @options.listing_options
 def maxtext(overrides, include_all, verbose, devices, topology, train, device_memory, fmt, check_dtype, output_file,
@@ -43,7 +44,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides),
                                          key_filter=key_filter, fp8_column=summary or fmt != "text")
   if devices is not None:
-    report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory)
+    report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
+                               topology=topology)
   report = options.listing_view(report, collapse=collapse)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:

@@ -173,28 +173,44 @@ def temporary_directory(dst: str, overwrite: bool):
 
 
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
-                        mesh=None, max_memory: int | None = None, fp8: bool = True) -> dict:  # pylint: disable=unused-argument
+                        mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
+                        min_top1: float = validate_lib.DEFAULT_MIN_TOP1, run_validation: bool = True,
+                        command: str | None = None, fp8: bool = True) -> ExportResult:
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales); with
-  `fp8=False`, `--layout deepseek-bf16`: the same names and files in bfloat16, no quantization (the way back to
+  `fp8=False`, `--layout deepseek-bf16`: the same names and files in bfloat16, unquantized (the way back to
   Hugging Face after `import`).
 
   The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read by blocks and converted one
   unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
   (`budget.resolve_max_memory`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
-  the output directory appears only when complete. Its quantization is the release's, not the config's rules,
-  and our model cannot load that layout, so there is no validation run.
+  the output directory appears only when complete. Its quantization is the release's, not the config's rules.
+  Validation is the Orbax layout's (`export`'s arguments): the export is read back through the HF reader
+  (dequantized) and run under the config's rules beside the source (`validate.validate_hf`), when the models fit;
+  `quantization_report.json` is written in DST either way.
   """
+  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
 
-  cfg = config_lib.resolve_config(list(tokens))
+  tokens = list(tokens)
+  cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
-    arrays = read.open_source(cfg, source, plan_lib.model_leaves(cfg))  # tensorstore views: read when indexed
+    leaves = plan_lib.model_leaves(cfg)
+    arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
     work_bytes = write_hf.plan_memory(
         arrays.keys(), cfg, max_memory, held=budget.current_rss() + write_orbax.RESERVE_BYTES,
         chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
+    skipped = "--no-validate"
+    if run_validation:
+      skipped = _validation_skip(sum(read.nbytes(leaf) for leaf in leaves), max_memory)
+      if skipped:
+        progress.note(f"validation skipped: {skipped}; run it where the models fit: "
+                      + report_lib.run_elsewhere_hf(tokens, source, claimed.path))
+      elif data is None:
+        data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       with progress.step(f"writing DeepSeek {'FP8' if fp8 else 'bf16'} safetensors ({len(arrays)} arrays)"):
         try:
@@ -202,6 +218,15 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                                 chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
-  summary = dict(summary, dst=claimed.path, max_memory=max_memory)
-  summary.pop("config", None)
-  return summary
+      del arrays
+      validation = None
+      if not skipped:
+        validation = validate_lib.validate_hf(cfg, source, tmp, data, min_top1=min_top1,
+                                              mesh=mesh if mesh is not None else restore.default_mesh(),
+                                              tokens=tokens_file or "fixed")
+      summary = dict(summary, dst=claimed.path, max_memory=max_memory)
+      summary.pop("config", None)
+      report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
+                                          validation=validation, validation_skipped=skipped, fp8=fp8)
+      atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+  return ExportResult(claimed.path, report, validation)

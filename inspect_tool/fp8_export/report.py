@@ -66,23 +66,59 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
       "bytes": {"source": source_bytes, "written": written_bytes},
       "mesh": {"devices": mesh_devices},
       "memory": memory or {},
-      "validation": _validation_record(validation, validation_skipped, tokens, dst),
+      "validation": _validation_record(validation, validation_skipped, run_elsewhere(tokens, dst)),
   }
 
 
-def _validation_record(validation, skipped: str | None, tokens: Sequence[str], dst: str | None) -> dict:
+def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | None, command: str | None,
+                    validation, validation_skipped: str | None = None, fp8: bool = True) -> dict:
+  """`quantization_report.json` of a `--layout deepseek-fp8` (or, `fp8=False`, `deepseek-bf16`) export: what was
+  written (`written`: the writer's summary), from what, and what validation found (or why not)."""
+  layout = ({"layout": "deepseek-fp8",
+             "quantized": "float8_e4m3fn weight + float32 weight_scale_inv per 128x128 block of the (out, in) "
+                          "matrix (DeepSeek-V3's FP8 release): attention, dense MLP, shared and routed experts",
+             "copied": "bfloat16 (router, norms, embedding, lm_head, eh_proj); e_score_correction_bias float32"}
+            if fp8 else {"layout": "deepseek-bf16", "quantized": None,
+                         "copied": "bfloat16 (every weight); e_score_correction_bias float32"})
+  return {
+      "format": {"version": FORMAT_VERSION, **layout},
+      "producer": producer(),
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": command,
+      "source": {"checkpoint": os.path.abspath(source) if source else None,
+                 "init": None if source else f"random (seed {cfg.init_weights_seed})"},
+      "config": {"overrides": list(tokens), "model_name": cfg.model_name, "quantization": cfg.quantization,
+                 "scan_layers": cfg.scan_layers},
+      **written,
+      "validation": _validation_record(validation, validation_skipped,
+                                       run_elsewhere_hf(tokens, source, written.get("dst"))),
+  }
+
+
+def _validation_record(validation, skipped: str | None, run_elsewhere: str) -> dict:
   if validation is not None:
-    return dict(validation.to_dict(), method="whole models, one at a time: the source (under the rules, then "
-                                             "unquantized), then the export")
+    return validation.to_dict()
   record = {"skipped": True, "reason": skipped or "--no-validate"}
   if skipped and skipped != "--no-validate":
-    record["run_elsewhere"] = f"inspect_checkpoint forward {' '.join(tokens)} --checkpoint {dst} --compare"
+    record["run_elsewhere"] = run_elsewhere
   return record
+
+
+def run_elsewhere(tokens: Sequence[str], dst: str | None) -> str:
+  """The command that validates an Orbax export where the model fits."""
+  return f"inspect_checkpoint forward {' '.join(tokens)} --checkpoint {dst} --compare"
+
+
+def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None) -> str:
+  """A deepseek-fp8 export is validated by exporting it again where the models fit (`forward --compare` would
+  compare the read-back export with itself)."""
+  src = f" --checkpoint {source}" if source else ""
+  return (f"inspect_checkpoint export {' '.join(tokens)}{src} --output {dst} --layout deepseek-fp8 --overwrite "
+          "--max-memory <more>")
 
 
 def format_text(result) -> str:
   """The summary `export` prints: what was written, and the validation table."""
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
   from quant import coverage_format  # pylint: disable=import-outside-toplevel
 
   r = result.report
@@ -96,18 +132,31 @@ def format_text(result) -> str:
   lines.append("  coverage: " + ", ".join(f"{g['group']} {g['quantized_weights']}/{g['weights']} weights "
                                         f"({coverage_format.share_text(g['quantized_params'], g['params'])} of "
                                         "params)" for g in groups))
-  v = result.validation
+  return "\n".join(lines + validation_lines(result.validation, r["validation"])) + "\n"
+
+
+def format_hf_text(result) -> str:
+  """The summary `export --layout deepseek-fp8` prints: what was written, and the validation table."""
+  r = result.report
+  kind = ("bf16, unquantized" if r["format"]["layout"] == "deepseek-bf16"
+          else f"{r['num_fp8']} fp8 with 128x128 block scales")
+  lines = [f"wrote {r['dst']}: {r['num_tensors']} tensors ({kind}) in {len(r['files'])} file(s), "
+           f"{r['total_size']:,} bytes"]
+  return "\n".join(lines + validation_lines(result.validation, r["validation"])) + "\n"
+
+
+def validation_lines(v, record: dict) -> list[str]:
+  """The validation table (or why it was skipped)."""
+  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+
   if v is None:
-    lines.append(f"validation skipped ({r['validation'].get('reason', '--no-validate')})")
-    return "\n".join(lines) + "\n"
-  lines.append(f"validation on a {v.batch_shape[0]}x{v.batch_shape[1]} batch ({v.tokens}):")
-  lines.append("exported vs source under the same rules (gate: top-1 >= "
-               f"{v.min_top1:g} for every head):")
-  lines.append(metrics.format_comparisons(list(v.vs_quantized)).rstrip("\n"))
-  lines.append("exported vs unquantized source (information):")
-  lines.append(metrics.format_comparisons(list(v.vs_unquantized)).rstrip("\n"))
-  lines.append("PASSED" if v.passed else f"FAILED: top-1 agreement below {v.min_top1:g}")
-  return "\n".join(lines) + "\n"
+    return [f"validation skipped ({record.get('reason', '--no-validate')})"]
+  return [f"validation on a {v.batch_shape[0]}x{v.batch_shape[1]} batch ({v.tokens}):",
+          f"exported vs source under the same rules (gate: top-1 >= {v.min_top1:g} for every head):",
+          metrics.format_comparisons(list(v.vs_quantized)).rstrip("\n"),
+          "exported vs unquantized source (information):",
+          metrics.format_comparisons(list(v.vs_unquantized)).rstrip("\n"),
+          "PASSED" if v.passed else f"FAILED: top-1 agreement below {v.min_top1:g}"]
 
 
 def _prod(shape) -> int:

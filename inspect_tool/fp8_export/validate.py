@@ -1,10 +1,12 @@
 """Export stage 5, validation: the export loaded back, against its source on a batch.
 
 The source is run under the config's rules on the fly (Qwix QT: the quantization-applied model) and
-unquantized, then the exported checkpoint loaded into the quantized model (`load`), one model after the other,
-and they are compared per head (main, each MTP depth): cosine, top-1 agreement, KL, relative error. The gate
-(`min_top1`) is the top-1 agreement of every head with the quantization-applied source; the comparison with the
-unquantized source is information (the cost of quantizing).
+unquantized, then the exported checkpoint read back, one model after the other, and they are compared per head
+(main, each MTP depth): cosine, top-1 agreement, KL, relative error. The Orbax layout is read back into the
+quantized model (`load`: its stored FP8 values); the `deepseek-fp8` layout through the Hugging Face reader
+(`checkpoint.hf_restore`: fp8 × `weight_scale_inv` of its 128×128 block) and run under the same rules as the
+source. The gate (`min_top1`) is the top-1 agreement of every head with the source under the rules; the
+comparison with the unquantized source is information (the cost of quantizing).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Validation:
   min_top1: float
   batch_shape: tuple[int, int]
   tokens: str  # "fixed" or the tokens file
+  method: str = ("whole models, one at a time: the source (under the rules, then unquantized), then the export")
   result: Any = dataclasses.field(default=None, compare=False, repr=False)  # the exported model's ForwardResult
 
   @property
@@ -34,28 +37,52 @@ class Validation:
 
   def to_dict(self) -> dict:
     return {"batch_shape": list(self.batch_shape), "tokens": self.tokens, "min_top1": self.min_top1,
-            "passed": self.passed, "gate": "top1_agreement of every head vs the source under the same rules (QT)",
+            "passed": self.passed, "method": self.method,
+            "gate": "top1_agreement of every head vs the source under the same rules (QT)",
             "vs_quantized_source": [r.to_dict() for r in self.vs_quantized],
             "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
 
 
 def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
              tokens: str = "fixed") -> Validation:
-  """Runs source (QT and unquantized) and the exported checkpoint on `data` and compares them per head."""
+  """Runs source (QT and unquantized) and the exported Orbax checkpoint on `data` and compares them per head."""
+  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
+
+  return _compare(cfg, source, data, lambda: load.load_quantized_model(cfg, exported, mesh=mesh), min_top1=min_top1,
+                  mesh=mesh, tokens=tokens)
+
+
+def validate_hf(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
+                tokens: str = "fixed") -> Validation:
+  """The same for a `deepseek-fp8` export: read back dequantized (`hf_restore`), run under the config's rules."""
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
+  from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
+
+  def read_back():
+    model = hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), exported, mesh=mesh)
+    return running.quantize_for_training(model, cfg)
+
+  method = ("whole models, one at a time: the source (under the rules, then unquantized), then the export read "
+            "back (fp8 x weight_scale_inv of its 128x128 block) under the same rules")
+  return dataclasses.replace(_compare(cfg, source, data, read_back, min_top1=min_top1, mesh=mesh, tokens=tokens),
+                             method=method)
+
+
+def _compare(cfg, source, data, read_export, *, min_top1, mesh, tokens) -> Validation:
   from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
   from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
 
   model = running.load_model(cfg, source, mesh=mesh)
   quantized = running.forward(running.quantize_for_training(model, cfg), data)
   plain = running.forward(model, data)
   del model
   with progress.step("loading the exported checkpoint"):
-    exported_model = load.load_quantized_model(cfg, exported, mesh=mesh)
+    exported_model = read_export()
   result = running.forward(exported_model, data)
   del exported_model
   return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
-                    float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result)
+                    float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result=result)
 
 
 def memory_needed(source_bytes: int) -> int:

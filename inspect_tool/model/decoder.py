@@ -75,13 +75,15 @@ def _move_layer_axis(state, param_scan_axis: int, to_front: bool):
   return jax.tree.map(move, state)
 
 
-def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positions, *, dynamic: bool = False):
+def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positions, *, dynamic: bool = False,
+                remat: bool = False):
   """Runs a scanned stack of layers over `x` (the stack's variables carry the layer axis).
 
   Returns (y, new stack or None). With `dynamic` (Qwix's first, initialising call, when a provider such as
   PTQ may replace variables inside the layers) the layers' whole updated state is scanned out and a new
   stack module is returned, as MaxText's `_apply_layers_sequentially` does; otherwise only the non-Param
-  state is written back into `stack`.
+  state is written back into `stack`. `remat` wraps the layer in `jax.checkpoint` with nothing saved but its
+  input (MaxText's `remat_policy=full`).
   """
   graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
   params = _move_layer_axis(params, param_scan_axis, to_front=True)
@@ -96,6 +98,8 @@ def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positio
       return y, (layer_params, layer_rest)
     return y, layer_rest
 
+  if remat and not dynamic:
+    body = jax.checkpoint(body)
   y, scanned = jax.lax.scan(body, x, (params, rest))
   if dynamic:
     new_params, new_rest = scanned
@@ -105,7 +109,14 @@ def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positio
 
 
 class Decoder(nnx.Module):
-  """MaxText's `NNXDecoder` for the DeepSeek block."""
+  """MaxText's `NNXDecoder` for the DeepSeek block.
+
+  `remat_policy` is None: the layers are not rematerialised (a forward pass has nothing to save). Set to "full",
+  a scanned stack saves only each layer's input for the backward pass, as MaxText's training step does
+  (`sharding.activations` checks its estimate against that step).
+  """
+
+  remat_policy: str | None = None
 
   def __init__(self, cfg, make: inits.VariableFactory):
     self._init_head(cfg, make)
@@ -164,7 +175,8 @@ class Decoder(nnx.Module):
     for name in self.layer_names():
       layer = getattr(self, name)
       if self.scan_layers:
-        y, new_stack = apply_stack(layer, self.param_scan_axis, y, segment_ids, positions, dynamic=dynamic)
+        y, new_stack = apply_stack(layer, self.param_scan_axis, y, segment_ids, positions, dynamic=dynamic,
+                                   remat=self.remat_policy == "full")
         if new_stack is not None:
           setattr(self, name, new_stack)
       else:

@@ -14,7 +14,8 @@ def _float(x):
   return None if x is None else float(np.asarray(x))
 
 
-def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None) -> dict:
+def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None,
+            compared: str | None = None) -> dict:
   """The pass as JSON data; `weights` says which weights ran (`run.weights.describe`; added within version 1)."""
   data = {
       "schema_version": SCHEMA_VERSION, "model": source, "weights": weights, "quantization": quantization or None,
@@ -29,6 +30,8 @@ def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None
     data["mtp_top1"] = np.asarray(result.mtp_top1).tolist()
   if comparisons:
     data["compare_unquantized_vs_quantized"] = [c.to_dict() for c in comparisons]
+    if compared:
+      data["compared"] = compared
   if grad is not None:
     data["gradient"] = {"loss": grad[0], "global_norm": grad[1], "finite": grad[2]}
   return data
@@ -38,8 +41,8 @@ def format_json(result, **kwargs) -> str:
   return json.dumps(to_dict(result, **kwargs), indent=2) + "\n"
 
 
-def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None
-                ) -> str:
+def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None,
+                compared: str | None = None) -> str:
   from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
 
   batch, seq = np.asarray(result.logits).shape[:2]
@@ -66,7 +69,8 @@ def format_text(result, *, source: str, quantization: str, comparisons=(), grad=
     lines.append(f"gradient: loss {grad[0]:.6f}, global norm {grad[1]:.6g}, finite {grad[2]}")
   text = "\n".join(lines) + "\n"
   if comparisons:
-    text += "\nunquantized (reference) vs quantized:\n" + metrics.format_comparisons(list(comparisons))
+    text += (f"\ncompared: {compared}\n" if compared else "\n") + "unquantized (reference) vs quantized:\n"
+    text += metrics.format_comparisons(list(comparisons))
   return text
 
 

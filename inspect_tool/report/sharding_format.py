@@ -17,11 +17,19 @@ def _heading(memory, plan) -> str:
 
 
 def _verdict(memory) -> list[str]:
+  from inspect_tool.sharding import activations  # pylint: disable=import-outside-toplevel
+
   hb = summary_lib.human_bytes
-  out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B); every device holds the same "
-         "(shards divide evenly). Not counted: activations, XLA temporaries."]
+  out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B) exact; every device holds the "
+         "same (shards divide evenly)."]
+  if memory.activations is not None:
+    out.append(f"Plus {activations.describe(memory.activations)} = {hb(memory.needed)} needed per device.")
+  else:
+    out.append("Not counted: activations (add --train for the training step's estimate), XLA temporaries.")
   if memory.limit is not None:
-    out.append(f"--device-memory {hb(memory.limit)}: " + ("fits" if memory.fits else "DOES NOT FIT"))
+    out.append(f"{memory.limit_source}: {hb(memory.limit)}: " + ("fits" if memory.fits else "DOES NOT FIT"))
+  if memory.advice is not None:
+    out.append(f"To fit: {memory.advice.describe()}")
   return out
 
 

@@ -75,8 +75,11 @@ def forward(model, batch: batch_lib.Batch):
                                    positions=batch.positions, segment_ids=batch.segment_ids)
 
 
-def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, bool]:
-  """Total training loss (main + λ·MTP), the global gradient norm over Params, and whether all grads are finite."""
+def grad_step(model, batch: batch_lib.Batch):
+  """The jitted training step `loss_and_grad_norm` runs, and its arguments: `(step, params, rest)`.
+
+  `step(params, rest)` returns (total loss (main + λ·MTP), gradients of the Params); `step.lower(params, rest)`
+  is what the per-device memory estimate is checked against (XLA's `memory_analysis`)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -96,8 +99,17 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
         mtp_scale=model.config.mtp_loss_scaling_factor)
     return out["total_loss"] if "total_loss" in out else out["loss"]
 
+  return jax.jit(jax.value_and_grad(loss_fn)), params, rest
+
+
+def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, bool]:
+  """Total training loss (main + λ·MTP), the global gradient norm over Params, and whether all grads are finite."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  step, params, rest = grad_step(model, batch)
   with progress.step("loss and gradients"):
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, rest)
+    loss, grads = step(params, rest)
   leaves = jax.tree.leaves(grads)
   finite = all(bool(jnp.isfinite(g).all()) for g in leaves)
   norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)))
@@ -111,6 +123,34 @@ class Run:
   result: object  # inspect_tool.run.forward.ForwardResult
   reference: object | None = None  # the same model and batch without quantization (`compare`)
   grad: tuple[float, float, bool] | None = None  # (loss, global gradient norm, all finite) (`grad`)
+  compared: str | None = None  # what `compare` compared, in words
+
+
+def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
+  """Which weights a run loads, in words: the checkpoint (Orbax, FP8 export, Hugging Face) or the seeded init."""
+  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
+
+  if checkpoint is None:
+    return f"the random init (seed {cfg.init_weights_seed})"
+  if hf_restore.is_hf_checkpoint(checkpoint):
+    return f"the Hugging Face checkpoint {checkpoint} (FP8 weights dequantized)"
+  if export_load.is_export(checkpoint):
+    return f"the FP8 export {checkpoint}"
+  return f"the checkpoint {checkpoint}"
+
+
+def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
+  """What `--compare` compares; `InputError` when it would compare a model with itself (no quantization rule)."""
+  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
+
+  weights = weights_description(cfg, checkpoint)
+  if not model_coverage.config_rules(cfg):
+    raise errors.InputError(
+        f"--compare runs {weights} under the config's quantization rules against the same weights unquantized; "
+        f"quantization={cfg.quantization!r} gives no rule, so both sides would be the same model (set a "
+        "quantization such as quantization=fp8_full, or compare two runs' --save-logits)")
+  return f"{weights} under quantization={cfg.quantization} (Qwix QT) vs the same weights unquantized"
 
 
 def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
@@ -120,10 +160,11 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
 
   validation.check_runs(cfg, "forward")
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
+  compared = comparison_description(cfg, checkpoint) if compare else None
   model = load_model(cfg, checkpoint, mesh=mesh)
   if (compare or grad) and export_load.is_quantized_model(model):
     raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
                             f"{export_load.REPORT_NAME} holds the comparison with its source)")
   quantized = quantize_for_training(model, cfg)
   return Run(result=forward(quantized, batch), reference=forward(model, batch) if compare else None,
-             grad=loss_and_grad_norm(quantized, batch) if grad else None)
+             grad=loss_and_grad_norm(quantized, batch) if grad else None, compared=compared)

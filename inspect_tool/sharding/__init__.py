@@ -2,7 +2,9 @@
 
 `placement.plan(leaves, cfg, devices)` gives each leaf MaxText 0.2.5's `PartitionSpec` and shard shape;
 `memory.device_memory(...)` sums the bytes one device holds. Modules: `mesh` (axis sizes from the ici_*/dcn_*
-keys), `logical_axes` (MaxText's names per variable), `rules` (names → mesh axes), `memory`.
+keys; `--topology` names, their chips and memory), `logical_axes` (MaxText's names per variable), `rules` (names →
+mesh axes), `memory` (exact bytes and the verdict), `activations` (the training step's activation estimate),
+`advice` (what would fit: more devices, bfloat16 weights).
 """
 
 from __future__ import annotations
@@ -11,23 +13,41 @@ import dataclasses
 
 
 def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
-  """The device count from `--devices` and/or `--topology` (× `num_slices`); they must agree when both given."""
+  """The device count from `--devices` and/or `--topology` (× `num_slices`); they must agree when both given.
+  A chip's name alone (`--topology h100`) sets only the memory: the count comes from `--devices`."""
   from inspect_tool.sharding import mesh  # pylint: disable=import-outside-toplevel
 
   if topology is None:
     return devices
-  from_topology = mesh.topology_devices(topology) * mesh.num_slices(cfg)
+  per_slice = mesh.topology_devices(topology)
+  if per_slice is None:
+    if devices is None:
+      raise mesh.ShardingError(f"--topology {topology} names a chip, not a slice: give the device count with "
+                               "--devices N (or a slice name such as v5p-512)")
+    return devices
+  from_topology = per_slice * mesh.num_slices(cfg)
   if devices is not None and devices != from_topology:
     raise mesh.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({from_topology} devices)")
   return from_topology
 
 
-def annotate(report, cfg, *, devices: int, train: str | None = None, device_memory: str | None = None):
-  """`report` with each leaf's spec and shard shape and the per-device memory table (`ParamReport` fields)."""
-  from inspect_tool.sharding import memory, placement  # pylint: disable=import-outside-toplevel
+def annotate(report, cfg, *, devices: int, train: str | None = None, device_memory: str | None = None,
+             topology: str | None = None):
+  """`report` with each leaf's spec and shard shape and the per-device memory table (`ParamReport` fields).
 
-  limit = memory.parse_bytes(device_memory) if device_memory is not None else None
+  The memory of one device is `--device-memory`, else the chip's of `--topology`; with an optimizer the verdict
+  adds the activation estimate (`activations`), and a plan that does not fit gets `advice`."""
+  from inspect_tool.sharding import advice, memory, mesh, placement  # pylint: disable=import-outside-toplevel
+
+  limit, limit_source = None, None
+  if device_memory is not None:
+    limit, limit_source = memory.parse_bytes(device_memory), "--device-memory"
+  elif topology is not None:
+    chip = mesh.topology_chip(topology)
+    limit, limit_source = chip.memory, f"{chip.name} ({chip.memory_text} per device, --topology {topology})"
   optimizer = memory.optimizer_of(cfg, train)
   plan = placement.plan(report.leaves, cfg, devices)
-  mem = memory.device_memory(report.leaves, plan, cfg, optimizer=optimizer, limit=limit)
+  mem = memory.device_memory(report.leaves, plan, cfg, optimizer=optimizer, limit=limit, limit_source=limit_source)
+  if mem.fits is False:
+    mem = dataclasses.replace(mem, advice=advice.advise(report.leaves, cfg, devices, mem))
   return dataclasses.replace(report, sharding=plan, memory=mem)

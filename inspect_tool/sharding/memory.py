@@ -9,8 +9,13 @@ the largest device is any device. Counted exactly, from shard shapes and dtypes:
   `adam_pax`: mu and nu at the parameter's dtype; `sgd` (optax.sgd, no momentum): none. Gradients: one
   parameter-dtype copy per parameter.
 
-Not counted (MaxText allocates them too): activations, the optimizer's step counter, the non-Param gate bias,
-XLA's temporary buffers; `opt_type=muon` is refused rather than guessed.
+Estimated, and labelled so: with an optimizer, the training step's activations (`activations`: from
+`per_device_batch_size`, `max_target_length`, `remat_policy` and the model's sizes). The verdict (`fits`) compares
+the exact bytes plus that estimate with the memory of one device (`--device-memory`, else the chip's of
+`--topology`).
+
+Not counted (MaxText allocates them too): the optimizer's step counter, the non-Param gate bias, XLA's temporary
+buffers beyond the activations; `opt_type=muon` is refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -77,15 +82,29 @@ class DeviceMemory:
   mu_dtype: str | None
   contributors: tuple[tuple[str, float], ...]  # (key, bytes per device), largest first
   limit: int | None = None
+  activations: object = None  # activations.ActivationEstimate (with an optimizer), else None
+  limit_source: str | None = None  # where `limit` came from: "--device-memory" or the --topology's chip
+  advice: object = None  # advice.Advice when the plan does not fit
+
+  @property
+  def activation_bytes(self) -> float:
+    return self.activations.total if self.activations is not None else 0.0
+
+  @property
+  def needed(self) -> float:
+    """Exact bytes (parameters, optimizer state, gradients) plus the activation estimate."""
+    return self.total.total + self.activation_bytes
 
   @property
   def fits(self) -> bool | None:
-    return None if self.limit is None else self.total.total <= self.limit
+    return None if self.limit is None else self.needed <= self.limit
 
   def to_dict(self) -> dict:
     return {"optimizer": self.optimizer, "mu_dtype": self.mu_dtype, "groups": [r.to_dict() for r in self.rows],
-            "total": self.total.to_dict(), "largest_device_bytes": self.total.total, "device_memory_bytes":
-            self.limit, "fits": self.fits,
+            "total": self.total.to_dict(), "largest_device_bytes": self.total.total,
+            "activations": self.activations.to_dict() if self.activations is not None else None,
+            "needed_bytes": self.needed, "device_memory_bytes": self.limit, "device_memory_source": self.limit_source,
+            "fits": self.fits, "advice": self.advice.to_dict() if self.advice is not None else None,
             "largest_contributors": [{"key": k, "bytes": b} for k, b in self.contributors[:10]]}
 
 
@@ -101,8 +120,11 @@ def _per_leaf(leaf, placement, optimizer: str | None, mu_dtype: str) -> tuple[fl
 
 
 def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int | None = None,
-                  classify=summary_lib.group_of) -> DeviceMemory:
-  """Sums one device's bytes over the Param `leaves` of `plan`, by the summary's groups."""
+                  limit_source: str | None = None, classify=summary_lib.group_of) -> DeviceMemory:
+  """Sums one device's bytes over the Param `leaves` of `plan`, by the summary's groups; with an optimizer, adds
+  the training step's activation estimate."""
+  from inspect_tool.sharding import activations  # pylint: disable=import-outside-toplevel
+
   mu_dtype = str(cfg.mu_dtype or cfg.weight_dtype)
   sums: dict[tuple[str, str], list[float]] = {}
   contributors = []
@@ -125,12 +147,16 @@ def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int
                     sum(r.gradients for r in top))
   contributors.sort(key=lambda kv: -kv[1])
   return DeviceMemory(rows, total, optimizer, mu_dtype if optimizer == "adamw" else None, tuple(contributors),
-                      limit)
+                      limit, activations.estimate(cfg) if optimizer else None,
+                      limit_source or ("--device-memory" if limit is not None else None))
 
 
 def overflow_message(mem: DeviceMemory, n: int = 3) -> str:
-  """One line: needed vs available, and the largest contributors."""
+  """One line: needed vs available, the largest contributors, and what would fit."""
   hb = summary_lib.human_bytes
   top = ", ".join(f"{key} {hb(b)}" for key, b in mem.contributors[:n])
-  return (f"does not fit: each device needs {hb(mem.total.total)} ({int(mem.total.total)} B), --device-memory is "
-          f"{hb(mem.limit)} ({mem.limit} B); largest contributors per device: {top}")
+  estimate = (f" ({hb(mem.total.total)} exact + {hb(mem.activation_bytes)} activations, estimated)"
+              if mem.activations is not None else "")
+  advice = f"; {mem.advice.describe()}" if mem.advice is not None else ""
+  return (f"does not fit: each device needs {hb(mem.needed)} ({int(mem.needed)} B){estimate}, {mem.limit_source} "
+          f"gives {hb(mem.limit)} ({mem.limit} B); largest contributors per device: {top}{advice}")

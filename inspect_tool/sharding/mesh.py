@@ -57,23 +57,52 @@ class Mesh:
     return " ".join(big) if big else "all axes 1"
 
 
+_MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One device of a `--topology`: its name (v5p, h100) and memory in bytes, and the text it was given as."""
+
+  name: str
+  memory: int
+  memory_text: str
+
+
 @functools.lru_cache(maxsize=None)
-def topologies() -> dict[str, int]:
-  """`--topology` names (MaxText's `compile_topology` names) → devices per slice."""
-  out = {}
+def _table() -> tuple[dict[str, tuple[int | None, str]], dict[str, Chip]]:
+  topologies_, chips = {}, {}
   with open(TOPOLOGY_FILE, encoding="utf-8") as f:
     for line in f:
-      if line.strip() and not line.startswith("#"):
-        name, devices = line.split()[:2]
-        out[name] = int(devices)
-  return out
+      if not line.strip() or line.startswith("#"):
+        continue
+      first, second, third = (line.split() + [""])[:3]
+      if first == "chip":
+        unit = next(u for u in _MEMORY_UNITS if third.endswith(u))
+        chips[second] = Chip(second, int(float(third[:-len(unit)]) * _MEMORY_UNITS[unit]), third)
+        topologies_[second] = (None, second)  # a chip's name alone: memory only, devices from --devices
+      else:
+        topologies_[first] = (int(second), third)
+  return topologies_, chips
 
 
-def topology_devices(name: str) -> int:
-  table = topologies()
+def topologies() -> dict[str, int | None]:
+  """`--topology` names (MaxText's `compile_topology` names, and chip names) → devices per slice (None: a chip)."""
+  return {name: devices for name, (devices, _) in _table()[0].items()}
+
+
+def topology_devices(name: str) -> int | None:
+  """Devices per slice of `--topology name`; None for a chip's name alone (v5p, h100)."""
+  table = _table()[0]
   if name not in table:
     raise errors.UnknownKeyError(name, list(table), what="topology")
-  return table[name]
+  return table[name][0]
+
+
+def topology_chip(name: str) -> Chip:
+  """The chip of `--topology name` (its per-device memory)."""
+  topology_devices(name)
+  return _table()[1][_table()[0][name][1]]
 
 
 def _fill(values: list[int], target: int, kind: str, names: list[str]) -> list[int]:
@@ -107,6 +136,23 @@ def num_slices(cfg) -> int:
   if int(cfg.num_slices) != -1:
     return int(cfg.num_slices)
   return int(cfg.compile_topology_num_slices) if int(cfg.compile_topology_num_slices) > 0 else 1
+
+
+def ici_sizes(cfg, devices: int) -> list[int]:
+  """The ICI axis sizes (one -1 filled) of `cfg`'s mesh on `devices` devices, in `mesh_axes` order."""
+  axes = [str(a) for a in cfg.mesh_axes]
+  return _fill([_parallelism(cfg, "ici", a) for a in axes], devices // num_slices(cfg), "ICI", axes)
+
+
+def scaled(cfg, devices: int, axis: str, factor: int):
+  """(config, devices) with the ICI size of mesh `axis` multiplied by `factor`, the other axes as they are."""
+  axes = [str(a) for a in cfg.mesh_axes]
+  sizes = ici_sizes(cfg, devices)
+  keys = {}
+  for name, size in zip(axes, sizes):
+    if AXIS_KEYS.get(name):
+      keys[f"ici_{AXIS_KEYS[name]}_parallelism"] = size * factor if name == axis else size
+  return dataclasses.replace(cfg, passthrough={**dict(cfg.passthrough), **keys}), devices * factor
 
 
 def build_mesh(cfg, devices: int) -> Mesh:

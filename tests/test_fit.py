@@ -1,0 +1,120 @@
+"""`maxtext --devices/--topology --train`: the fit verdict knows the chip, adds the activation estimate, and a plan
+that does not fit says how many devices it needs and whether bfloat16 weights would fit.
+
+Expected numbers are worked out here by hand: per-device elements from MaxText's own shard shapes
+(`tests/data/sharding/tiny_fsdp4_ep2.txt`), the chips' memory from their data sheets, and the activation estimate
+from the formula of `inspect_tool/sharding/activations.py` written out with the tiny model's sizes.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+from inspect_tool import cli
+from inspect_tool.sharding import mesh as mesh_lib
+from test_sharding import DATA, read_reference
+
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "ici_fsdp_parallelism=4", "ici_expert_parallelism=2"]
+GIB, GB = 2**30, 10**9
+
+
+def run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def _json(capsys, *argv):
+  code, out, err = run(capsys, "maxtext", *argv, "--format", "json")
+  return code, json.loads(out)["device_memory"], err
+
+
+@pytest.mark.parametrize("topology, devices, memory", [
+    ("v4-8", 4, 32 * GIB), ("v4-512", 256, 32 * GIB), ("v5e-256", 256, 16 * GIB), ("v5p-512", 256, 95 * GIB),
+    ("v6e-64", 64, 32 * GIB), ("tpu7x-128", 128, 192 * GIB), ("a3", 8, 80 * GB), ("h100-8", 8, 80 * GB),
+    ("h200-8", 8, 141 * GB), ("b200-8", 8, 180 * GB)])
+def test_topology_sets_devices_and_the_memory_of_one_device(topology, devices, memory):
+  assert mesh_lib.topology_devices(topology) == devices
+  assert mesh_lib.topology_chip(topology).memory == memory
+
+
+def test_topology_gives_the_verdict_and_device_memory_overrides_it(capsys):
+  keys = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "ici_fsdp_parallelism=-1"]
+  code, mem, _ = _json(capsys, *keys, "--topology", "v5e-8", "--train", "adamw", "per_device_batch_size=1",
+                       "max_target_length=64")
+  assert code == 0 and mem["device_memory_bytes"] == 16 * GIB and mem["fits"] is True
+  assert mem["device_memory_source"] == "v5e (16GiB per device, --topology v5e-8)"
+  code, mem, _ = _json(capsys, *keys, "--topology", "v5e-8", "--train", "adamw", "--device-memory", "1MB")
+  assert code == 1 and mem["device_memory_bytes"] == 10**6 and mem["device_memory_source"] == "--device-memory"
+  code, out, _ = run(capsys, "maxtext", *keys, "--topology", "v5e-8", "--summary", "--train", "adamw",
+                     "per_device_batch_size=1", "max_target_length=64")
+  assert code == 0 and "v5e (16GiB per device, --topology v5e-8): 16.00 GiB: fits" in out
+
+
+def test_a_chip_name_alone_takes_the_device_count_from_devices(capsys):
+  code, mem, _ = _json(capsys, *TINY, "--topology", "h100", "--devices", "8", "--train", "sgd")
+  assert code == 0 and mem["device_memory_bytes"] == 80 * GB
+  code, out, err = run(capsys, "maxtext", *TINY, "--topology", "h100")
+  assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+  assert "--topology h100 names a chip" in err and "--devices N" in err
+
+
+def _per_device_elements():
+  """(elements one device holds of every Param, of those the ones sharded over fsdp): MaxText's shard shapes."""
+  _, _, _, variables = read_reference(os.path.join(DATA, "tiny_fsdp4_ep2.txt"))
+  params = {k: v for k, v in variables.items() if not k.endswith("gate.bias")}
+  total = sum(math.prod(shard) for _, _, shard, _ in params.values())
+  on_fsdp = sum(math.prod(shard) for _, spec, shard, _ in params.values() if "'fsdp'" in spec)
+  return total, on_fsdp
+
+
+# The tiny preset (61 layers, vocab 129280) with per_device_batch_size=1, max_target_length=64 (T = 64 tokens),
+# remat_policy=full (MaxText's default), flash attention (`autoselected`: no scores kept), bf16 compute:
+# 61 layer inputs T·E·2 + the MTP block (a MoE layer, 9760 elements per token, plus 3E) + two heads' float32
+# logits and gradients.
+SMALL = ["per_device_batch_size=1", "max_target_length=64"]
+ACTIVATIONS = 61 * 64 * 64 * 2 + (64 * 2 * (4256 + 5504) + 64 * 2 * 3 * 64) + 2 * 2 * 4 * 64 * 129280
+
+
+def test_verdict_adds_the_activation_estimate_to_the_exact_bytes(capsys):
+  total, _ = _per_device_elements()
+  code, mem, _ = _json(capsys, *TINY, *SMALL, "--devices", "8", "--train", "adamw")
+  assert code == 0 and mem["activations"]["estimate"] is True
+  assert mem["activations"]["total_bytes"] == ACTIVATIONS == 134_156_288
+  assert mem["largest_device_bytes"] == 16 * total and mem["needed_bytes"] == 16 * total + ACTIVATIONS
+  code, out, _ = run(capsys, "maxtext", *TINY, *SMALL, "--devices", "8", "--summary", "--train", "adamw")
+  assert "Plus activations (estimate, per_device_batch_size=1, max_target_length=64, remat_policy=full): " \
+         "127.94 MiB" in out
+
+
+def test_a_plan_that_does_not_fit_names_the_devices_it_needs_and_whether_bf16_fits(capsys):
+  total, on_fsdp = _per_device_elements()
+  # fsdp 4 -> 8 (16 devices) halves what is sharded over fsdp: exactly enough.
+  doubled = 16 * (total - on_fsdp + on_fsdp // 2) + ACTIVATIONS
+  code, mem, err = _json(capsys, *TINY, *SMALL, "--devices", "8", "--train", "adamw", "--device-memory",
+                         f"{doubled}B")
+  assert code == 1 and mem["fits"] is False
+  advice = mem["advice"]
+  assert (advice["axis"], advice["axis_size"], advice["devices_needed"]) == ("fsdp", 4, 16)
+  assert advice["bytes_per_device_there"] == doubled
+  # bfloat16 weights: params, mu (mu_dtype unset: the weight dtype), nu and gradients at 2 bytes each.
+  assert advice["bf16_weights_bytes_per_device"] == 8 * total + ACTIVATIONS and advice["bf16_weights_fit"] is True
+  assert len(err.strip().splitlines()) == 1
+  assert "needs 16 devices of this kind (fsdp=8 instead of 4, the other axes unchanged" in err
+  assert "weight_dtype=bfloat16 would fit on these devices" in err
+  # A third of the fsdp-sharded bytes is needed: fsdp 12 does not divide the embedding's 64 and fsdp 16 × expert 2
+  # does not divide wkv_b's kv_lora_rank 16 (nor does any larger fsdp): no device count of this shape fits.
+  tight = 16 * (total - on_fsdp) + math.ceil(16 * on_fsdp / 3) + ACTIVATIONS
+  code, mem, err = _json(capsys, *TINY, *SMALL, "--devices", "8", "--train", "adamw", "--device-memory",
+                         f"{tight}B")
+  assert code == 1 and mem["advice"]["devices_needed"] is None
+  assert "no fsdp size from fsdp=12 to 264 divides every sharded dimension" in err
+
+def test_no_device_count_fits_when_the_unsharded_bytes_and_activations_do_not(capsys):
+  total, on_fsdp = _per_device_elements()
+  code, mem, err = _json(capsys, *TINY, *SMALL, "--devices", "8", "--train", "adamw", "--device-memory",
+                         f"{16 * (total - on_fsdp) + ACTIVATIONS}B")
+  assert code == 1 and mem["advice"]["devices_needed"] is None
+  assert "no number of devices fits by growing fsdp" in err and "is not sharded over fsdp" in err
