@@ -52,7 +52,7 @@ def _maxtext_forward_error(name):
   return lines[-1]
 
 
-@pytest.mark.parametrize("command", [["forward"], ["export", "quantization=fp8_full", "--no-validate"]])
+@pytest.mark.parametrize("command", [["forward"], ["export", "quantization=fp8_full", "--no-validate", "--random-init"]])
 def test_mtp_with_mhc_runs_are_refused_in_one_line_with_maxtexts_reason(command, capsys, tmp_path):
   """MaxText's forward fails in the MTP layer's mHC (deepseek-custom_mtp1.txt); it runs without MTP (_mtp0.txt)."""
   assert _maxtext_forward_error("deepseek-custom_mtp0.txt") == "OK"

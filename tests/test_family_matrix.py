@@ -129,7 +129,7 @@ def test_forward_and_export_of_big_presets_are_refused_by_the_memory_check(prese
   dst = tmp_path / "out"
   batchsplit = "with use_batch_split_schedule=true" if preset.endswith("batchsplit") else None
   expect(capsys, reason or batchsplit or "needs about", "export", *given, "quantization=fp8_full", "--no-validate",
-         "--output", str(dst))
+         "--random-init", "--output", str(dst))
   assert not dst.exists()
 
 
@@ -150,6 +150,6 @@ TINY_RUNS = [  # (command line, the refusal expected or None)
 @pytest.mark.parametrize("argv, reason", TINY_RUNS, ids=[f"{a[0]}-{i}" for i, (a, _) in enumerate(TINY_RUNS)])
 def test_forward_and_export_of_small_family_variants(argv, reason, capsys, tmp_path, sixteen_gib_free):
   del sixteen_gib_free
-  extra = ["--output", str(tmp_path / "out")] if argv[0] == "export" else []
+  extra = ["--random-init", "--output", str(tmp_path / "out")] if argv[0] == "export" else []
   expect(capsys, reason, *argv, *extra)
   assert (tmp_path / "out").exists() == (argv[0] == "export" and reason is None)
