@@ -28,6 +28,7 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file, html_file)
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
@@ -59,6 +60,7 @@ def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary):
   """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
   from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file, html_file)
   report = listings.orbax_listing(path, include_all=include_all)
   for note in report.notes:
     click.echo(note, err=True)
@@ -85,7 +87,8 @@ def hf(path, keys, fmt, check_dtype, output_file, html_file, summary):
 
   if keys:
     from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
-    click.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))))
+    options.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))) + "\n")
     return 0
+  options.check_output_files(output_file, html_file)
   _emit_leaves(listings.hf_listing(path), path, fmt, check_dtype, output_file, html_file, summary)
   return 0
