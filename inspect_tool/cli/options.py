@@ -172,8 +172,10 @@ def distributed_options(func):
   options = [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
-      click.option("--num-processes", "--num_processes", "num_processes", type=int, help="Processes in the job."),
-      click.option("--process-id", "--process_id", "process_id", type=int, help="This process's index (0 first)."),
+      click.option("--num-processes", "--num_processes", "num_processes", type=click.IntRange(min=1),
+                   help="Processes in the job."),
+      click.option("--process-id", "--process_id", "process_id", type=click.IntRange(min=0),
+                   help="This process's index (0 first)."),
       click.option("--quiet", is_flag=True, help="No progress output on stderr."),
   ]
   for option in reversed(options):

@@ -352,6 +352,12 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   tokens = [t for t in tokens if "=" in t or os.path.basename(t) != "base.yml"]
   files = [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml"))]
   raw = parse_overrides([t for t in tokens if t not in files])
+  given_files = files + ([raw["model_file"]] if "model_file" in raw else [])
+  if len(given_files) > 1:  # MaxText reads one model file: name a missing or bad one first, then refuse the second
+    for path in given_files:
+      load_model_file(path)
+    raise errors.ConfigError(f"{len(given_files)} model files given ({', '.join(map(repr, given_files))}); a model "
+                             "is read from one: give one model file (model_file=<path.yml> or a bare path)")
   model_file = raw.pop("model_file", None) or (files[0] if files else None)
   cli = _typed(raw)
   cli.update(extra)

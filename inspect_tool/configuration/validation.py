@@ -111,10 +111,14 @@ def _validate_deepseek4(c) -> None:
     _check(str(value).isdigit() and (int(value) == 0 or int(value) >= 4),
            f"compress_ratios entry {value!r}: compress_ratio must be 0 (disabled) or >= 4")
     ratios.append(int(value))
-  needed = c.num_decoder_layers if not c.scan_layers else c.first_num_hash_layers
-  _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {needed} layers need one each")
+  layers = (f"base_num_decoder_layers={c.base_num_decoder_layers}" if c.num_decoder_layers == c.base_num_decoder_layers
+            else f"num_decoder_layers={c.num_decoder_layers}")
   _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
-         f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..num_decoder_layers={c.num_decoder_layers}")
+         f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..{c.num_decoder_layers} (the decoder "
+         f"layers, {layers})")
+  needed, by = ((c.num_decoder_layers, layers) if not c.scan_layers
+                else (c.first_num_hash_layers, f"first_num_hash_layers={c.first_num_hash_layers} with scan_layers=true"))
+  _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {by} needs {needed}, one per layer")
   _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
          "head (the compressed blocks are one head); accepted: 1")
   for name in ("q_lora_rank", "o_groups", "o_lora_rank"):

@@ -16,9 +16,12 @@ def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
 
   if topology is None:
     return devices
-  from_topology = mesh.topology_devices(topology) * mesh.num_slices(cfg)
+  per_slice, slices = mesh.topology_devices(topology), mesh.num_slices(cfg)
+  from_topology = per_slice * slices
   if devices is not None and devices != from_topology:
-    raise mesh.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({from_topology} devices)")
+    times = f" × num_slices={slices} = {from_topology}" if slices > 1 else ""
+    raise mesh.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({per_slice} devices per "
+                             f"slice{times}); give one of them, or both agreeing")
   return from_topology
 
 

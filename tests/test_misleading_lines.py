@@ -1,0 +1,80 @@
+"""Each refusal names the key the user gave (issue 18, item 8): not a derived value, another option or a later
+check that the bad key happens to trip. Exit 2, one line."""
+
+import os
+
+import pytest
+
+from hostile import refused
+
+TINY = ["maxtext", "model_name=deepseek3-tiny"]
+V4 = ["maxtext", "model_name=deepseek4-284b", "override_model_config=true"]  # 43 layers, 43 compress_ratios
+EXPORT = ["export", "model_name=deepseek3-tiny", "quantization=fp8_full", "--random-init", "--output", "never"]
+
+
+@pytest.mark.parametrize("argv, line", [
+    # num_slices=0 used to be reported as "--devices 0" (topology × slices) or "not divisible by num_slices=0"
+    ([*TINY, "num_slices=0", "--topology", "v5p-8"], "num_slices=0: the slice count must be a positive integer, or "
+     "-1 (MaxText's default: compile_topology_num_slices, else 1)"),
+    ([*TINY, "num_slices=0", "--devices", "8"], "num_slices=0: the slice count"),
+    ([*TINY, "num_slices=-2", "--devices", "8"], "num_slices=-2: the slice count"),
+    # parallelism keys, not the mesh axes behind them ("ICI parallelism fsdp=3", "the -1 axis (fsdp)")
+    ([*TINY, "ici_fsdp_parallelism=0", "--devices", "8"], "ici_fsdp_parallelism=0: a parallelism must be a "
+     "positive integer, or -1 for the devices per slice the others leave"),
+    ([*TINY, "ici_tensor_parallelism=0", "--devices", "8"], "ici_tensor_parallelism=0: a parallelism must be"),
+    ([*TINY, "ici_fsdp_parallelism=-2", "--devices", "8"], "ici_fsdp_parallelism=-2: a parallelism must be"),
+    ([*TINY, "ici_fsdp_parallelism=3", "--devices", "8"], "ici_fsdp_parallelism=3 does not match the 8 devices per "
+     "slice; make the ici_* values multiply to it (or set one to -1)"),
+    ([*TINY, "ici_tensor_parallelism=-1", "--devices", "8"], "only one axis may be -1 (auto), got -1 for "
+     "ici_fsdp_parallelism, ici_tensor_parallelism"),
+    ([*TINY, "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3", "--devices", "8"], "ici_fsdp_parallelism=-1 "
+     "cannot be resolved: the 8 devices per slice are not a multiple of ici_tensor_parallelism=3 = 3"),
+    ([*TINY, "num_slices=2", "ici_fsdp_parallelism=4", "dcn_data_parallelism=3", "--devices", "8"],
+     "dcn_data_parallelism=3 does not match the 2 slices; make the dcn_* values multiply to it"),
+    ([*TINY, "num_slices=2", "--topology", "v5p-8", "--devices", "4"], "--devices 4 disagrees with --topology v5p-8 "
+     "(4 devices per slice × num_slices=2 = 8)"),
+    # first_num_hash_layers beyond the layers, not "compress_ratios has 43 entries; 44 layers need one each"
+    ([*V4, "first_num_hash_layers=44"], "first_num_hash_layers=44 must be within 0..43 (the decoder layers, "
+     "base_num_decoder_layers=43)"),
+    ([*V4, "first_num_hash_layers=44", "scan_layers=false"], "first_num_hash_layers=44 must be within 0..43"),
+    ([*V4, "compress_ratios=[0,0,4]", "scan_layers=false"], "compress_ratios has 3 entries; "
+     "base_num_decoder_layers=43 needs 43, one per layer"),
+    ([*V4, "compress_ratios=[0,0]"], "compress_ratios has 2 entries; first_num_hash_layers=3 with scan_layers=true "
+     "needs 3"),
+    # --num-processes 0 was "--process-id 0 is not in [0, 0)"
+    ([*EXPORT, "--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"],
+     "Invalid value for '--num-processes' / '--num_processes': 0 is not in the range x>=1."),
+    ([*EXPORT, "--coordinator", "h:1", "--num-processes", "2", "--process-id", "-1"],
+     "Invalid value for '--process-id' / '--process_id': -1 is not in the range x>=0."),
+])
+def test_the_line_names_the_key_given(capsys, argv, line):
+  got = refused(capsys, argv, line)
+  assert got.startswith("error: ") and not os.path.exists("never")
+
+
+def _model_file(path, layers=4):
+  path.write_text(f"base_emb_dim: 64\nbase_num_decoder_layers: {layers}\n")
+  return str(path)
+
+
+def test_a_second_model_file_that_is_missing_is_named(capsys, tmp_path):
+  a = _model_file(tmp_path / "a.yml")
+  missing = str(tmp_path / "missing.yml")
+  got = refused(capsys, ["maxtext", a, missing], repr(missing))
+  assert repr(a) not in got
+  refused(capsys, ["maxtext", missing, a], repr(missing))
+  refused(capsys, ["maxtext", a, f"model_file={missing}"], repr(missing))
+
+
+@pytest.mark.parametrize("second", ["bare", "model_file="])
+def test_two_model_files_are_refused(capsys, tmp_path, second):
+  a, b = _model_file(tmp_path / "a.yml"), _model_file(tmp_path / "b.yaml", layers=8)
+  refused(capsys, ["maxtext", a, b if second == "bare" else f"model_file={b}"],
+          f"2 model files given ({a!r}, {b!r}); a model is read from one: give one model file")
+
+
+def test_one_model_file_still_works(capsys, tmp_path):
+  from inspect_tool.cli import main  # pylint: disable=import-outside-toplevel
+
+  assert main(["maxtext", _model_file(tmp_path / "a.yml")]) == 0
+  assert "key: params.params.decoder.decoder_norm.scale | shape: (64,)\n" in capsys.readouterr().out
