@@ -41,6 +41,12 @@ EXPORT = ["export", "model_name=deepseek3-tiny", "quantization=fp8_full", "--ran
      "base_num_decoder_layers=43 needs 43, one per layer"),
     ([*V4, "compress_ratios=[0,0]"], "compress_ratios has 2 entries; first_num_hash_layers=3 with scan_layers=true "
      "needs 3"),
+    ([*TINY, "override_model_config=true", "base_num_decoder_layers=2"], "first_num_dense_layers=3 exceeds the 2 "
+     "decoder layers (base_num_decoder_layers=2)"),
+    ([*V4, "base_num_decoder_layers=0"], "base_num_decoder_layers=0 must be a positive integer"),  # not first_num_hash
+    ([*TINY, "mesh_axes=[]", "--devices", "8"], "mesh_axes=[] names no axis"),  # was "all ici_* 1 does not match"
+    ([*TINY, "override_model_config=true", f"base_moe_mlp_dim={2**62}"], "the model's routed experts would hold "
+     "2.88e+23 elements (>= 2^62; base_num_decoder_layers × num_experts × base_emb_dim × base_moe_mlp_dim)"),
     # --num-processes 0 was "--process-id 0 is not in [0, 0)"
     ([*EXPORT, "--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"],
      "Invalid value for '--num-processes' / '--num_processes': 0 is not in the range x>=1."),
@@ -71,6 +77,17 @@ def test_two_model_files_are_refused(capsys, tmp_path, second):
   a, b = _model_file(tmp_path / "a.yml"), _model_file(tmp_path / "b.yaml", layers=8)
   refused(capsys, ["maxtext", a, b if second == "bare" else f"model_file={b}"],
           f"2 model files given ({a!r}, {b!r}); a model is read from one: give one model file")
+
+
+@pytest.mark.parametrize("text, line", [
+    ("base_emb_dim: 64\nfoo_bar: 3\n", "unknown config key 'foo_bar'"),
+    ("base_emb_dim: abc\n", "base_emb_dim='abc' is not an integer"),
+])
+def test_a_bad_key_in_a_model_file_names_the_file(capsys, tmp_path, text, line):
+  path = tmp_path / "m.yml"
+  path.write_text(text)
+  for argv in (["maxtext", str(path)], ["maxtext", f"model_file={path}"]):
+    refused(capsys, argv, f"error: model file {str(path)!r}: {line}")
 
 
 def test_one_model_file_still_works(capsys, tmp_path):

@@ -333,7 +333,10 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
     data = load_model_file(model_file)
     data.setdefault("model_name", model_name if model_name != "default" else
                     os.path.splitext(os.path.basename(model_file))[0])
-    return _typed(data)
+    try:
+      return _typed(data)
+    except errors.ConfigError as e:  # the key is in the file, not on the command line: say where
+      raise errors.ConfigError(f"model file {model_file!r}: {e}") from None
   if model_name == "default":
     return {}
   try:

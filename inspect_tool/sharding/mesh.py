@@ -131,6 +131,9 @@ def build_mesh(cfg, devices: int) -> Mesh:
   if devices < 1:
     raise ShardingError(f"--devices {devices}: the device count must be a positive integer")
   axes = [str(a) for a in cfg.mesh_axes]
+  if not axes:
+    raise ShardingError(f"mesh_axes={list(cfg.mesh_axes)} names no axis; give MaxText's axes (known: "
+                        f"{', '.join(AXIS_KEYS)})")
   if len(set(axes)) != len(axes):
     raise ShardingError(f"mesh_axes {axes} names an axis twice")
   unknown = [a for a in axes if a not in AXIS_KEYS and a not in _SIZE_ONE_AXES]
