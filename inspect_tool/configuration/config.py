@@ -336,7 +336,8 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
     try:
       return _typed(data)
     except errors.ConfigError as e:  # the key is in the file, not on the command line: say where
-      raise errors.ConfigError(f"model file {model_file!r}: {e}") from None
+      e.args = (f"model file {model_file!r}: {e}",)
+      raise e from None
   if model_name == "default":
     return {}
   try:
