@@ -95,3 +95,19 @@ def test_one_model_file_still_works(capsys, tmp_path):
 
   assert main(["maxtext", _model_file(tmp_path / "a.yml")]) == 0
   assert "key: params.params.decoder.decoder_norm.scale | shape: (64,)\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["orbax", "deepseek-fp8"])
+def test_export_names_the_mtp_arrays_a_model_without_mtp_does_not_use(capsys, tmp_path, layout):
+  """The checkpoint's MTP layer (21 arrays) is dropped by a model with mtp_num_layers=0: said, not silent."""
+  from inspect_tool.cli import main  # pylint: disable=import-outside-toplevel
+
+  l4 = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=4",
+        "first_num_dense_layers=1", "vocab_size=1024", "mtp_num_layers=0", "quantization=fp8_full"]
+  ckpt = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ckpt_deepseek3-tiny-L4-V1024")
+  code = main(["export", *l4, "--checkpoint", ckpt, "--output", str(tmp_path / "dst"), "--layout", layout,
+               "--no-validate"])
+  err = capsys.readouterr().err
+  assert code == 0, err
+  (note,) = [line for line in err.splitlines() if line.startswith("note:")]
+  assert " holds 21 array(s) the model does not use: params.params.mtp_block.mtp_layer_1." in note

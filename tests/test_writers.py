@@ -143,7 +143,8 @@ def _cli(argv, **kwargs):
                         check=False, **kwargs)
 
 
-@pytest.mark.parametrize("argv", [["maxtext", "model_name=deepseek3-tiny"], ["keys"], ["--help"], ["maxtext", "--help"]])
+@pytest.mark.parametrize("argv", [["maxtext", "model_name=deepseek3-tiny"], ["keys"], ["--help"],
+                                  ["maxtext", "--help"]])
 def test_stdout_on_a_full_disk_is_one_line(argv):
   with open("/dev/full", "w", encoding="utf-8") as full:
     proc = _cli(argv, stdout=full)

@@ -123,8 +123,9 @@ def _validate_deepseek4(c) -> None:
   _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
          f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..{c.num_decoder_layers} (the decoder "
          f"layers, {layers})")
-  needed, by = ((c.num_decoder_layers, layers) if not c.scan_layers
-                else (c.first_num_hash_layers, f"first_num_hash_layers={c.first_num_hash_layers} with scan_layers=true"))
+  needed, by = (c.num_decoder_layers, layers)
+  if c.scan_layers:
+    needed, by = c.first_num_hash_layers, f"first_num_hash_layers={c.first_num_hash_layers} with scan_layers=true"
   _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {by} needs {needed}, one per layer")
   _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
          "head (the compressed blocks are one head); accepted: 1")
