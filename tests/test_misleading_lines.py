@@ -47,6 +47,8 @@ EXPORT = ["export", "model_name=deepseek3-tiny", "quantization=fp8_full", "--ran
     ([*TINY, "mesh_axes=[]", "--devices", "8"], "mesh_axes=[] names no axis"),  # was "all ici_* 1 does not match"
     ([*TINY, "override_model_config=true", f"base_moe_mlp_dim={2**62}"], "the model's routed experts would hold "
      "2.88e+23 elements (>= 2^62; base_num_decoder_layers × num_experts × base_emb_dim × base_moe_mlp_dim)"),
+    ([*TINY, "opt_type=bogus", "--devices", "8"], "opt_type='bogus': per-device memory is modelled for adamw, "
+     "adam_pax, sgd"),  # was "optimizer 'bogus'"
     # --num-processes 0 was "--process-id 0 is not in [0, 0)"
     ([*EXPORT, "--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"],
      "Invalid value for '--num-processes' / '--num_processes': 0 is not in the range x>=1."),
