@@ -53,10 +53,14 @@ def _special(tmp_path, kind):
     os.mkdir(path)
     with open(os.path.join(path, "keep"), "w", encoding="utf-8") as f:
       f.write("mine")
-  elif kind == "socket":
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(path)
-    sock.close()
+  elif kind == "socket":  # bound by a relative name: AF_UNIX paths are limited to 108 bytes
+    cwd, sock = os.getcwd(), socket.socket(socket.AF_UNIX)
+    os.chdir(tmp_path)
+    try:
+      sock.bind(os.path.basename(path))
+    finally:
+      os.chdir(cwd)
+      sock.close()
   return path
 
 
