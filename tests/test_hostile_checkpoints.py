@@ -73,6 +73,8 @@ def _write_zarr_header(ckpt: str, edit) -> str:
     (lambda text: text.replace('"shape":[64]', '"shape":[-64]'), "has dimension -64 outside [0, 2^63)"),
     (lambda text: text.replace('"shape":[64]', f'"shape":[{2**64}]'), "outside [0, 2^63)"),
     (lambda text: text.replace('"data_type":"float32"', '"data_type":[1]'), "data type [1] is not a name"),
+    (lambda text: text.replace('"data_type":"float32"', '"data_type":"float99"'), "unknown data type 'float99'"),
+    (lambda text: text.replace('"shape":[64]', '"shape":[64],"shape":[64]'), "key 'shape' appears twice"),
 ])
 def test_hostile_zarr_header(capsys, tmp_path, edit, expected):
   ckpt = _copy(tmp_path)
@@ -137,6 +139,11 @@ def _safetensors(path, header, data: bytes = b"") -> str:
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), "'a' and 'b' overlap"),
     ({"w": {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 8]}}, bytes(8), "needs"),
+    (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', bytes(8), "header is ambiguous JSON: key 'w' "
+     "appears twice in one object"),
+    (b'{"w": {"dtype": "F32", "dtype": "F16", "shape": [2], "data_offsets": [0, 8]}}', bytes(8),
+     "key 'dtype' appears twice"),
 ])
 def test_hostile_safetensors_header(capsys, tmp_path, header, data, expected):
   path = _safetensors(tmp_path / "m.safetensors", header, data)
@@ -181,6 +188,7 @@ def _index(tmp_path, weight_map) -> str:
     ({"w": 7}, "shard '7' is not a file name inside"),
     ('{"weight_map": ' + DEEP + "}", "JSON nested too deeply"),
     ('{"weight_map": {"w": NaN}}', "NaN is not a JSON number"),
+    ('{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}', "key 'w' appears twice"),
 ])
 def test_hostile_index(capsys, tmp_path, weight_map, expected):
   index = _index(tmp_path, weight_map)

@@ -74,8 +74,8 @@ def _tiny(*keys):
 
 @pytest.mark.parametrize("keys, devices, words", [
     (["dcn_fsdp_parallelism=2"], 8, ["dcn_fsdp_parallelism=2", "only one slice"]),
-    (["ici_fsdp_parallelism=3"], 8, ["fsdp=3", "8 devices per slice"]),
-    (["ici_tensor_parallelism=-1"], 8, ["only one axis may be -1", "fsdp", "tensor"]),
+    (["ici_fsdp_parallelism=3"], 8, ["ici_fsdp_parallelism=3", "8 devices per slice"]),
+    (["ici_tensor_parallelism=-1"], 8, ["only one axis may be -1", "ici_fsdp_parallelism", "ici_tensor_parallelism"]),
     (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3"], 8, ["cannot be resolved", "8"]),
     (["mesh_axes=['data','fsdpp']"], 8, ["unknown axis 'fsdpp'", "fsdp_transpose"]),
 ])

@@ -121,7 +121,7 @@ def test_device_memory_too_small_exits_1_naming_the_largest_contributor(capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--devices", "8", "ici_fsdp_parallelism=3"], ["fsdp=3"]),
+    (["--devices", "8", "ici_fsdp_parallelism=3"], ["ici_fsdp_parallelism=3"]),
     (["--topology", "v9-8"], ["topology 'v9-8'"]),
     (["--devices", "4", "--topology", "v6e-8"], ["disagrees"]),
     (["--device-memory", "9GB"], ["--devices"]),

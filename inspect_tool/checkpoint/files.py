@@ -52,10 +52,28 @@ def _finite_float(text: str) -> float:
   return value
 
 
+class _DuplicateKey(ValueError):
+  """A JSON object names a key twice (which value counts is up to the reader: refused)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  doc = dict(pairs)
+  if len(doc) != len(pairs):
+    seen = set()
+    for key, _ in pairs:
+      if key in seen:
+        raise _DuplicateKey(key)
+      seen.add(key)
+  return doc
+
+
 def parse_json(raw: bytes | str, bad: Callable[[str], Exception]) -> Any:
-  """Strict JSON (no NaN/Infinity, finite floats, nesting <= MAX_JSON_DEPTH); `bad(why)` is raised otherwise."""
+  """Strict JSON (no NaN/Infinity, finite floats, nesting <= MAX_JSON_DEPTH, no key twice in one object); `bad(why)`
+  is raised otherwise."""
   try:
-    doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+  except _DuplicateKey as e:
+    raise bad(f"ambiguous JSON: key {e.args[0][:200]!r} appears twice in one object") from None
   except RecursionError:
     raise bad("JSON nested too deeply") from None
   except UnicodeDecodeError:

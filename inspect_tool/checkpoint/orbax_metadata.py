@@ -145,6 +145,12 @@ def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
       return np.dtype(dtype).name
   if not isinstance(dtype, str):
     raise TypeError(f"data type {str(dtype)[:60]} is not a name")
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  try:
+    ts.dtype(dtype)  # the names TensorStore can read (numpy's, bfloat16, float8_*, int4)
+  except (ValueError, TypeError):
+    raise ValueError(f"unknown data type {dtype[:60]!r}; accepted: a TensorStore data type such as float32, "
+                     "bfloat16 or float8_e4m3fn") from None
   return dtype
 
 

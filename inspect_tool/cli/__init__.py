@@ -131,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
   except click.exceptions.Abort:
     click.echo("aborted; nothing was left half-written", err=True)
     return 130
-  except BrokenPipeError:
-    return 0
+  except OSError as e:  # a write to stdout outside `options.echo` (Click's own output: --help, --version)
+    from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
+    if not stdout.is_write_failure(e):
+      raise
+    click.echo(f"error: {stdout.failure(e)}", err=True)
+    return 2
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(e, _library_errors()):
       click.echo(f"error: {e}", err=True)
@@ -145,4 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-  sys.exit(main())
+  code = main()
+  from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
+  try:
+    stdout.flush()  # the last buffered bytes can fail too (a full disk, a closed pipe): one line, not a traceback
+  except stdout.errors.InputError as e:
+    click.echo(f"error: {e}", err=True)
+    code = 2
+  sys.exit(code)

@@ -61,7 +61,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   comparisons = metrics.compare_heads(outcome.reference, outcome.result) if outcome.reference is not None else ()
   if save_logits:
     options.check_output_files(save_logits)  # again: it may have appeared while the model ran
-    forward_format.save_logits(save_logits, outcome.result)
+    forward_format.save_logits(save_logits, outcome.result, overwrite=options.overwrite_requested())
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
                               comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint),

@@ -30,6 +30,7 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
   cfg = config.resolve_config(overrides)
   if verbose:
@@ -68,6 +69,7 @@ def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary, 
   """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
   from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
 
+  options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
   report = options.listing_view(listings.orbax_listing(path, include_all=include_all, key_filter=key_filter),
                                 collapse=collapse)
@@ -97,8 +99,9 @@ def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter
 
   if keys:
     from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
-    click.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))))
+    options.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))) + "\n")
     return 0
+  options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
   report = options.listing_view(listings.hf_listing(path, key_filter=key_filter), collapse=collapse)
   _emit_leaves(report, path, fmt, check_dtype, output_file, html_file, summary)

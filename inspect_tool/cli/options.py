@@ -139,7 +139,7 @@ def check_output_files(*paths: str | None) -> None:
 
   for path in paths:
     if path is not None:
-      destination.refuse_existing_file(path, overwrite_requested())
+      destination.check_output_file(path, overwrite_requested())
 
 
 def command_line() -> str:
@@ -148,36 +148,43 @@ def command_line() -> str:
 
 def emit_report(report, *, fmt: str, check_dtype: bool, output_file: str | None, summary: bool) -> None:
   """Prints the report in `fmt`; writes MaxText's listing to `output_file` when asked."""
-  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import listing  # pylint: disable=import-outside-toplevel
 
   if output_file:
-    check_output_files(output_file)
-    atomic.atomic_write_text(output_file, listing.format_output_file(report, command_line(), check_dtype=check_dtype))
+    write_file(output_file, listing.format_output_file(report, command_line(), check_dtype=check_dtype))
   if fmt == "text":
     text = listing.format_text(report, check_dtype=check_dtype, with_summary=summary)
   elif fmt == "json":
     text = listing.format_json(report)
   else:
     text = listing.format_markdown(report, check_dtype=True)
-  click.echo(text, nl=False)
+  echo(text)
+
+
+def echo(text: str) -> None:
+  """Prints `text` (no newline added) to stdout; a failed write (a full disk, a closed pipe) is one line."""
+  from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
+
+  stdout.echo(text)
+
+
+def write_file(path: str, data: str | bytes) -> None:
+  """Writes one output file by the single-file rule (`destination.check_output_file`), atomically."""
+  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
+
+  atomic.atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data,
+                            overwrite=overwrite_requested())
 
 
 def emit_text(text: str, output_file: str | None) -> None:
   """Prints a report; with `output_file`, also writes it there, atomically (refused if it exists, see --overwrite)."""
-  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
-
   if output_file:
-    check_output_files(output_file)
-    atomic.atomic_write_text(output_file, text)
-  click.echo(text, nl=False)
+    write_file(output_file, text)
+  echo(text)
 
 
 def write_html(path: str, html: str) -> None:
-  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
-
-  check_output_files(path)
-  atomic.atomic_write_text(path, html)
+  write_file(path, html)
   click.echo(f"wrote {path}", err=True)
 
 
@@ -186,8 +193,10 @@ def distributed_options(func):
   options = [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
-      click.option("--num-processes", "--num_processes", "num_processes", type=int, help="Processes in the job."),
-      click.option("--process-id", "--process_id", "process_id", type=int, help="This process's index (0 first)."),
+      click.option("--num-processes", "--num_processes", "num_processes", type=click.IntRange(min=1),
+                   help="Processes in the job."),
+      click.option("--process-id", "--process_id", "process_id", type=click.IntRange(min=0),
+                   help="This process's index (0 first)."),
       click.option("--quiet", is_flag=True, help="No progress output on stderr."),
   ]
   for option in reversed(options):

@@ -333,7 +333,11 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
     data = load_model_file(model_file)
     data.setdefault("model_name", model_name if model_name != "default" else
                     os.path.splitext(os.path.basename(model_file))[0])
-    return _typed(data)
+    try:
+      return _typed(data)
+    except errors.ConfigError as e:  # the key is in the file, not on the command line: say where
+      e.args = (f"model file {model_file!r}: {e}",)
+      raise e from None
   if model_name == "default":
     return {}
   try:
@@ -352,6 +356,12 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   tokens = [t for t in tokens if "=" in t or os.path.basename(t) != "base.yml"]
   files = [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml"))]
   raw = parse_overrides([t for t in tokens if t not in files])
+  given_files = files + ([raw["model_file"]] if "model_file" in raw else [])
+  if len(given_files) > 1:  # MaxText reads one model file: name a missing or bad one first, then refuse the second
+    for path in given_files:
+      load_model_file(path)
+    raise errors.ConfigError(f"{len(given_files)} model files given ({', '.join(map(repr, given_files))}); a model "
+                             "is read from one: give one model file (model_file=<path.yml> or a bare path)")
   model_file = raw.pop("model_file", None) or (files[0] if files else None)
   cli = _typed(raw)
   cli.update(extra)

@@ -25,8 +25,6 @@ def validate(c) -> None:
   expected_attention = "compressed" if c.decoder_block == "deepseek4" else "mla"
   _check(c.attention_type == expected_attention, f"attention_type={c.attention_type!r} is not supported with "
          f"decoder_block={c.decoder_block!r}; accepted: {expected_attention!r}")
-  if c.decoder_block == "deepseek4":
-    _validate_deepseek4(c)
   gps = c.global_parameter_scale
   _check(gps >= 1 and (gps & (gps - 1)) == 0, f"global_parameter_scale={gps} must be a power of two >= 1")
   for name in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim",
@@ -37,9 +35,12 @@ def validate(c) -> None:
   for name in ("first_num_dense_layers", "q_lora_rank", "shared_experts", "mtp_num_layers"):
     value = getattr(c, name)
     _check(value >= 0, f"{name}={value} must be >= 0")
+  if c.decoder_block == "deepseek4":  # after the sizes: its checks use them
+    _validate_deepseek4(c)
   _check(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
   _check(c.first_num_dense_layers <= c.num_decoder_layers,
-         f"first_num_dense_layers={c.first_num_dense_layers} exceeds num_decoder_layers={c.num_decoder_layers}")
+         f"first_num_dense_layers={c.first_num_dense_layers} exceeds the {c.num_decoder_layers} decoder layers "
+         f"({_layers(c)})")
   _check(c.num_experts == 1 or c.first_num_dense_layers > 0 or c.base_mlp_dim == c.base_moe_mlp_dim,
          f"a fully MoE model (first_num_dense_layers=0) needs base_mlp_dim == base_moe_mlp_dim "
          f"(got {c.base_mlp_dim} and {c.base_moe_mlp_dim})")
@@ -119,6 +120,13 @@ def check_runs(c, command: str) -> None:
          "rules show the model as MaxText builds it)")
 
 
+def _layers(c) -> str:
+  """The keys that give the decoder layer count, as the user set them."""
+  if c.global_parameter_scale == 1:
+    return f"base_num_decoder_layers={c.base_num_decoder_layers}"
+  return f"base_num_decoder_layers={c.base_num_decoder_layers} at global_parameter_scale={c.global_parameter_scale}"
+
+
 def _validate_deepseek4(c) -> None:
   """DeepSeek-V4: MaxText's own rules plus what its model needs to build."""
   _check(c.mtp_num_layers == 0, f"mtp_num_layers={c.mtp_num_layers}: DeepSeek4 decoder block currently does not "
@@ -130,10 +138,14 @@ def _validate_deepseek4(c) -> None:
     _check(str(value).isdigit() and (int(value) == 0 or int(value) >= 4),
            f"compress_ratios entry {value!r}: compress_ratio must be 0 (disabled) or >= 4")
     ratios.append(int(value))
-  needed = c.num_decoder_layers if not c.scan_layers else c.first_num_hash_layers
-  _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {needed} layers need one each")
+  layers = _layers(c)
   _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
-         f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..num_decoder_layers={c.num_decoder_layers}")
+         f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..{c.num_decoder_layers} (the decoder "
+         f"layers, {layers})")
+  needed, by = (c.num_decoder_layers, layers)
+  if c.scan_layers:
+    needed, by = c.first_num_hash_layers, f"first_num_hash_layers={c.first_num_hash_layers} with scan_layers=true"
+  _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {by} needs {needed}, one per layer")
   _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
          "head (the compressed blocks are one head); accepted: 1")
   for name in ("q_lora_rank", "o_groups", "o_lora_rank"):

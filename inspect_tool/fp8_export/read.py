@@ -36,7 +36,7 @@ class CheckpointSource:
 
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = os.path.abspath(self._listing.resolved.items_dir)
-    self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves)}
+    self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
     self._context = context or orbax_writer.ts_context()
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:

@@ -32,11 +32,19 @@ def new_file_mode() -> int:
   return 0o666 & ~_umask()
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes `data` to `path` through a temporary file in the same directory and a rename."""
-  directory = os.path.dirname(os.path.abspath(path))
+def atomic_write_bytes(path: str, data: bytes, *, overwrite: bool = True) -> None:
+  """Writes `data` to `path` through a temporary file in the same directory and a rename.
+
+  The single-file rule (`destination.check_output_file`), checked before writing and again just before the
+  rename: only a regular file is replaced, and only with `overwrite` (without it the rename never replaces a
+  file that appeared meanwhile); a directory, device, FIFO, socket or symbolic link is refused.
+  """
+  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
+
+  target = destination.check_output_file(path, overwrite)
   try:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{destination.sibling_stem(target)}.", suffix=".tmp",
+                               dir=os.path.dirname(target))
   except OSError as e:
     raise errors.InputError(_os_error_message(path, e)) from None
   try:
@@ -45,7 +53,15 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+    destination.check_output_file(path, overwrite)  # again: it may have appeared or changed while we wrote
+    if overwrite:
+      os.replace(tmp, target)
+    else:
+      _file_no_replace(tmp, target)
+  except FileExistsError:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise errors.InputError(f"output file {path!r} already exists; pass --overwrite to replace it") from None
   except OSError as e:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
@@ -56,8 +72,24 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     raise
 
 
-def atomic_write_text(path: str, text: str) -> None:
-  atomic_write_bytes(path, text.encode("utf-8"))
+def _file_no_replace(tmp: str, target: str) -> None:
+  """Moves the file `tmp` to `target` unless `target` exists (then FileExistsError): renameat2 or link+unlink."""
+  if _renameat2(tmp, target, _RENAME_NOREPLACE):
+    return
+  try:
+    os.link(tmp, target)
+  except FileExistsError:
+    raise
+  except OSError:  # a file system without hard links: check, then rename (a narrow window)
+    if os.path.lexists(target):
+      raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target) from None
+    os.rename(tmp, target)
+    return
+  os.unlink(tmp)
+
+
+def atomic_write_text(path: str, text: str, *, overwrite: bool = True) -> None:
+  atomic_write_bytes(path, text.encode("utf-8"), overwrite=overwrite)
 
 
 @contextlib.contextmanager
@@ -71,17 +103,21 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   """
   from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
 
-  dst = os.path.abspath(dst)
+  dst = destination.absolute(dst)
   destination.check_replace(dst, overwrite)
   parent = os.path.dirname(dst)
   if not os.path.isdir(parent):
     raise errors.InputError(f"cannot write {dst!r}: directory {parent!r} does not exist")
   try:
     tmp = tempfile.mkdtemp(prefix=destination.temp_prefix(dst), dir=parent)
+  except OSError as e:
+    raise errors.InputError(_os_error_message(dst, e)) from None
+  try:
     os.chmod(tmp, 0o777 & ~_umask())
     with open(os.path.join(tmp, destination.TMP_MARKER), "w", encoding="utf-8") as f:
       f.write(f"{os.getpid()}\n")
-  except OSError as e:
+  except OSError as e:  # a full disk: the directory was made, its marker could not be written
+    shutil.rmtree(tmp, ignore_errors=True)
     raise errors.InputError(_os_error_message(dst, e)) from None
   try:
     yield tmp

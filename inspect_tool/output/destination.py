@@ -9,8 +9,10 @@
 - it removes the temporary directories of earlier runs on this DST whose process is gone (a SIGKILL or power
   loss leaves one behind); only directories carrying this tool's marker are ever removed.
 
-`refuse_existing_file(path, overwrite)` is the same rule for single-file outputs (`--output_file`, `--html`,
-`--save-logits`).
+`check_output_file(path, overwrite)` is the rule for single-file outputs (`--output_file`, `--html`,
+`--save-logits`): only a regular file is ever replaced (with `overwrite`); a directory, device, FIFO, socket or
+symbolic link is refused. Sibling names (`.<name>.lock`, `.<name>.tmp-*`) are shortened with a hash so that
+they fit the 255-byte name limit whenever the output's own name does (`sibling_stem`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
@@ -32,8 +36,31 @@ PRODUCER = "inspect_checkpoint"
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 
 
+NAME_MAX = 255  # bytes in one path component (Linux file systems)
+_SIBLING_RESERVE = 32  # what sibling names add to the stem: ".", ".tmp-<pid>-<8 random>.old", ".lock"
+
+
+def absolute(path: str) -> str:
+  """`os.path.abspath`, with a deleted working directory as one line (it cannot resolve a relative path)."""
+  try:
+    return os.path.abspath(path)
+  except FileNotFoundError:
+    raise errors.InputError(f"cannot resolve {path!r}: the working directory no longer exists; cd to an existing "
+                            "directory or give an absolute path") from None
+
+
 def _real(path: str) -> str:
-  return os.path.realpath(os.path.abspath(path))
+  return os.path.realpath(absolute(path))
+
+
+def sibling_stem(path: str) -> str:
+  """The base name of `path` as its siblings (lock, temporaries) use it: shortened with a hash when too long."""
+  name = os.path.basename(path)
+  raw = os.fsencode(name)
+  if len(raw) + _SIBLING_RESERVE <= NAME_MAX:
+    return name
+  digest = hashlib.sha256(raw).hexdigest()[:16]
+  return f"{os.fsdecode(raw[:NAME_MAX - _SIBLING_RESERVE - len(digest) - 1])}~{digest}"
 
 
 def _within(path: str, root: str) -> bool:
@@ -43,11 +70,16 @@ def _within(path: str, root: str) -> bool:
 
 def temp_prefix(dst: str) -> str:
   """Prefix of the temporary directories of `dst` (beside it): `.<name>.tmp-<pid>-`."""
-  return f".{os.path.basename(dst)}.tmp-{os.getpid()}-"
+  return f".{sibling_stem(dst)}.tmp-{os.getpid()}-"
+
+
+def lock_path(dst: str) -> str:
+  """The lock file of `dst` (beside it): `.<name>.lock`."""
+  return os.path.join(os.path.dirname(dst), f".{sibling_stem(dst)}.lock")
 
 
 def _temp_pattern(dst: str) -> re.Pattern:
-  return re.compile(rf"^\.{re.escape(os.path.basename(dst))}\.tmp-(\d+)-[A-Za-z0-9_]+(\.old)?$")
+  return re.compile(rf"^\.{re.escape(sibling_stem(dst))}\.tmp-(\d+)-[A-Za-z0-9_]+(\.old)?$")
 
 
 def protected_roots(sources: Sequence[str | None]) -> list[tuple[str, str, bool]]:
@@ -76,7 +108,7 @@ def check_clear_of_inputs(dst: str, sources: Sequence[str | None] = ()) -> str:
   """Returns DST's absolute path, or raises when writing it could touch an input or the working directory."""
   if not dst or not dst.strip():
     raise errors.InputError("output path is empty; give the directory to create, e.g. --output fp8-export")
-  absolute = os.path.abspath(dst)
+  absolute_path = absolute(dst)
   real = _real(dst)
   for root, what, inside_ok in protected_roots(sources):
     if real == root:
@@ -85,7 +117,7 @@ def check_clear_of_inputs(dst: str, sources: Sequence[str | None] = ()) -> str:
       raise errors.InputError(f"output {dst!r} contains {what}; choose a directory that does not")
     if _within(real, root) and not inside_ok:
       raise errors.InputError(f"output {dst!r} lies inside {what}; choose a directory outside it")
-  return absolute
+  return absolute_path
 
 
 def replaceable(dst: str) -> str | None:
@@ -140,14 +172,34 @@ def check_replace(dst: str, overwrite: bool) -> None:
                             "an earlier export or an Orbax checkpoint, so remove it yourself or choose another path")
 
 
-def refuse_existing_file(path: str, overwrite: bool) -> None:
-  """The single-file rule: an existing `path` is replaced only with `overwrite`, and never a directory."""
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def check_output_file(path: str, overwrite: bool) -> str:
+  """The single-file rule; returns `path` made absolute.
+
+  Only a regular file is ever replaced, and only with `overwrite`. A directory, device, FIFO or socket is
+  refused, and so is a symbolic link (its target is named: give that path to replace it), so an output never
+  turns one of them into a regular file or writes through a link to somewhere the user did not name.
+  """
   if not path or not path.strip():
     raise errors.InputError("output file path is empty; give a file name")
-  if os.path.isdir(path):
-    raise errors.InputError(f"output file {path!r} is a directory; give a file name")
-  if os.path.lexists(path) and not overwrite:
+  absolute_path = absolute(path)
+  try:
+    mode = os.lstat(absolute_path).st_mode
+  except FileNotFoundError:
+    return absolute_path
+  except OSError as e:
+    raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+  for test, kind in _KINDS:
+    if test(mode):
+      target = f" to {os.readlink(absolute_path)!r}" if stat.S_ISLNK(mode) else ""
+      raise errors.InputError(f"output file {path!r} is {kind}{target}; give the name of a regular file "
+                              "(an existing one is replaced only with --overwrite)")
+  if not overwrite:
     raise errors.InputError(f"output file {path!r} already exists; pass --overwrite to replace it")
+  return absolute_path
 
 
 @dataclasses.dataclass
@@ -164,7 +216,11 @@ class Claim:
 
 
 def _lock(path: str, dst: str) -> int:
-  """Opens and exclusively locks `path` (created if missing); raises when another process holds it."""
+  """Opens and exclusively locks `path` (created if missing); raises when another process holds it.
+
+  Writing our pid into it is best effort: on a full file system the lock still works (an empty file), and a
+  failure after creating the file removes it, so nothing is left behind.
+  """
   while True:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -177,11 +233,17 @@ def _lock(path: str, dst: str) -> int:
       raise
     try:
       if os.fstat(fd).st_ino == os.stat(path).st_ino:  # still the file at `path` (not one a finisher unlinked)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        with contextlib.suppress(OSError):  # ENOSPC: the lock needs no content
+          os.ftruncate(fd, 0)
+          os.write(fd, f"{os.getpid()}\n".encode())
         return fd
     except FileNotFoundError:
       pass
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.unlink(path)  # we hold its lock: no other run is using it
+      os.close(fd)
+      raise
     os.close(fd)
 
 
@@ -239,9 +301,9 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
   if not os.path.isdir(parent):
     raise errors.InputError(f"cannot write {path!r}: directory {parent!r} does not exist")
   check_replace(path, overwrite)
-  lock_path = os.path.join(parent, f".{os.path.basename(path)}.lock")
+  lock = lock_path(path)
   try:
-    fd = _lock(lock_path, path)
+    fd = _lock(lock, path)
   except OSError as e:
     raise errors.InputError(f"cannot write {path!r}: cannot lock it ({e.strerror or e})") from None
   try:
@@ -250,5 +312,5 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     yield Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
   finally:
     with contextlib.suppress(OSError):
-      os.unlink(lock_path)  # while still locked: a waiting run re-checks the inode and creates a new file
+      os.unlink(lock)  # while still locked: a waiting run re-checks the inode and creates a new file
     os.close(fd)

@@ -74,7 +74,7 @@ def format_text(result, *, source: str, quantization: str, comparisons=(), grad=
   return text
 
 
-def save_logits(path: str, result) -> None:
+def save_logits(path: str, result, *, overwrite: bool = False) -> None:
   """Writes `logits` (B,S,V) float32 and, with MTP, `mtp_logits` (depth,B,S,V) to an .npz, atomically."""
   import io  # pylint: disable=import-outside-toplevel
 
@@ -85,4 +85,4 @@ def save_logits(path: str, result) -> None:
     arrays["mtp_logits"] = np.asarray(result.mtp_logits, np.float32)
   buffer = io.BytesIO()
   np.savez(buffer, **arrays)
-  atomic.atomic_write_bytes(path, buffer.getvalue())
+  atomic.atomic_write_bytes(path, buffer.getvalue(), overwrite=overwrite)

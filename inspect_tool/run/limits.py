@@ -52,11 +52,13 @@ def _largest_arrays(cfg) -> dict[str, int]:
   """Element counts of the largest arrays the model would hold (per kind), from the config alone."""
   emb, layers = cfg.emb_dim, max(cfg.num_decoder_layers, 1)
   heads = max(cfg.num_query_heads, 1)
-  return {
-      "token embedding / logits head": cfg.vocab_size * emb,
-      "routed experts": layers * cfg.num_experts * emb * max(cfg.moe_mlp_dim, 1),
-      "dense MLP": layers * emb * max(cfg.mlp_dim, 1),
-      "attention": layers * heads * max(cfg.qk_head_dim, cfg.v_head_dim, 1) * max(emb, cfg.q_lora_rank, 1),
+  return {  # what: (elements, the keys that size it)
+      "token embedding / logits head": (cfg.vocab_size * emb, "vocab_size × base_emb_dim"),
+      "routed experts": (layers * cfg.num_experts * emb * max(cfg.moe_mlp_dim, 1),
+                         "base_num_decoder_layers × num_experts × base_emb_dim × base_moe_mlp_dim"),
+      "dense MLP": (layers * emb * max(cfg.mlp_dim, 1), "base_num_decoder_layers × base_emb_dim × base_mlp_dim"),
+      "attention": (layers * heads * max(cfg.qk_head_dim, cfg.v_head_dim, 1) * max(emb, cfg.q_lora_rank, 1),
+                    "base_num_decoder_layers × base_num_query_heads × the head dims × base_emb_dim"),
   }
 
 
@@ -65,9 +67,9 @@ def check_config(cfg) -> None:
   fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}
   check_numbers(fields)
   check_numbers(dict(getattr(cfg, "passthrough", {}) or {}))
-  for what, count in _largest_arrays(cfg).items():
+  for what, (count, keys) in _largest_arrays(cfg).items():
     if count >= MAX_ELEMENTS:
-      raise errors.ConfigError(f"the model's {what} would hold {count:.3g} elements (>= 2^62); "
+      raise errors.ConfigError(f"the model's {what} would hold {count:.3g} elements (>= 2^62; {keys}); "
                                "no array that large can be built")
   if not cfg.scan_layers:
     for given, layers in ((f"base_num_decoder_layers={cfg.base_num_decoder_layers}", cfg.num_decoder_layers),

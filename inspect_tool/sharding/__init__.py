@@ -25,9 +25,12 @@ def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
       raise mesh.ShardingError(f"--topology {topology} names a chip, not a slice: give the device count with "
                                "--devices N (or a slice name such as v5p-512)")
     return devices
-  from_topology = per_slice * mesh.num_slices(cfg)
+  slices = mesh.num_slices(cfg)
+  from_topology = per_slice * slices
   if devices is not None and devices != from_topology:
-    raise mesh.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({from_topology} devices)")
+    times = f" × num_slices={slices} = {from_topology}" if slices > 1 else ""
+    raise mesh.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({per_slice} devices per "
+                             f"slice{times}); give one of them, or both agreeing")
   return from_topology
 
 

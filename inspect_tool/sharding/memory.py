@@ -50,7 +50,8 @@ def optimizer_of(cfg, train: str | None) -> str | None:
     raise mesh_lib.ShardingError("shard_optimizer_over_data=true (Zero-1) shards the optimizer state over 'data' on "
                                  "top of the parameters' layout; per-device memory for it is not modelled")
   if name not in OPTIMIZERS:
-    raise mesh_lib.ShardingError(f"optimizer {name!r}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
+    given = f"--train {name}" if train else f"opt_type={name!r}"
+    raise mesh_lib.ShardingError(f"{given}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
                                  + (" (muon's state layout is not modelled)" if name == "muon" else ""))
   return name
 

@@ -105,37 +105,54 @@ def topology_chip(name: str) -> Chip:
   return _table()[1][_table()[0][name][1]]
 
 
+def _keys(prefix: str, names: list[str]) -> list[str]:
+  """The parallelism key behind each mesh axis (`ici_fsdp_parallelism`); an axis without one keeps its name."""
+  return [f"{prefix}_{AXIS_KEYS[n]}_parallelism" if n in AXIS_KEYS else n for n in names]
+
+
 def _fill(values: list[int], target: int, kind: str, names: list[str]) -> list[int]:
-  """MaxText's `fill_unspecified_mesh_axes`: resolve one -1, then require the product to equal `target`."""
+  """MaxText's `fill_unspecified_mesh_axes`: resolve one -1, then require the product to equal `target`.
+
+  Messages name the keys the user sets (`ici_fsdp_parallelism=3`), not the mesh axes behind them.
+  """
+  keys = _keys(kind.lower(), names)
+  what = "slices" if kind == "DCN" else "devices per slice"
+  for key, value in zip(keys, values):
+    if value == 0 or value < -1:
+      raise ShardingError(f"{key}={value}: a parallelism must be a positive integer, or -1 for the {what} the "
+                          "others leave")
   if values.count(-1) > 1:
-    unset = [n for n, v in zip(names, values) if v == -1]
+    unset = list(dict.fromkeys(k for k, v in zip(keys, values) if v == -1))
     raise ShardingError(f"{kind} parallelism: only one axis may be -1 (auto), got -1 for {', '.join(unset)}")
   if -1 in values:
     others = math.prod(v for v in values if v != -1)
-    if others <= 0 or target % others or target // others < 1:
-      raise ShardingError(f"{kind} parallelism: the -1 axis ({names[values.index(-1)]}) cannot be resolved: "
-                          f"{target} {'slices' if kind == 'DCN' else 'devices per slice'} / {others} (the other "
-                          "axes) is not a whole number")
+    if target % others:
+      given = " × ".join(f"{k}={v}" for k, v in dict(zip(keys, values)).items() if v > 1)
+      raise ShardingError(f"{keys[values.index(-1)]}=-1 cannot be resolved: the {target} {what} are not a multiple "
+                          f"of {given} = {others}; make them divide {target}")
     values = list(values)
     values[values.index(-1)] = target // others
-  if math.prod(values) != target or any(v < 1 for v in values):
-    given = " × ".join(f"{n}={v}" for n, v in zip(names, values) if v != 1) or "1"
-    raise ShardingError(f"{kind} parallelism {given} = {math.prod(values)} does not match the "
-                        f"{target} {'slices' if kind == 'DCN' else 'devices per slice'}; make the {kind.lower()}_* "
-                        "values multiply to it (or set one to -1)")
+  if math.prod(values) != target:
+    given = [f"{k}={v}" for k, v in dict(zip(keys, values)).items() if v != 1] or [f"all {kind.lower()}_* 1"]
+    product = f" = {math.prod(values)}" if len(given) > 1 else ""
+    raise ShardingError(f"{' × '.join(given)}{product} does not match the {target} {what}; make the "
+                        f"{kind.lower()}_* values multiply to it (or set one to -1)")
   return values
-
-
-def _parallelism(cfg, prefix: str, axis: str) -> int:
-  suffix = AXIS_KEYS.get(axis)
-  return int(getattr(cfg, f"{prefix}_{suffix}_parallelism")) if suffix else 1
 
 
 def num_slices(cfg) -> int:
   """MaxText's slice count: `num_slices`, else `compile_topology_num_slices`, else 1."""
   if int(cfg.num_slices) != -1:
+    if int(cfg.num_slices) < 1:
+      raise ShardingError(f"num_slices={cfg.num_slices}: the slice count must be a positive integer, or -1 "
+                          "(MaxText's default: compile_topology_num_slices, else 1)")
     return int(cfg.num_slices)
   return int(cfg.compile_topology_num_slices) if int(cfg.compile_topology_num_slices) > 0 else 1
+
+
+def _parallelism(cfg, prefix: str, axis: str) -> int:
+  suffix = AXIS_KEYS.get(axis)
+  return int(getattr(cfg, f"{prefix}_{suffix}_parallelism")) if suffix else 1
 
 
 def ici_sizes(cfg, devices: int) -> list[int]:
@@ -160,6 +177,9 @@ def build_mesh(cfg, devices: int) -> Mesh:
   if devices < 1:
     raise ShardingError(f"--devices {devices}: the device count must be a positive integer")
   axes = [str(a) for a in cfg.mesh_axes]
+  if not axes:
+    raise ShardingError(f"mesh_axes={list(cfg.mesh_axes)} names no axis; give MaxText's axes (known: "
+                        f"{', '.join(AXIS_KEYS)})")
   if len(set(axes)) != len(axes):
     raise ShardingError(f"mesh_axes {axes} names an axis twice")
   unknown = [a for a in axes if a not in AXIS_KEYS and a not in _SIZE_ONE_AXES]
@@ -167,7 +187,7 @@ def build_mesh(cfg, devices: int) -> Mesh:
     raise ShardingError(f"mesh_axes: unknown axis {unknown[0]!r} (MaxText has no ici_/dcn_ key for it); known: "
                         f"{', '.join(AXIS_KEYS)}")
   slices = num_slices(cfg)
-  if slices < 1 or devices % slices:
+  if devices % slices:
     raise ShardingError(f"--devices {devices} is not divisible by num_slices={slices}")
   dcn_product = math.prod(int(getattr(cfg, f"dcn_{key}_parallelism")) for key in _DCN_CHECKED)
   if abs(dcn_product) > 1 and slices <= 1:
