@@ -32,6 +32,7 @@ LAYOUTS = ("orbax", "deepseek-fp8")
                    "are read, quantized and written by slices that fit.")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
 @cli_options.distributed_options
+@cli_options.compile_cache_option
 def export(overrides, source, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout, max_memory, fmt,
            coordinator, num_processes, process_id, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).

@@ -23,6 +23,7 @@ from inspect_tool.cli import options
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the pass uses and which it ignores.")
 @options.overwrite_option
 @options.distributed_options
+@options.compile_cache_option
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, fmt, verbose, coordinator,
             num_processes, process_id, quiet):
   """Run the model of key=value overrides; print the loss, MTP loss per depth and top-1 predictions.

@@ -15,6 +15,8 @@ from typing import Any
 from inspect_tool import progress
 
 DEFAULT_MIN_TOP1 = 0.9
+# The three forward passes, in the order they run, as the progress output names them.
+PASSES = ("1/3: source under the rules (Qwix QT)", "2/3: source unquantized", "3/3: the export read back")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +49,12 @@ def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = 
   from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
 
   model = running.load_model(cfg, source, mesh=mesh)
-  quantized = running.forward(running.quantize_for_training(model, cfg), data)
-  plain = running.forward(model, data)
+  quantized = running.forward(running.quantize_for_training(model, cfg), data, f"validation {PASSES[0]}")
+  plain = running.forward(model, data, f"validation {PASSES[1]}")
   del model
-  with progress.step("loading the exported checkpoint"):
+  with progress.step("loading the exported checkpoint", plain=True):
     exported_model = load.load_quantized_model(cfg, exported, mesh=mesh)
-  result = running.forward(exported_model, data)
+  result = running.forward(exported_model, data, f"validation {PASSES[2]}")
   del exported_model
   return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
                     float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result)
