@@ -19,6 +19,8 @@ from inspect_tool import errors
 ENV = "INSPECT_CHECKPOINT_COMPILE_CACHE"
 JAX_ENV = "JAX_COMPILATION_CACHE_DIR"
 _ON, _OFF = ("1", "true", "on", "yes", ""), ("0", "false", "off", "no")
+# Every program is kept: the small CPU programs too (JAX's default: those that took >= 1 s), of any size.
+_THRESHOLDS = {"jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": -1}
 
 
 def wanted() -> bool:
@@ -64,13 +66,17 @@ def configure(enabled: bool = True) -> str | None:
     pass  # another JAX: its own writes
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small CPU programs too (default: >= 1 s)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every size, whatever the file system
+  for name, value in _THRESHOLDS.items():  # unless the user set them
+    if name.upper() not in os.environ:
+      jax.config.update(name, value)
   return path
 
 
 def _unwritable(path: str) -> str | None:
-  """Why `path` cannot hold cache entries (None: it can): created if missing, then a probe file written."""
+  """Why `path` cannot hold cache entries (None: it can): created if missing, then a probe file written. A URL
+  (gs://...) is left to JAX."""
+  if "://" in path:
+    return None
   try:
     os.makedirs(path, exist_ok=True)
     fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
