@@ -1,5 +1,6 @@
-"""Progress messages for long work on stderr: steps and bars on a terminal, a few plain lines of byte progress
-otherwise (`ByteProgress`), nothing with `--quiet` (`set_quiet`)."""
+"""Progress messages for long work on stderr: steps and bars on a terminal; otherwise the named forward passes of
+`forward` and `export` as plain lines (`step(..., plain=True)`) and a few lines of byte progress (`ByteProgress`);
+nothing with `--quiet` (`set_quiet`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ def enabled() -> bool:
 
 
 @contextlib.contextmanager
-def step(message: str):
-  """Prints `message…` before the work and the elapsed time after it (terminal only)."""
+def step(message: str, *, plain: bool = False):
+  """Prints `message…` before the work and the elapsed time after it on a terminal; with `plain`, off a terminal
+  too: the line `message… 3.2s` once the work is done (a failed step prints nothing: its error line speaks)."""
   if not enabled():
+    start = time.perf_counter()
     yield
+    if plain and not _QUIET:
+      note(f"{message}… {time.perf_counter() - start:.1f}s")
     return
   start = time.perf_counter()
   sys.stderr.write(f"{message}…")

@@ -20,6 +20,8 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * `jax.experimental.pallas.ops.tpu.megablox.gmm` (the module; the package attribute of that name is the
   custom-VJP op): the Megablox `gmm` / `tgmm` kernels.
 * Qwix's assertion text "lhs and rhs cannot be both weights" (`qwix._src.providers.qt`), turned into one line.
+* `jax._src.lru_cache.LRUCache.put` (and `_CACHE_SUFFIX`, `_is_local_filesystem`): JAX's persistent compilation
+  cache writes an entry in place; `atomic_compilation_cache_writes` makes it a temporary file renamed into place.
 * Python's regular-expression parser (`re._parser`, `re._constants`): the only way to walk a pattern's syntax tree
   (`safe_regex` bounds the patterns a rule file may give).
 """
@@ -29,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import os
+import uuid
 
 from quant import errors
 
@@ -181,3 +185,37 @@ def qwix_weight_detection_errors():
         f"Qwix {installed_version('qwix')} took an activation of this model for a weight ('{QWIX_BOTH_WEIGHTS}'; "
         "it traces operands back to a module's Params and falls back to matching shapes, and MaxText stops the same "
         "way); accepted: other sizes (batch, tokens, widths) that do not coincide with a weight's") from None
+
+
+def atomic_compilation_cache_writes() -> None:
+  """JAX's file cache writes a compiled program in place (`LRUCache.put`), so a run killed or out of disk space
+  mid-write leaves a truncated entry that every later run warns about and never replaces. Without eviction (JAX's
+  default) on a local file system, an entry is written to a temporary file and renamed into place instead; other
+  cases keep JAX's own `put`."""
+  cache_class = private("jax._src.lru_cache", "LRUCache", package="jax")
+  suffix = private("jax._src.lru_cache", "_CACHE_SUFFIX", package="jax")
+  is_local = private("jax._src.lru_cache", "_is_local_filesystem", package="jax")
+  original = cache_class.put
+  if getattr(original, "atomic_writes", False):
+    return
+
+  def put(self, key: str, value: bytes) -> None:
+    if not key or getattr(self, "eviction_enabled", True) or not is_local(str(self.path)):
+      return original(self, key, value)
+    path = os.path.join(str(self.path), f"{key}{suffix}")
+    if os.path.exists(path):
+      return None
+    part = os.path.join(str(self.path), f".part-{uuid.uuid4().hex}")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as JAX's own write
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(value)
+      os.replace(part, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.unlink(part)
+      raise
+    return None
+
+  put.atomic_writes = True
+  cache_class.put = put

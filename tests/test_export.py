@@ -230,6 +230,14 @@ def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys
   assert report["validation"]["tokens"] == str(tokens)
 
 
+def test_validation_names_its_three_forward_passes_off_a_terminal(tmp_path, capsys):
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"))
+  assert code == 0, err
+  stages = [line.split("… ")[0] for line in err.splitlines() if "… " in line]  # capsys: stderr is no terminal
+  assert stages == ["validation 1/3: source under the rules (Qwix QT)", "validation 2/3: source unquantized",
+                    "loading the exported checkpoint", "validation 3/3: the export read back"], err
+
+
 def test_export_with_random_init_exports_the_seeded_init_and_says_so(tmp_path, capsys):
   from inspect_tool import model  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel

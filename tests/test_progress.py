@@ -1,8 +1,10 @@
-"""`progress.ByteProgress`: a tqdm bar on a terminal, a few plain lines in pipes (after a while), none with --quiet."""
+"""`progress.ByteProgress`: a tqdm bar on a terminal, a few plain lines in pipes (after a while), none with --quiet;
+`progress.step`: a line on a terminal, in pipes only for `plain` steps (the named forward passes) that succeed."""
 
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -56,5 +58,30 @@ def test_quiet_silences_bars_lines_and_steps(monkeypatch):
   _work()
   with progress.step("tracing"):
     pass
+  with progress.step("validation 1/3: source under the rules (Qwix QT)", plain=True):
+    pass
   progress.note("validation skipped")
   assert err.getvalue() == ""
+
+
+def test_plain_steps_print_a_line_when_done_off_a_terminal_and_others_stay_silent(monkeypatch):
+  err = io.StringIO()
+  monkeypatch.setattr("sys.stderr", err)
+  with progress.step("tracing quantization rules"):
+    pass
+  assert err.getvalue() == ""
+  with progress.step("validation 2/3: source unquantized", plain=True):
+    assert err.getvalue() == ""  # the line comes once the pass is done, with its time
+  assert re.fullmatch(r"validation 2/3: source unquantized… \d+\.\ds\n", err.getvalue())
+  with pytest.raises(RuntimeError):
+    with progress.step("validation 3/3: the export read back", plain=True):
+      raise RuntimeError("a failed pass says so in its error line")
+  assert err.getvalue().count("\n") == 1
+
+
+def test_plain_steps_on_a_terminal_print_as_every_step(monkeypatch):
+  err = _Terminal()
+  monkeypatch.setattr("sys.stderr", err)
+  with progress.step("forward pass", plain=True):
+    assert err.getvalue() == "forward pass…"
+  assert re.fullmatch(r"forward pass… \d+\.\ds\n", err.getvalue())

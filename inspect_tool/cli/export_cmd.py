@@ -41,6 +41,7 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
                    "are read, quantized and written by slices that fit.")
 @cli_options.report_options(overwrite=False)
 @cli_options.distributed_options
+@cli_options.compile_cache_option
 def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout,
            max_memory, fmt, output_file, coordinator, num_processes, process_id, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).

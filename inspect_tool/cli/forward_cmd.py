@@ -27,6 +27,7 @@ from inspect_tool.cli import options
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the pass uses and which it ignores.")
 @options.report_options()
 @options.distributed_options
+@options.compile_cache_option
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, verbose, fmt, output_file,
             coordinator, num_processes, process_id, quiet):
   """Run the model of key=value overrides; print the weights it ran, the loss, MTP loss per depth and top-1

@@ -211,3 +211,17 @@ def start_processes(coordinator, num_processes, process_id, quiet) -> None:
 
   distributed.initialize(coordinator, num_processes, process_id)
   progress.set_quiet(quiet or distributed.process_index() != 0)  # process 0 speaks for the job
+
+
+def _configure_compile_cache(ctx, param, value):  # pylint: disable=unused-argument
+  if not ctx.resilient_parsing:
+    from inspect_tool.run import compile_cache  # pylint: disable=import-outside-toplevel
+    compile_cache.configure(value)
+  return value
+
+
+compile_cache_option = click.option(
+    "--compile-cache/--no-compile-cache", default=True, expose_value=False, callback=_configure_compile_cache,
+    help="Keep compiled programs in JAX's persistent cache ($JAX_COMPILATION_CACHE_DIR, else "
+         "~/.cache/inspect_checkpoint/jax) so a second run skips compiling; INSPECT_CHECKPOINT_COMPILE_CACHE=0 "
+         "turns it off too.")

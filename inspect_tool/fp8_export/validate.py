@@ -17,6 +17,8 @@ from typing import Any
 from inspect_tool import progress
 
 DEFAULT_MIN_TOP1 = 0.9
+# The three forward passes, in the order they run, as the progress output names them.
+PASSES = ("1/3: source under the rules (Qwix QT)", "2/3: source unquantized", "3/3: the export read back")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +76,12 @@ def _compare(cfg, source, data, read_export, *, min_top1, mesh, tokens) -> Valid
   from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
 
   model = running.load_model(cfg, source, mesh=mesh)
-  quantized = running.forward(running.quantize_for_training(model, cfg), data)
-  plain = running.forward(model, data)
+  quantized = running.forward(running.quantize_for_training(model, cfg), data, f"validation {PASSES[0]}")
+  plain = running.forward(model, data, f"validation {PASSES[1]}")
   del model
-  with progress.step("loading the exported checkpoint"):
+  with progress.step("loading the exported checkpoint", plain=True):
     exported_model = read_export()
-  result = running.forward(exported_model, data)
+  result = running.forward(exported_model, data, f"validation {PASSES[2]}")
   del exported_model
   return Validation(tuple(metrics.compare_heads(quantized, result)), tuple(metrics.compare_heads(plain, result)),
                     float(min_top1), tuple(int(d) for d in data.tokens.shape), tokens, result=result)

@@ -64,13 +64,14 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
     return restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
 
 
-def forward(model, batch: batch_lib.Batch):
-  """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.run.forward.ForwardResult`)."""
+def forward(model, batch: batch_lib.Batch, label: str = "forward pass"):
+  """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.run.forward.ForwardResult`); `label`
+  names it in the progress output."""
   from inspect_tool.run import forward as forward_lib  # pylint: disable=import-outside-toplevel
 
   from quant import compat  # pylint: disable=import-outside-toplevel
 
-  with progress.step("forward pass"), compat.qwix_weight_detection_errors():
+  with progress.step(label, plain=True), compat.qwix_weight_detection_errors():
     return forward_lib.run_forward(model, batch.tokens, targets=batch.targets, target_mask=batch.target_mask,
                                    positions=batch.positions, segment_ids=batch.segment_ids)
 
@@ -108,7 +109,7 @@ def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, boo
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   step, params, rest = grad_step(model, batch)
-  with progress.step("loss and gradients"):
+  with progress.step("loss and gradients", plain=True):
     loss, grads = step(params, rest)
   leaves = jax.tree.leaves(grads)
   finite = all(bool(jnp.isfinite(g).all()) for g in leaves)
@@ -166,5 +167,7 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
     raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
                             f"{export_load.REPORT_NAME} holds the comparison with its source)")
   quantized = quantize_for_training(model, cfg)
-  return Run(result=forward(quantized, batch), reference=forward(model, batch) if compare else None,
+  main = "forward pass" if quantized is model else f"forward pass ({cfg.quantization}, Qwix QT)"
+  return Run(result=forward(quantized, batch, main),
+             reference=forward(model, batch, "forward pass, unquantized (--compare)") if compare else None,
              grad=loss_and_grad_norm(quantized, batch) if grad else None, compared=compared)
