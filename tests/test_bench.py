@@ -22,6 +22,10 @@ RATIO_LINES = {
     "bench_forward.py": [rf"^tiny L4 V1024\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"],
     "bench_gmm.py": [rf"^xla\s+16 wi\s.*\s{NUMBER}x$", rf"^xla\s+16 wo\s.*\s{NUMBER}x$"],
     "bench_checkpoint.py": [rf"ratio restore/cat = {NUMBER}$", r"^\(a\) inspect_checkpoint orbax --path: median of 1"],
+    "bench_import.py": [rf"^\[tiny\] import throughput: {NUMBER} MB/s of float16 source, {NUMBER} M parameters/s$",
+                        rf"^import \(float32\)\s+{NUMBER}\s+{NUMBER}$"],
+    "bench_compile_cache.py": [rf"^forward\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s",
+                               rf"^export\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s"],
     "bench_export.py": [rf"^\[tiny\] export --max-memory 600MB\s+{NUMBER} s .* {NUMBER} x Orbax's time",
                         r"equals the unbounded one byte for byte: True$"],
 }
