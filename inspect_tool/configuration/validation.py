@@ -18,6 +18,7 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(c) -> None:
   """MaxText's rules that matter here; each message names the value and what is accepted."""
+  limits.check_config_numbers(c)  # finite numbers within int64 first (inspect_tool/run/limits.py)
   _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
          "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
   _check(c.decoder_block in ("deepseek", "deepseek4"),
@@ -50,6 +51,9 @@ def validate(c) -> None:
          f"routed_score_func={c.routed_score_func!r}; accepted: {', '.join(SCORE_FUNCS)}")
   _check(c.dtype in DTYPES, f"dtype={c.dtype!r}; accepted: {', '.join(DTYPES)}")
   _check(c.weight_dtype in DTYPES, f"weight_dtype={c.weight_dtype!r}; accepted: {', '.join(DTYPES)}")
+  mu_dtype = c.mu_dtype
+  _check(mu_dtype in ("",) + DTYPES, f"mu_dtype={errors.shown(mu_dtype)}; accepted: '' (the weight dtype), "
+         f"{', '.join(DTYPES)}")
   _check(tuple(c.mlp_activations) in (("silu", "linear"),),
          f"mlp_activations={list(c.mlp_activations)}; accepted: ['silu', 'linear']")
   _check(c.n_routing_groups == -1 or (c.n_routing_groups > 0 and c.num_experts % c.n_routing_groups == 0
@@ -97,7 +101,7 @@ def validate(c) -> None:
          "accepted: mtp_num_layers=0")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
-  limits.check_config(c)  # finite numbers, buildable sizes (inspect_tool/run/limits.py)
+  limits.check_config(c)  # buildable sizes (inspect_tool/run/limits.py)
 
 
 def _validate_deepseek4(c) -> None:
@@ -115,6 +119,10 @@ def _validate_deepseek4(c) -> None:
   _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {needed} layers need one each")
   _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
          f"first_num_hash_layers={c.first_num_hash_layers} must be within 0..num_decoder_layers={c.num_decoder_layers}")
+  _check(c.sliding_window_size >= 0, f"sliding_window_size={c.sliding_window_size} must be >= 0 (0: every "
+         "uncompressed key; n: the last n)")
+  _check(c.compressed_rope_max_timescale > 0,
+         f"compressed_rope_max_timescale={c.compressed_rope_max_timescale} must be a positive integer")
   _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
          "head (the compressed blocks are one head); accepted: 1")
   for name in ("q_lora_rank", "o_groups", "o_lora_rank"):

@@ -45,7 +45,7 @@ def check_numbers(values: dict[str, Any]) -> None:
       if isinstance(number, float) and not math.isfinite(number):
         raise errors.ConfigError(f"{name}={number} is not a finite number")
       if isinstance(number, int) and not -INT64_MAX <= number <= INT64_MAX:
-        raise errors.ConfigError(f"{name}={number} does not fit in a 64-bit integer")
+        raise errors.ConfigError(f"{name}={errors.shown(number)} does not fit in a 64-bit integer")
 
 
 def _largest_arrays(cfg) -> dict[str, int]:
@@ -60,11 +60,16 @@ def _largest_arrays(cfg) -> dict[str, int]:
   }
 
 
-def check_config(cfg) -> None:
-  """Refuses a config whose numbers are not finite or whose model could not be built (see module doc)."""
+def check_config_numbers(cfg) -> None:
+  """Refuses a config with a number that is not finite or past int64 (checked before any other rule, so that no
+  message quotes a 4000-digit number)."""
   fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}
   check_numbers(fields)
   check_numbers(dict(getattr(cfg, "passthrough", {}) or {}))
+
+
+def check_config(cfg) -> None:
+  """Refuses a config whose model could not be built (see module doc); `check_config_numbers` ran first."""
   for what, count in _largest_arrays(cfg).items():
     if count >= MAX_ELEMENTS:
       raise errors.ConfigError(f"the model's {what} would hold {count:.3g} elements (>= 2^62); "
