@@ -75,6 +75,19 @@ def resolve_max_memory(max_memory: int | None) -> int:
   return int(max_memory)
 
 
+def check_floor(max_memory: int) -> None:
+  """Refuses a `--max-memory` that is not above what this process already holds (its resident memory, the
+  floor under which nothing can be read).
+
+  Raises:
+    errors.InputError: `max_memory` <= the resident memory now.
+  """
+  held = current_rss()
+  if max_memory <= held:
+    raise errors.InputError(f"--max-memory {format_size(max_memory)} is not above the {format_size(held)} this "
+                            f"process already holds; accepted: more than {format_size(held)}")
+
+
 def current_rss() -> int:
   """Resident bytes of this process now."""
   try:

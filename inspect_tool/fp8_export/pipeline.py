@@ -31,6 +31,7 @@ from inspect_tool.fp8_export import read
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_orbax
+from inspect_tool.run import limits
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
 
@@ -72,6 +73,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
+  _check_init_memory(cfg, source)
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
               run_validation=run_validation, mesh=mesh, command=command,
               max_memory=budget.resolve_max_memory(max_memory))
@@ -79,6 +81,12 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     return _export(cfg, tokens, claimed.path, **args)
+
+
+def _check_init_memory(cfg, source: str | None) -> None:
+  """Without a source the whole random-init model is built: refused up front when it cannot fit."""
+  if source is None:
+    limits.check_init_memory(cfg, "export --random-init")
 
 
 def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
@@ -175,6 +183,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   cfg = config_lib.resolve_config(list(tokens))
+  _check_init_memory(cfg, source)
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:

@@ -143,12 +143,29 @@ def parameter_bytes(cfg) -> int:
 
 def check_memory(cfg, batch: int, seq: int, *, grad: bool = False, what: str = "forward") -> None:
   """Refuses a run whose estimated memory exceeds what is available: "needs X, available Y"."""
-  available, source = available_memory()
-  if available is None or os.environ.get(SKIP_ENV) == "1":
+  if _memory_unchecked():
     return
   weights = parameter_bytes(cfg) * (2 if grad else 1)
-  needed = weights + activation_bytes(cfg, batch, seq) * (2 if grad else 1) + RUNTIME_BYTES
+  _refuse_over(weights + activation_bytes(cfg, batch, seq) * (2 if grad else 1) + RUNTIME_BYTES, weights,
+               f"{what} of {cfg.model_name}")
+
+
+def check_init_memory(cfg, what: str) -> None:
+  """Refuses building the whole seeded random init of `cfg`'s model when it cannot fit: the weights twice (JAX's
+  arrays and their NumPy copies) plus `RUNTIME_BYTES`, against what is available."""
+  if _memory_unchecked():
+    return
+  weights = parameter_bytes(cfg)
+  _refuse_over(2 * weights + RUNTIME_BYTES, weights, f"{what} of {cfg.model_name}")
+
+
+def _memory_unchecked() -> bool:
+  return available_memory()[0] is None or os.environ.get(SKIP_ENV) == "1"
+
+
+def _refuse_over(needed: int, weights: int, what: str) -> None:
+  available, source = available_memory()
   if needed > available:
     raise errors.InputError(
-        f"{what} of {cfg.model_name} needs about {_gib(needed)} (weights {_gib(weights)}), available "
+        f"{what} needs about {_gib(needed)} (weights {_gib(weights)}), available "
         f"{_gib(available)} ({source}); use a smaller model or a machine with more memory")
