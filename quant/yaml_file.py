@@ -107,8 +107,8 @@ def loads(text: str, where: str, error: type[Exception], invalid: type[Exception
     _check_nodes(node, where, error)
     try:
       return loader.construct_document(node)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of over 4300 digits
       first = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise invalid(f"{where} is not valid YAML: {first}") from None
+      raise invalid(f"{where} is not valid YAML: {first[:200]}") from None
   finally:
     loader.dispose()

@@ -22,10 +22,10 @@ def validate(c) -> None:
   _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
          "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
   _check(c.decoder_block in ("deepseek", "deepseek4"),
-         f"decoder_block={c.decoder_block!r} is not supported; accepted: 'deepseek', 'deepseek4'")
+         f"decoder_block={errors.shown(c.decoder_block)} is not supported; accepted: 'deepseek', 'deepseek4'")
   expected_attention = "compressed" if c.decoder_block == "deepseek4" else "mla"
-  _check(c.attention_type == expected_attention, f"attention_type={c.attention_type!r} is not supported with "
-         f"decoder_block={c.decoder_block!r}; accepted: {expected_attention!r}")
+  _check(c.attention_type == expected_attention, f"attention_type={errors.shown(c.attention_type)} is not supported with "
+         f"decoder_block={errors.shown(c.decoder_block)}; accepted: {expected_attention!r}")
   if c.decoder_block == "deepseek4":
     _validate_deepseek4(c)
   gps = c.global_parameter_scale
@@ -48,9 +48,9 @@ def validate(c) -> None:
          f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}")
   _check(c.param_scan_axis in (0, 1), f"param_scan_axis={c.param_scan_axis}; accepted: 0, 1")
   _check(c.routed_score_func in SCORE_FUNCS + ("",),
-         f"routed_score_func={c.routed_score_func!r}; accepted: {', '.join(SCORE_FUNCS)}")
-  _check(c.dtype in DTYPES, f"dtype={c.dtype!r}; accepted: {', '.join(DTYPES)}")
-  _check(c.weight_dtype in DTYPES, f"weight_dtype={c.weight_dtype!r}; accepted: {', '.join(DTYPES)}")
+         f"routed_score_func={errors.shown(c.routed_score_func)}; accepted: {', '.join(SCORE_FUNCS)}")
+  _check(c.dtype in DTYPES, f"dtype={errors.shown(c.dtype)}; accepted: {', '.join(DTYPES)}")
+  _check(c.weight_dtype in DTYPES, f"weight_dtype={errors.shown(c.weight_dtype)}; accepted: {', '.join(DTYPES)}")
   mu_dtype = c.mu_dtype
   _check(mu_dtype in ("",) + DTYPES, f"mu_dtype={errors.shown(mu_dtype)}; accepted: '' (the weight dtype), "
          f"{', '.join(DTYPES)}")
@@ -61,12 +61,12 @@ def validate(c) -> None:
          f"n_routing_groups={c.n_routing_groups} topk_routing_group={c.topk_routing_group}: groups must divide "
          f"num_experts={c.num_experts} and 0 < topk_routing_group <= n_routing_groups (or both -1)")
   _check(c.quantization in QUANTIZATION_MODES,
-         f"quantization={c.quantization!r}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
+         f"quantization={errors.shown(c.quantization)}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
   _check(not c.quantization or c.use_qwix_quantization,
-         f"use_qwix_quantization=false with quantization={c.quantization!r} selects MaxText's AQT path, which this "
+         f"use_qwix_quantization=false with quantization={errors.shown(c.quantization)} selects MaxText's AQT path, which this "
          "tool does not model; accepted: use_qwix_quantization=true (Qwix, this tool's default)")
   _check(not (c.quantization and c.use_batch_split_schedule),
-         f"quantization={c.quantization!r} with use_batch_split_schedule=true: MaxText's batch-split DeepSeek model "
+         f"quantization={errors.shown(c.quantization)} with use_batch_split_schedule=true: MaxText's batch-split DeepSeek model "
          "quantizes through its own fp8 path, not Qwix rules, which this tool does not model; accepted: "
          "use_batch_split_schedule=false (with override_model_config=true on a batch-split preset)")
   if c.quantization:
@@ -74,10 +74,10 @@ def validate(c) -> None:
   if c.quantize_mtp:
     _check(c.mtp_num_layers > 0, "quantize_mtp=true needs mtp_num_layers > 0 (got mtp_num_layers=0)")
     _check(c.quantization == "fp8_full",
-           f"quantize_mtp=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+           f"quantize_mtp=true needs quantization=fp8_full (got quantization={errors.shown(c.quantization)})")
   if c.quantize_logits_proj:
     _check(c.quantization == "fp8_full",
-           f"quantize_logits_proj=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+           f"quantize_logits_proj=true needs quantization=fp8_full (got quantization={errors.shown(c.quantization)})")
     _check(not c.logits_via_embedding, "quantize_logits_proj=true needs logits_via_embedding=false")
     _check(c.num_vocab_tiling == 1, f"quantize_logits_proj=true needs num_vocab_tiling=1 (got {c.num_vocab_tiling})")
     _check(not c.logits_dot_in_fp32, "quantize_logits_proj=true needs logits_dot_in_fp32=false")
@@ -113,7 +113,7 @@ def _validate_deepseek4(c) -> None:
   ratios = []
   for value in c.compress_ratios:
     _check(str(value).isdigit() and (int(value) == 0 or int(value) >= 4),
-           f"compress_ratios entry {value!r}: compress_ratio must be 0 (disabled) or >= 4")
+           f"compress_ratios entry {errors.shown(value)}: compress_ratio must be 0 (disabled) or >= 4")
     ratios.append(int(value))
   needed = c.num_decoder_layers if not c.scan_layers else c.first_num_hash_layers
   _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {needed} layers need one each")
@@ -148,5 +148,5 @@ def _validate_calibrations(c) -> None:
       fp8.parse_calibration(value)
     except quant_errors.QuantError:
       raise errors.ConfigError(
-          f"{name}={value!r} is not supported with quantization={c.quantization!r}: the run quantizes "
+          f"{name}={errors.shown(value)} is not supported with quantization={errors.shown(c.quantization)}: the run quantizes "
           f"symmetrically; accepted: {', '.join(fp8.CALIBRATIONS)}") from None
