@@ -151,21 +151,22 @@ def _small_safetensors() -> tuple[dict, bytes]:
   return header, data
 
 
-@pytest.mark.parametrize("seed", _seeds("safetensors"))
-def test_safetensors_headers(capsys, tmp_path, seed):
-  header, data = _small_safetensors()
-  path = tmp_path / "model.safetensors"
-  _safetensors(path, mutate_json(header, random.Random(seed)), data)
-  _one_line_or_success(capsys, ["hf", "--path", path])
-  _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", path])
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   dst = tmp_path_factory.mktemp("export") / "fp8"
   assert cli.main(["export", *TINY_CKPT_MODEL, "--checkpoint", REF_CKPT, "--output", str(dst), "--layout",
                    "deepseek-fp8", "--no-validate"]) == 0
   return str(dst)
+
+
+@pytest.mark.parametrize("seed", _seeds("safetensors"))
+def test_safetensors_headers(capsys, tmp_path, hf_dir, seed):
+  header, data = _small_safetensors()
+  path = tmp_path / "model.safetensors"
+  _safetensors(path, mutate_json(header, random.Random(seed)), data)
+  shutil.copy(os.path.join(hf_dir, "config.json"), tmp_path)
+  _one_line_or_success(capsys, ["hf", "--path", path])
+  _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", tmp_path])
 
 
 @pytest.mark.parametrize("seed", _seeds("config_json"))

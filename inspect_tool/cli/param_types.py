@@ -15,7 +15,10 @@ class Bounded(click.ParamType):
 
   def __init__(self, kind: type, low: float, high: float):
     self.kind, self.low, self.high = kind, low, high
-    self.name = f"{kind.__name__} in [{low}, {high}]"
+    self.name = "integer" if kind is int else "float"
+
+  def get_metavar(self, param, ctx=None):  # pylint: disable=unused-argument
+    return f"{self.name.upper()} {self.low}..{self.high}"
 
   def convert(self, value, param, ctx):
     if isinstance(value, self.kind) and not isinstance(value, bool):

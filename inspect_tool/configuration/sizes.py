@@ -1,9 +1,9 @@
 """Byte sizes given on the command line (`--max-memory`, `--device-memory`): strict, exact, in range.
 
 A size is digits with an optional fraction and an optional unit (one space may separate them), nothing else:
-no leading or trailing spaces, signs, exponents, `nan` or `inf` (`' 600 MB '` is refused). The value is computed exactly (no float
-rounding or overflow: a 400-digit number is refused in one line, not an `OverflowError`) and must come out
-between 1 byte and `MAX_BYTES`.
+no leading or trailing spaces, signs, exponents, `nan` or `inf` (`' 600 MB '` is refused). The value is
+computed exactly (no float rounding or overflow: a 400-digit number is refused in one line, not an
+`OverflowError`) and must come out between 1 byte and `MAX_BYTES`.
 """
 
 from __future__ import annotations

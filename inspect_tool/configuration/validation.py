@@ -24,7 +24,8 @@ def validate(c) -> None:
   _check(c.decoder_block in ("deepseek", "deepseek4"),
          f"decoder_block={errors.shown(c.decoder_block)} is not supported; accepted: 'deepseek', 'deepseek4'")
   expected_attention = "compressed" if c.decoder_block == "deepseek4" else "mla"
-  _check(c.attention_type == expected_attention, f"attention_type={errors.shown(c.attention_type)} is not supported with "
+  _check(c.attention_type == expected_attention,
+         f"attention_type={errors.shown(c.attention_type)} is not supported with "
          f"decoder_block={errors.shown(c.decoder_block)}; accepted: {expected_attention!r}")
   if c.decoder_block == "deepseek4":
     _validate_deepseek4(c)
@@ -63,10 +64,10 @@ def validate(c) -> None:
   _check(c.quantization in QUANTIZATION_MODES,
          f"quantization={errors.shown(c.quantization)}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
   _check(not c.quantization or c.use_qwix_quantization,
-         f"use_qwix_quantization=false with quantization={errors.shown(c.quantization)} selects MaxText's AQT path, which this "
+         f"use_qwix_quantization=false with quantization={c.quantization!r} selects MaxText's AQT path, which this "
          "tool does not model; accepted: use_qwix_quantization=true (Qwix, this tool's default)")
   _check(not (c.quantization and c.use_batch_split_schedule),
-         f"quantization={errors.shown(c.quantization)} with use_batch_split_schedule=true: MaxText's batch-split DeepSeek model "
+         f"quantization={c.quantization!r} with use_batch_split_schedule=true: MaxText's batch-split DeepSeek model "
          "quantizes through its own fp8 path, not Qwix rules, which this tool does not model; accepted: "
          "use_batch_split_schedule=false (with override_model_config=true on a batch-split preset)")
   if c.quantization:
@@ -148,5 +149,5 @@ def _validate_calibrations(c) -> None:
       fp8.parse_calibration(value)
     except quant_errors.QuantError:
       raise errors.ConfigError(
-          f"{name}={errors.shown(value)} is not supported with quantization={errors.shown(c.quantization)}: the run quantizes "
+          f"{name}={errors.shown(value)} is not supported with quantization={c.quantization!r}: the run quantizes "
           f"symmetrically; accepted: {', '.join(fp8.CALIBRATIONS)}") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from inspect_tool import errors
 from inspect_tool.configuration import sizes
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
@@ -40,7 +41,8 @@ def optimizer_of(cfg, train: str | None) -> str | None:
     raise mesh_lib.ShardingError("shard_optimizer_over_data=true (Zero-1) shards the optimizer state over 'data' on "
                                  "top of the parameters' layout; per-device memory for it is not modelled")
   if name not in OPTIMIZERS:
-    raise mesh_lib.ShardingError(f"optimizer {name!r}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
+    raise mesh_lib.ShardingError(f"optimizer {errors.shown(name)}: per-device memory is modelled for "
+                                 f"{', '.join(OPTIMIZERS)}"
                                  + (" (muon's state layout is not modelled)" if name == "muon" else ""))
   return name
 
