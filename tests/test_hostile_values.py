@@ -133,6 +133,18 @@ def test_v4_sizes(capsys, keys, expected):
   refused(capsys, ["maxtext", "model_name=deepseek4-tiny", "override_model_config=true", *keys], expected)
 
 
+@pytest.mark.parametrize("key", ["normalization_layer_epsilon=-1", "rope_factor=0", "rope_factor=-2", "beta_fast=0",
+                                 "beta_slow=-1", "original_max_position_embeddings=0", "rope_max_timescale=0"])
+def test_numbers_rope_and_norms_divide_by_are_positive(capsys, key):
+  """Each of these ran to a `math domain error` / ZeroDivisionError traceback or `loss nan` before."""
+  refused(capsys, ["forward", *TINY, "override_model_config=true", key], f"{key.split('=')[0]}=", "must be > 0")
+
+
+def test_recall_target_is_a_fraction(capsys):
+  refused(capsys, ["maxtext", *TINY, "override_model_config=true", "indexer_approx_top_k_recall=5"],
+          "indexer_approx_top_k_recall=5.0 must be in (0, 1]")
+
+
 @pytest.mark.parametrize("argv, quoted", [
     (["maxtext", *TINY, "override_model_config=true", "base_emb_dim=" + "7" * 4000], "base_emb_dim="),
     (["maxtext", *TINY, "override_model_config=true", "dtype=" + "x" * 100_000], "dtype="),

@@ -92,6 +92,7 @@ def validate(c) -> None:
       _check(getattr(c, name) > 0, f"{name}={getattr(c, name)} must be a positive integer")
     _check(c.indexer_head_dim >= c.qk_rope_head_dim,
            f"indexer_head_dim={c.indexer_head_dim} must be >= qk_rope_head_dim={c.qk_rope_head_dim}")
+  _validate_positive_floats(c)
   _check(c.mhc_expansion_rate >= 1, f"mhc_expansion_rate={c.mhc_expansion_rate} must be >= 1")
   _check(not c.engram_layers, f"engram_layers={list(c.engram_layers)} is not supported: Engram layers are sized from "
          "a Hugging Face tokenizer (MaxText needs tokenizer_path and hf_access_token); accepted: "
@@ -103,6 +104,20 @@ def validate(c) -> None:
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
   limits.check_config(c)  # buildable sizes (inspect_tool/run/limits.py)
+
+
+# Numbers the forward pass divides by or takes the log of (RoPE, YaRN, RMSNorm): zero or negative values give
+# `math domain error` tracebacks or NaN logits, so they must be positive.
+POSITIVE_NUMBERS = ("normalization_layer_epsilon", "rope_max_timescale", "max_position_embeddings",
+                    "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow")
+
+
+def _validate_positive_floats(c) -> None:
+  for name in POSITIVE_NUMBERS:
+    value = getattr(c, name)
+    _check(value > 0, f"{name}={value} must be > 0 (RoPE, YaRN and RMSNorm divide by it or take its log)")
+  recall = c.indexer_approx_top_k_recall
+  _check(0 < recall <= 1, f"indexer_approx_top_k_recall={recall} must be in (0, 1] (a recall target)")
 
 
 def _validate_deepseek4(c) -> None:
