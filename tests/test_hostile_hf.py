@@ -102,9 +102,10 @@ def test_dequantize_makes_nothing_larger_than_the_weight():
   q = rng.standard_normal((3, 5)).astype(ml_dtypes.float8_e4m3fn)
   scale = np.array([[0.5]], np.float32)
   np.testing.assert_array_equal(hf_tensors.dequantize(q, scale, (2**30, 2**30)), q.astype(np.float32) * 0.5)
-  blocks = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)  # 2x2 blocks over (3, 5): edge blocks smaller
-  want = q.astype(np.float32) * np.array([[1, 1, 2, 2, 2], [1, 1, 2, 2, 2], [3, 3, 4, 4, 4]], np.float32)
-  np.testing.assert_array_equal(hf_tensors.dequantize(q, blocks, (2, 2)), want)
+  blocks = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)  # 2x3 blocks over (3, 5): edge blocks smaller
+  assert hf_tensors.scale_shape((3, 5), (2, 3)) == blocks.shape
+  want = q.astype(np.float32) * np.array([[1, 1, 1, 2, 2], [1, 1, 1, 2, 2], [3, 3, 3, 4, 4]], np.float32)
+  np.testing.assert_array_equal(hf_tensors.dequantize(q, blocks, (2, 3)), want)
 
 
 def test_a_header_claiming_4_tib_is_refused_before_allocation(tmp_path, fp8_dir):

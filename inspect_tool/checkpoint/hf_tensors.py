@@ -120,12 +120,12 @@ def _check_fits(file: str, name: str, shape, needed: int) -> None:
 
 
 def dequantize(qvalue: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = hf_names.BLOCK) -> np.ndarray:
-  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c] (no array larger than
-  the weight is made, whatever the block size)."""
-  scale = np.asarray(scale_inv, np.float32)
-  rows = np.minimum(np.arange(qvalue.shape[0]) // block[0], scale.shape[0] - 1)
-  cols = np.minimum(np.arange(qvalue.shape[1]) // block[1], scale.shape[1] - 1)
-  return qvalue.astype(np.float32) * scale[rows][:, cols]
+  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c] (the scale grid as
+  `scale_shape` gives it: then no intermediate is larger than twice the weight, whatever the block size)."""
+  rows, cols = qvalue.shape
+  scale = np.repeat(np.asarray(scale_inv, np.float32), min(block[0], rows), axis=0)[:rows]
+  full = np.repeat(scale, min(block[1], cols), axis=1)[:, :cols]
+  return qvalue.astype(np.float32) * full
 
 
 def check_fp8(qvalue: np.ndarray, where: str) -> None:
