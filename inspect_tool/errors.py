@@ -8,11 +8,36 @@ from __future__ import annotations
 
 import difflib
 
+MAX_SHOWN = 200  # characters of a user's value an error line quotes
+MAX_LINE = 2000  # an error line longer than this (a value quoted whole by mistake) keeps its start and end
+
+
+def shown(value, limit: int = MAX_SHOWN) -> str:
+  """`repr(value)`, cut to about `limit` characters: `'xxxx…' (100002 characters)` for a long string."""
+  text = repr(value)
+  if len(text) <= limit:
+    return text
+  size = f"{len(value)} characters" if isinstance(value, (str, bytes)) else f"{len(text)} characters as text"
+  return f"{text[:limit]}… ({size})"
+
+
+def _capped(message: str) -> str:
+  if len(message) <= MAX_LINE:
+    return message
+  half = MAX_LINE // 2
+  return f"{message[:half]} …[{len(message) - MAX_LINE} characters left out]… {message[-half:]}"
+
 
 class InspectError(Exception):
-  """Base class of every error the library raises on purpose."""
+  """Base class of every error the library raises on purpose; a message over `MAX_LINE` characters is cut in
+  the middle (an error is one line, naming the value and what is accepted)."""
 
   exit_code = 2
+
+  def __init__(self, *args):
+    if len(args) == 1 and isinstance(args[0], str):
+      args = (_capped(args[0]),)
+    super().__init__(*args)
 
 
 class InputError(InspectError):
@@ -29,7 +54,7 @@ class UnknownKeyError(ConfigError):
   def __init__(self, key: str, known: list[str] | tuple[str, ...], what: str = "config key"):
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    super().__init__(f"unknown {what} {key!r}{hint}")
+    super().__init__(f"unknown {what} {shown(key)}{hint}")
     self.key = key
     self.suggestions = close
 

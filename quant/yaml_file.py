@@ -76,13 +76,23 @@ def _check_nodes(root, where: str, error: type[Exception]) -> None:
 
 def load(path, where: str, error: type[Exception]):
   """The parsed YAML document of `path`; any problem with the file raises `error` naming `where`."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
   data = read_regular_file(path, where, error, MAX_BYTES)
   try:
     text = data.decode("utf-8")
   except UnicodeDecodeError as e:
     raise error(f"{where} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+  return loads(text, where, error)
+
+
+def loads(text: str, where: str, error: type[Exception], invalid: type[Exception] | None = None):
+  """The parsed YAML document in `text` (a file's, or a value given on the command line), within the same
+  bounds as a file: `MAX_BYTES`, `MAX_DEPTH`, `MAX_NODES`. Text that is not YAML raises `invalid` (default
+  `error`) naming `where`; a bound exceeded raises `error`."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  invalid = invalid or error
+  if len(text) > MAX_BYTES:
+    raise error(f"{where} is {len(text)} characters; over {MAX_BYTES} are refused")
   loader = yaml.SafeLoader(text)
   try:
     try:
@@ -91,14 +101,14 @@ def load(path, where: str, error: type[Exception]):
       raise error(f"{where} nests deeper than {MAX_DEPTH} levels") from None
     except yaml.YAMLError as e:
       first = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise error(f"{where} is not valid YAML: {first}") from None
+      raise invalid(f"{where} is not valid YAML: {first}") from None
     if node is None:
       return None
     _check_nodes(node, where, error)
     try:
       return loader.construct_document(node)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of over 4300 digits
       first = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise error(f"{where} is not valid YAML: {first}") from None
+      raise invalid(f"{where} is not valid YAML: {first[:200]}") from None
   finally:
     loader.dispose()

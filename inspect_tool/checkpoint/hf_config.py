@@ -132,7 +132,7 @@ def _family(path: str, doc: dict) -> tuple[str, str, str]:
     archs = doc.get("architectures") or []
     model_type = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
   if model_type not in _FAMILIES:
-    raise _bad(path, f"model_type {model_type!r} is not a DeepSeek model MaxText builds; accepted: "
+    raise _bad(path, f"model_type {errors.shown(model_type)} is not a DeepSeek model MaxText builds; accepted: "
                + ", ".join(sorted(_FAMILIES)))
   family, model_name = _FAMILIES[model_type]
   return model_type, family, model_name
@@ -150,7 +150,7 @@ def _rope(path: str, doc: dict, get) -> dict[str, Any]:
     return keys | {"original_max_position_embeddings": max_pos, "rope_factor": 1.0, "beta_fast": 32.0,
                    "beta_slow": 1.0, "mscale": 0.0, "rope_truncate": True, "rope_attention_scaling": False}
   if rope_type != "yarn":
-    raise _bad(path, f"rope type {rope_type!r} cannot be expressed in MaxText's MLA; accepted: yarn, or no "
+    raise _bad(path, f"rope type {errors.shown(rope_type)} cannot be expressed in MaxText's MLA; accepted: yarn, or no "
                "rope_scaling (plain RoPE)")
   if "factor" not in params:
     raise _bad(path, "YaRN rope parameters have no factor")
@@ -213,14 +213,16 @@ def _routing(path: str, family: str, get, table, first_moe: int) -> dict[str, An
   grouped = bool(groups and groups > 1 and top_groups and top_groups < groups)
   if family == "v3":
     if score != "sigmoid" or method != "noaux_tc" or not renorm:
-      raise _bad(path, f"DeepSeek-V3 routing with scoring_func={score!r}, topk_method={method!r}, "
+      raise _bad(path, f"DeepSeek-V3 routing with scoring_func={errors.shown(score)}, "
+                 f"topk_method={errors.shown(method)}, "
                  f"norm_topk_prob={str(renorm).lower()} cannot be expressed in MaxText; accepted: sigmoid, "
                  "noaux_tc, true")
     bias = any(name.endswith(".mlp.gate.e_score_correction_bias") for name in table)
   else:
     if score != "softmax" or renorm or (method == "group_limited_greedy" and grouped) or method not in (
         "greedy", "group_limited_greedy"):
-      raise _bad(path, f"DeepSeek-V2 routing with scoring_func={score!r}, topk_method={method!r}, "
+      raise _bad(path, f"DeepSeek-V2 routing with scoring_func={errors.shown(score)}, "
+                 f"topk_method={errors.shown(method)}, "
                  f"norm_topk_prob={str(renorm).lower()}, topk_group/n_group={top_groups}/{groups} cannot be "
                  "expressed in MaxText; accepted: softmax, greedy, false")
     bias, grouped = False, False
@@ -251,7 +253,7 @@ def derive_keys(path: str) -> dict[str, Any]:
 
   for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1)):
     if get(name) != want:
-      raise _bad(path, f"{name}={get(name)!r} cannot be expressed in MaxText's DeepSeek decoder; accepted: "
+      raise _bad(path, f"{name}={errors.shown(get(name))} cannot be expressed in MaxText's DeepSeek decoder; accepted: "
                  f"{str(want).lower() if isinstance(want, bool) else want}")
   heads = doc["num_attention_heads"]
   if get("num_key_value_heads") not in (None, heads):

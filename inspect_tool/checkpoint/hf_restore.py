@@ -38,17 +38,24 @@ scale_shape = hf_tensors.scale_shape
 
 
 def is_hf_checkpoint(path: str | None) -> bool:
-  """A directory with `config.json` and safetensors files (or their index): a Hugging Face checkpoint."""
+  """A directory with `config.json` and safetensors files (or their index): a Hugging Face checkpoint.
+
+  Raises:
+    errors.CheckpointError: safetensors files beside a `config.json` that is missing or not a regular file.
+  """
   if not path or files.kind(path) != "dir":
-    return False
-  config = files.kind(os.path.join(path, CONFIG_NAME))
-  if config not in ("file", "other"):
     return False
   found = bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
                or glob.glob(os.path.join(glob.escape(path), "*" + safetensors_header.INDEX_SUFFIX)))
-  if found and config == "other":
+  if not found:
+    return False
+  config = files.kind(os.path.join(path, CONFIG_NAME))
+  if config == "missing":
+    raise errors.CheckpointError(f"{os.path.join(path, CONFIG_NAME)} is missing: {path} holds safetensors files, "
+                                 f"and a Hugging Face checkpoint needs its {CONFIG_NAME} (the model's keys)")
+  if config != "file":
     raise errors.CheckpointError(f"{os.path.join(path, CONFIG_NAME)}: is not a regular file")
-  return found
+  return True
 
 
 class Tensors(hf_tensors.Tensors):

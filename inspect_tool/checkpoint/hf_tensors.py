@@ -3,7 +3,10 @@ dequantized as DeepSeek's FP8 release defines them (value × `weight_scale_inv` 
 `config.json`'s `quantization_config.weight_block_size` says otherwise; the block grid rounded up at the edges).
 
 Tensor data is read from the shards at the offsets their validated headers give (safetensors 0.8's own numpy
-reader has no float8 dtype).
+reader has no float8 dtype). A float8 weight is refused in one line naming it when one of its bytes is NaN or
+inf (e4m3fn: 0x7f, 0xff), or when its `weight_scale_inv` (small: one value per block) has another grid than the
+weight's blocks or a value that is not finite, not positive or over `MAX_SCALE_INV` (a weight that large
+squared overflows float32): such a checkpoint would load and give `loss nan` or a zero model.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from inspect_tool import errors
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.run import limits
 
 CONFIG_NAME = "config.json"
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 SCALE_SUFFIX = "_scale_inv"
+CHECKED_BYTES = 64 << 20  # reads at least this large are checked against the memory available first
+MAX_SCALE_INV = 2.0**55  # (448 × 2^55)^2 < float32's largest value: a dequantized weight's square stays finite
 
 
 def block_size(path: str) -> tuple[int, int]:
@@ -59,12 +65,13 @@ class Tensors:
     file, entry = self.table[name]
     dtype = np.dtype(FP8.get(entry["dtype"]) or FLOATS[entry["dtype"]])
     count = math.prod(entry["shape"])
+    _check_fits(file, name, entry["shape"], count * (dtype.itemsize + 4))
     try:
       with open(file, "rb") as f:
         f.seek(entry["start"])
         data = f.read(count * dtype.itemsize)
     except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+      raise errors.CheckpointError(f"cannot read {file} (tensor {name!r}): {e.strerror or e}") from None
     if len(data) != count * dtype.itemsize:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape(entry["shape"])
@@ -74,7 +81,12 @@ class Tensors:
     value = self._raw(name)
     if self.dtype(name) not in FP8:
       return value.astype(np.float32)
-    return dequantize(value, self._raw(name + SCALE_SUFFIX), self.block)
+    scale_name = name + SCALE_SUFFIX
+    scale = self._raw(scale_name)
+    where = f"{self.table[name][0]}: tensor {name!r}"
+    check_fp8(value, where)
+    check_scale(scale, scale_shape(value.shape, self.block), f"{self.table[scale_name][0]}: tensor {scale_name!r}")
+    return dequantize(value, scale, self.block)
 
   def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of `name` as float32, reading only their bytes (a float8 weight: whole, then cut)."""
@@ -83,22 +95,63 @@ class Tensors:
       return self.read(name)[start:stop]
     dtype = np.dtype(FLOATS[entry["dtype"]])
     row = math.prod(entry["shape"][1:]) * dtype.itemsize
+    _check_fits(file, name, entry["shape"], (stop - start) * row // dtype.itemsize * (dtype.itemsize + 4))
     try:
       with open(file, "rb") as f:
         f.seek(entry["start"] + start * row)
         data = f.read((stop - start) * row)
     except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+      raise errors.CheckpointError(f"cannot read {file} (tensor {name!r}): {e.strerror or e}") from None
     if len(data) != (stop - start) * row:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(entry["shape"][1:])).astype(np.float32)
 
 
+def _check_fits(file: str, name: str, shape, needed: int) -> None:
+  """Refuses to read a tensor whose bytes and float32 copy (`needed`) would not fit in the memory available,
+  before any allocation (a header may claim terabytes of a sparse file). Reads under `CHECKED_BYTES` are not
+  checked (a release has ~100,000 small tensors; the memory figures are read from /proc each time)."""
+  if needed < CHECKED_BYTES:
+    return
+  available, source = limits.available_memory()
+  if available is not None and os.environ.get(limits.SKIP_ENV) != "1" and needed > available:
+    raise errors.CheckpointError(f"{file}: tensor {name!r} {list(shape)} needs {needed / 2**30:.1f} GiB to read; "
+                                 f"available {available / 2**30:.1f} GiB ({source})")
+
+
 def dequantize(qvalue: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = hf_names.BLOCK) -> np.ndarray:
-  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c]."""
-  rows = np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0)[:qvalue.shape[0]]
-  full = np.repeat(rows, block[1], axis=1)[:, :qvalue.shape[1]]
+  """float32 of an (out, in) float8 weight whose block (r, c) is scaled by scale_inv[r, c] (the scale grid as
+  `scale_shape` gives it: then no intermediate is larger than twice the weight, whatever the block size)."""
+  rows, cols = qvalue.shape
+  scale = np.repeat(np.asarray(scale_inv, np.float32), min(block[0], rows), axis=0)[:rows]
+  full = np.repeat(scale, min(block[1], cols), axis=1)[:, :cols]
   return qvalue.astype(np.float32) * full
+
+
+def check_fp8(qvalue: np.ndarray, where: str) -> None:
+  """Refuses float8 data holding NaN or inf bytes (e4m3fn: 0x7f and 0xff are NaN; e5m2: exponent all ones)."""
+  raw = np.ascontiguousarray(qvalue).view(np.uint8)
+  if qvalue.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+    bad = np.flatnonzero((raw & 0x7F) == 0x7F)
+  else:
+    bad = np.flatnonzero((raw & 0x7C) == 0x7C)
+  if bad.size:
+    raise errors.CheckpointError(f"{where} holds {bad.size} NaN or inf float8 value(s) (first at flat index "
+                                 f"{int(bad[0])}, byte {int(raw.reshape(-1)[bad[0]]):#04x}); accepted: finite values")
+
+
+def check_scale(scale: np.ndarray, grid: tuple[int, int], where: str) -> None:
+  """Refuses a `weight_scale_inv` of another shape than the weight's block grid, or with a value that is not
+  finite, not positive or over `MAX_SCALE_INV`."""
+  if tuple(scale.shape) != tuple(grid):
+    raise errors.CheckpointError(f"{where} has shape {list(scale.shape)}; the weight's blocks need {list(grid)}")
+  values = np.asarray(scale, np.float64)
+  bad = ~(np.isfinite(values) & (values > 0) & (values <= MAX_SCALE_INV))
+  if bad.any():
+    index = np.unravel_index(int(np.argmax(bad)), values.shape)
+    raise errors.CheckpointError(
+        f"{where} holds {int(bad.sum())} bad scale(s), e.g. {float(values[index])!r} at {list(map(int, index))}; "
+        f"accepted: finite scales in (0, {MAX_SCALE_INV:.3g}]")
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import json
 import click
 
 from inspect_tool.cli import options as cli_options
+from inspect_tool.cli import param_types
 
 LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 
@@ -29,7 +30,7 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
               help="Validation tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
 @click.option("--targets", "targets_file", type=click.Path(),
               help="Validation targets .npy (default: tokens shifted left).")
-@click.option("--min-top1", "--min_top1", "min_top1", type=click.FloatRange(0.0, 1.0), default=0.9,
+@click.option("--min-top1", "--min_top1", "min_top1", type=param_types.Bounded(float, 0.0, 1.0), default=0.9,
               show_default=True, help="Exit 1 when any head's top-1 agreement with the source (same rules) is lower.")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Run source and export on the batch and compare them (recorded in the report).")

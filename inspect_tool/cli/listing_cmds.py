@@ -5,6 +5,9 @@ from __future__ import annotations
 import click
 
 from inspect_tool.cli import options
+from inspect_tool.cli import param_types
+
+MAX_DEVICES = 1 << 20  # far above any slice or job MaxText runs on
 
 
 @click.command(epilog=options.example("maxtext model_name=deepseek3-671b mtp_num_layers=1 --summary "
@@ -12,7 +15,8 @@ from inspect_tool.cli import options
 @options.overrides_argument
 @click.option("--all", "include_all", is_flag=True, help="Also list non-Param state (the DeepSeek-V3 gate bias).")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys shape the tree and which are ignored.")
-@click.option("--devices", type=click.IntRange(min=1), help="Shard on an abstract mesh of N devices: spec and "
+@click.option("--devices", type=param_types.Bounded(int, 1, MAX_DEVICES),
+              help="Shard on an abstract mesh of N devices: spec and "
               "shard shape per parameter, as MaxText does from the ici_*/dcn_* keys and logical_axis_rules.")
 @click.option("--topology", help="A MaxText slice name (v5p-512, v6e-64, a3, h100-8, ...; all of them: "
               "inspect_checkpoint topologies) giving the device count and the memory of one device (its chip's), "

@@ -81,7 +81,7 @@ def key_rows(pattern: str | None = None) -> list[KeyRow]:
     try:
       matcher = safe_regex.check(pattern)
     except ValueError as e:
-      raise errors.InputError(f"PATTERN {pattern!r}: {e}; a plain part of a key name works too") from None
+      raise errors.InputError(f"PATTERN {errors.shown(pattern)}: {e}; a plain part of a key name works too") from None
   maxtext = maxtext_keys.defaults()
   rows = []
   for key in sorted({*config.known_keys(), "model_file"}):

@@ -256,14 +256,14 @@ def parse_value(key: str, text: Any) -> Any:
       return None
     if isinstance(text, expected) and not (kind in ("int", "float") and isinstance(text, bool)):
       return text
-    raise errors.ConfigError(f"{key}={text!r} is not a valid {kind}")
+    raise errors.ConfigError(f"{key}={errors.shown(text)} is not a valid {kind}")
   value = text.strip()
   if kind == "bool":
     if value.lower() in _TRUE:
       return True
     if value.lower() in _FALSE:
       return False
-    raise errors.ConfigError(f"{key}={text!r} is not a boolean; accepted: true, false, True, False, 1, 0")
+    raise errors.ConfigError(f"{key}={errors.shown(text)} is not a boolean; accepted: true, false, True, False, 1, 0")
   if kind == "list":
     inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value
     return tuple(part.strip().strip("'\"") for part in inner.split(",") if part.strip())
@@ -279,12 +279,12 @@ def parse_value(key: str, text: Any) -> Any:
         as_float = None
       if as_float is not None and as_float.is_integer():
         return int(as_float)
-      raise errors.ConfigError(f"{key}={text!r} is not an integer") from None
+      raise errors.ConfigError(f"{key}={errors.shown(text)} is not an integer") from None
   if kind == "float":
     try:
       return float(value.replace("_", ""))
     except ValueError:
-      raise errors.ConfigError(f"{key}={text!r} is not a number") from None
+      raise errors.ConfigError(f"{key}={errors.shown(text)} is not a number") from None
   return value.strip("'\"")
 
 
@@ -295,7 +295,8 @@ def parse_overrides(tokens: Iterable[str]) -> dict[str, str]:
     key, sep, value = token.partition("=")
     key = key.strip()
     if not sep or not key:
-      raise errors.ConfigError(f"argument {token!r} is not of the form key=value (e.g. model_name=deepseek3-671b)")
+      raise errors.ConfigError(f"argument {errors.shown(token)} is not of the form key=value "
+                               "(e.g. model_name=deepseek3-671b)")
     raw[key] = value
   return raw
 
@@ -374,7 +375,8 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
     for key, value in cli.items():
       if key in base and key != "model_name" and base[key] != value:
         raise errors.ConfigError(
-            f"{key}={value!r} is set by model {base.get('model_name', model_name)!r} to {base[key]!r}; "
+            f"{key}={errors.shown(value)} is set by model {base.get('model_name', model_name)!r} to "
+            f"{errors.shown(base[key])}; "
             "add override_model_config=true to override model keys")
   merged = {**base, **cli}
   other = {key: merged.pop(key) for key in list(merged) if key not in FIELDS}

@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable
 
 from inspect_tool import errors
+from quant import yaml_file
 
 BASE_KEYS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data", "base_keys.txt")
 
@@ -137,6 +138,10 @@ def is_key(key: str) -> bool:
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
 
 
+class _NotYaml(Exception):
+  """A command-line value that is not YAML (taken as a plain string)."""
+
+
 def parse(key: str, value: Any) -> Any:
   """Types a value (command-line text or YAML value) like MaxText's default for `key`."""
   default = defaults()[key]
@@ -145,8 +150,9 @@ def parse(key: str, value: Any) -> Any:
     return text.strip().strip("'\"")
   if text is not None:
     try:
-      value = _yaml_load(text) if text.strip() else ""
-    except Exception:  # pylint: disable=broad-except  # yaml.YAMLError and friends: a plain string then
+      value = yaml_file.loads(text, f"{key}={errors.shown(text)}", errors.ConfigError, _NotYaml) if text.strip() \
+          else ""
+    except _NotYaml:  # a plain string then
       value = text
   if default is None or value is None:
     return value
@@ -166,8 +172,8 @@ def parse(key: str, value: Any) -> Any:
     return str(value if text is None else text.strip())
   if isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool)):
     return value
-  raise errors.ConfigError(f"{key}={value if text is None else text!r} is not {_KINDS.get(kind, kind.__name__)} "
-                           f"(MaxText's default: {default!r})")
+  raise errors.ConfigError(f"{key}={errors.shown(value if text is None else text)} is not "
+                           f"{_KINDS.get(kind, kind.__name__)} (MaxText's default: {errors.shown(default)})")
 
 
 def check_modelled(values: dict[str, Any]) -> None:
@@ -175,8 +181,8 @@ def check_modelled(values: dict[str, Any]) -> None:
   for key, value in values.items():
     if key in UNMODELLED and value != defaults()[key] and not (value in ([], None) and not defaults()[key]):
       raise errors.ConfigError(
-          f"{key}={value!r} is not supported: in MaxText it {UNMODELLED[key]}, which this tool does not model; "
-          f"accepted: {defaults()[key]!r} (MaxText's default)")
+          f"{key}={errors.shown(value)} is not supported: in MaxText it {UNMODELLED[key]}, which this tool does not "
+          f"model; accepted: {errors.shown(defaults()[key])} (MaxText's default)")
 
 
 def describe(keys: Iterable[str], fields: Iterable[str]) -> list[str]:

@@ -10,6 +10,8 @@ import difflib
 import functools
 import os
 
+from inspect_tool import errors
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data")
 MODELS_DIR = os.path.join(DATA_DIR, "models")
 FAMILY_PREFIXES = ("deepseek", "kimi")
@@ -58,8 +60,9 @@ def refusal(name: str) -> str:
             f"DeepSeek-family models: {known} (or model_file=<your.yml> with decoder_block=deepseek)")
   close = closest(name)
   if close:
-    return f"unknown model_name {name!r}; did you mean {close!r}? (all of them: inspect_checkpoint presets)"
-  return f"unknown model_name {name!r}; known: {known} (or pass model_file=<your.yml>)"
+    return (f"unknown model_name {errors.shown(name)}; did you mean {close!r}? "
+            "(all of them: inspect_checkpoint presets)")
+  return f"unknown model_name {errors.shown(name)}; known: {known} (or pass model_file=<your.yml>)"
 
 
 def closest(name: str) -> str | None:

@@ -18,13 +18,15 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(c) -> None:
   """MaxText's rules that matter here; each message names the value and what is accepted."""
+  limits.check_config_numbers(c)  # finite numbers within int64 first (inspect_tool/run/limits.py)
   _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
          "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
   _check(c.decoder_block in ("deepseek", "deepseek4"),
-         f"decoder_block={c.decoder_block!r} is not supported; accepted: 'deepseek', 'deepseek4'")
+         f"decoder_block={errors.shown(c.decoder_block)} is not supported; accepted: 'deepseek', 'deepseek4'")
   expected_attention = "compressed" if c.decoder_block == "deepseek4" else "mla"
-  _check(c.attention_type == expected_attention, f"attention_type={c.attention_type!r} is not supported with "
-         f"decoder_block={c.decoder_block!r}; accepted: {expected_attention!r}")
+  _check(c.attention_type == expected_attention,
+         f"attention_type={errors.shown(c.attention_type)} is not supported with "
+         f"decoder_block={errors.shown(c.decoder_block)}; accepted: {expected_attention!r}")
   gps = c.global_parameter_scale
   _check(gps >= 1 and (gps & (gps - 1)) == 0, f"global_parameter_scale={gps} must be a power of two >= 1")
   for name in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim",
@@ -48,9 +50,12 @@ def validate(c) -> None:
          f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}")
   _check(c.param_scan_axis in (0, 1), f"param_scan_axis={c.param_scan_axis}; accepted: 0, 1")
   _check(c.routed_score_func in SCORE_FUNCS + ("",),
-         f"routed_score_func={c.routed_score_func!r}; accepted: {', '.join(SCORE_FUNCS)}")
-  _check(c.dtype in DTYPES, f"dtype={c.dtype!r}; accepted: {', '.join(DTYPES)}")
-  _check(c.weight_dtype in DTYPES, f"weight_dtype={c.weight_dtype!r}; accepted: {', '.join(DTYPES)}")
+         f"routed_score_func={errors.shown(c.routed_score_func)}; accepted: {', '.join(SCORE_FUNCS)}")
+  _check(c.dtype in DTYPES, f"dtype={errors.shown(c.dtype)}; accepted: {', '.join(DTYPES)}")
+  _check(c.weight_dtype in DTYPES, f"weight_dtype={errors.shown(c.weight_dtype)}; accepted: {', '.join(DTYPES)}")
+  mu_dtype = c.mu_dtype
+  _check(mu_dtype in ("",) + DTYPES, f"mu_dtype={errors.shown(mu_dtype)}; accepted: '' (the weight dtype), "
+         f"{', '.join(DTYPES)}")
   _check(tuple(c.mlp_activations) in (("silu", "linear"),),
          f"mlp_activations={list(c.mlp_activations)}; accepted: ['silu', 'linear']")
   _check(c.n_routing_groups == -1 or (c.n_routing_groups > 0 and c.num_experts % c.n_routing_groups == 0
@@ -58,7 +63,7 @@ def validate(c) -> None:
          f"n_routing_groups={c.n_routing_groups} topk_routing_group={c.topk_routing_group}: groups must divide "
          f"num_experts={c.num_experts} and 0 < topk_routing_group <= n_routing_groups (or both -1)")
   _check(c.quantization in QUANTIZATION_MODES,
-         f"quantization={c.quantization!r}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
+         f"quantization={errors.shown(c.quantization)}; accepted: {', '.join(repr(q) for q in QUANTIZATION_MODES)}")
   _check(not c.quantization or c.use_qwix_quantization,
          f"use_qwix_quantization=false with quantization={c.quantization!r} selects MaxText's AQT path, which this "
          "tool does not model; accepted: use_qwix_quantization=true (Qwix, this tool's default)")
@@ -71,10 +76,10 @@ def validate(c) -> None:
   if c.quantize_mtp:
     _check(c.mtp_num_layers > 0, "quantize_mtp=true needs mtp_num_layers > 0 (got mtp_num_layers=0)")
     _check(c.quantization == "fp8_full",
-           f"quantize_mtp=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+           f"quantize_mtp=true needs quantization=fp8_full (got quantization={errors.shown(c.quantization)})")
   if c.quantize_logits_proj:
     _check(c.quantization == "fp8_full",
-           f"quantize_logits_proj=true needs quantization=fp8_full (got quantization={c.quantization!r})")
+           f"quantize_logits_proj=true needs quantization=fp8_full (got quantization={errors.shown(c.quantization)})")
     _check(not c.logits_via_embedding, "quantize_logits_proj=true needs logits_via_embedding=false")
     _check(c.num_vocab_tiling == 1, f"quantize_logits_proj=true needs num_vocab_tiling=1 (got {c.num_vocab_tiling})")
     _check(not c.logits_dot_in_fp32, "quantize_logits_proj=true needs logits_dot_in_fp32=false")
@@ -88,13 +93,28 @@ def validate(c) -> None:
       _check(getattr(c, name) > 0, f"{name}={getattr(c, name)} must be a positive integer")
     _check(c.indexer_head_dim >= c.qk_rope_head_dim,
            f"indexer_head_dim={c.indexer_head_dim} must be >= qk_rope_head_dim={c.qk_rope_head_dim}")
+  _validate_positive_floats(c)
   _check(c.mhc_expansion_rate >= 1, f"mhc_expansion_rate={c.mhc_expansion_rate} must be >= 1")
   _check(not c.engram_layers, f"engram_layers={list(c.engram_layers)} is not supported: Engram layers are sized from "
          "a Hugging Face tokenizer (MaxText needs tokenizer_path and hf_access_token); accepted: "
          "override_model_config=true engram_layers=[]")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
-  limits.check_config(c)  # finite numbers, buildable sizes (inspect_tool/run/limits.py)
+  limits.check_config(c)  # buildable sizes (inspect_tool/run/limits.py)
+
+
+# Numbers the forward pass divides by or takes the log of (RoPE, YaRN, RMSNorm): zero or negative values give
+# `math domain error` tracebacks or NaN logits, so they must be positive.
+POSITIVE_NUMBERS = ("normalization_layer_epsilon", "rope_max_timescale", "max_position_embeddings",
+                    "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow")
+
+
+def _validate_positive_floats(c) -> None:
+  for name in POSITIVE_NUMBERS:
+    value = getattr(c, name)
+    _check(value > 0, f"{name}={value} must be > 0 (RoPE, YaRN and RMSNorm divide by it or take its log)")
+  recall = c.indexer_approx_top_k_recall
+  _check(0 < recall <= 1, f"indexer_approx_top_k_recall={recall} must be in (0, 1] (a recall target)")
 
 
 def forward_failure(c) -> str | None:
@@ -136,7 +156,7 @@ def _validate_deepseek4(c) -> None:
   ratios = []
   for value in c.compress_ratios:
     _check(str(value).isdigit() and (int(value) == 0 or int(value) >= 4),
-           f"compress_ratios entry {value!r}: compress_ratio must be 0 (disabled) or >= 4")
+           f"compress_ratios entry {errors.shown(value)}: compress_ratio must be 0 (disabled) or >= 4")
     ratios.append(int(value))
   layers = _layers(c)
   _check(0 <= c.first_num_hash_layers <= c.num_decoder_layers,
@@ -146,6 +166,10 @@ def _validate_deepseek4(c) -> None:
   if c.scan_layers:
     needed, by = c.first_num_hash_layers, f"first_num_hash_layers={c.first_num_hash_layers} with scan_layers=true"
   _check(len(ratios) >= needed, f"compress_ratios has {len(ratios)} entries; {by} needs {needed}, one per layer")
+  _check(c.sliding_window_size >= 0, f"sliding_window_size={c.sliding_window_size} must be >= 0 (0: every "
+         "uncompressed key; n: the last n)")
+  _check(c.compressed_rope_max_timescale > 0,
+         f"compressed_rope_max_timescale={c.compressed_rope_max_timescale} must be a positive integer")
   _check(c.num_kv_heads == 1, f"base_num_kv_heads={c.base_num_kv_heads}: compressed attention has one key/value "
          "head (the compressed blocks are one head); accepted: 1")
   for name in ("q_lora_rank", "o_groups", "o_lora_rank"):
@@ -171,5 +195,5 @@ def _validate_calibrations(c) -> None:
       fp8.parse_calibration(value)
     except quant_errors.QuantError:
       raise errors.ConfigError(
-          f"{name}={value!r} is not supported with quantization={c.quantization!r}: the run quantizes "
+          f"{name}={errors.shown(value)} is not supported with quantization={c.quantization!r}: the run quantizes "
           f"symmetrically; accepted: {', '.join(fp8.CALIBRATIONS)}") from None

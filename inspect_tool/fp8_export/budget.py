@@ -15,31 +15,23 @@ import dataclasses
 import itertools
 import math
 import os
-import re
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
+from inspect_tool.configuration import sizes
 from inspect_tool.run import limits
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
-  """Bytes of a size like `600MB`, `2GiB`, `1.5G` or `1000000`.
+def parse_size(text: str, option: str = "--max-memory") -> int:
+  """Bytes of a size like `600MB`, `2GiB`, `1.5G` or `1000000` (k, M, G, T: powers of 1000; `sizes`).
 
   Raises:
     errors.InputError: not such a size.
   """
-  match = _SIZE.match(str(text))
-  unit = match.group(2).lower() if match else None
-  if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-    raise errors.InputError(f"--max-memory {text!r} is not a size; accepted: a positive number with an optional "
-                            "unit, e.g. 600MB, 2GiB, 1.5G")
-  return int(float(match.group(1)) * _UNITS[unit])
+  return sizes.parse_size(text, option, sizes.DECIMAL_UNITS)
 
 
 def format_size(nbytes: float) -> str:
@@ -81,6 +73,19 @@ def resolve_max_memory(max_memory: int | None) -> int:
     raise errors.InputError(f"--max-memory {format_size(max_memory)} is more than this process can get: "
                             f"{format_size(ceiling)} ({source}); accepted: a size up to {format_size(ceiling)}")
   return int(max_memory)
+
+
+def check_floor(max_memory: int) -> None:
+  """Refuses a `--max-memory` that is not above what this process already holds (its resident memory, the
+  floor under which nothing can be read).
+
+  Raises:
+    errors.InputError: `max_memory` <= the resident memory now.
+  """
+  held = current_rss()
+  if max_memory <= held:
+    raise errors.InputError(f"--max-memory {format_size(max_memory)} is not above the {format_size(held)} this "
+                            f"process already holds; accepted: more than {format_size(held)}")
 
 
 def current_rss() -> int:

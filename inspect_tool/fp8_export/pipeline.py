@@ -32,6 +32,7 @@ from inspect_tool.fp8_export import read
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_orbax
+from inspect_tool.run import limits
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
 
@@ -86,11 +87,10 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 def _check_source(cfg, source: str | None) -> None:
   """Refuses up front (one line, exit 2) a model MaxText cannot run, and a random init (no source) that does not
   fit in the available memory (`read.InitSource` builds the whole model)."""
-  from inspect_tool.run import limits  # pylint: disable=import-outside-toplevel
 
   validation.check_runs(cfg, "export")
   if source is None:
-    limits.check_memory(cfg, 1, 1, what="export from a random init (no --checkpoint)")
+    limits.check_init_memory(cfg, "export --random-init")
 
 
 def _validation_skip(source_bytes: int, max_memory: int) -> str | None:

@@ -63,6 +63,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   cfg = config_lib.resolve_config(keys)
   _check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
+  budget.check_floor(max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
     report = _import(cfg, keys, path, dst, **args)

@@ -45,7 +45,7 @@ def check_numbers(values: dict[str, Any]) -> None:
       if isinstance(number, float) and not math.isfinite(number):
         raise errors.ConfigError(f"{name}={number} is not a finite number")
       if isinstance(number, int) and not -INT64_MAX <= number <= INT64_MAX:
-        raise errors.ConfigError(f"{name}={number} does not fit in a 64-bit integer")
+        raise errors.ConfigError(f"{name}={errors.shown(number)} does not fit in a 64-bit integer")
 
 
 def _largest_arrays(cfg) -> dict[str, int]:
@@ -62,11 +62,16 @@ def _largest_arrays(cfg) -> dict[str, int]:
   }
 
 
-def check_config(cfg) -> None:
-  """Refuses a config whose numbers are not finite or whose model could not be built (see module doc)."""
+def check_config_numbers(cfg) -> None:
+  """Refuses a config with a number that is not finite or past int64 (checked before any other rule, so that no
+  message quotes a 4000-digit number)."""
   fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}
   check_numbers(fields)
   check_numbers(dict(getattr(cfg, "passthrough", {}) or {}))
+
+
+def check_config(cfg) -> None:
+  """Refuses a config whose model could not be built (see module doc); `check_config_numbers` ran first."""
   for what, (count, keys) in _largest_arrays(cfg).items():
     if count >= MAX_ELEMENTS:
       raise errors.ConfigError(f"the model's {what} would hold {count:.3g} elements (>= 2^62; {keys}); "
@@ -140,12 +145,29 @@ def parameter_bytes(cfg) -> int:
 
 def check_memory(cfg, batch: int, seq: int, *, grad: bool = False, what: str = "forward") -> None:
   """Refuses a run whose estimated memory exceeds what is available: "needs X, available Y"."""
-  available, source = available_memory()
-  if available is None or os.environ.get(SKIP_ENV) == "1":
+  if _memory_unchecked():
     return
   weights = parameter_bytes(cfg) * (2 if grad else 1)
-  needed = weights + activation_bytes(cfg, batch, seq) * (2 if grad else 1) + RUNTIME_BYTES
+  _refuse_over(weights + activation_bytes(cfg, batch, seq) * (2 if grad else 1) + RUNTIME_BYTES, weights,
+               f"{what} of {cfg.model_name}")
+
+
+def check_init_memory(cfg, what: str) -> None:
+  """Refuses building the whole seeded random init of `cfg`'s model when it cannot fit: the weights twice (JAX's
+  arrays and their NumPy copies) plus `RUNTIME_BYTES`, against what is available."""
+  if _memory_unchecked():
+    return
+  weights = parameter_bytes(cfg)
+  _refuse_over(2 * weights + RUNTIME_BYTES, weights, f"{what} of {cfg.model_name}")
+
+
+def _memory_unchecked() -> bool:
+  return available_memory()[0] is None or os.environ.get(SKIP_ENV) == "1"
+
+
+def _refuse_over(needed: int, weights: int, what: str) -> None:
+  available, source = available_memory()
   if needed > available:
     raise errors.InputError(
-        f"{what} of {cfg.model_name} needs about {_gib(needed)} (weights {_gib(weights)}), available "
+        f"{what} needs about {_gib(needed)} (weights {_gib(weights)}), available "
         f"{_gib(available)} ({source}); use a smaller model or a machine with more memory")

@@ -21,24 +21,20 @@ buffers beyond the activations; `opt_type=muon` is refused rather than guessed.
 from __future__ import annotations
 
 import dataclasses
-import re
 
+from inspect_tool import errors
+from inspect_tool.configuration import sizes
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
 
 OPTIMIZERS = ("adamw", "adam_pax", "sgd")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_bytes(text: str) -> int:
-  """`95GiB`, `80GB`, `1.5TiB`, `1024` → bytes; `ShardingError` naming the accepted units otherwise."""
-  m = _SIZE.fullmatch(str(text))
-  if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-    raise mesh_lib.ShardingError(f"--device-memory {text!r}: expected a positive size such as 95GiB, 80GB or "
-                                 "16384MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+  """`95GiB`, `80GB`, `1.5TiB`, `1024` → bytes (a bare K, M, G, T: powers of 1024); `ShardingError` otherwise."""
+  return sizes.parse_size(text, "--device-memory", _UNITS, mesh_lib.ShardingError, "95GiB, 80GB, 16384MiB")
 
 
 def optimizer_of(cfg, train: str | None) -> str | None:
@@ -50,7 +46,7 @@ def optimizer_of(cfg, train: str | None) -> str | None:
     raise mesh_lib.ShardingError("shard_optimizer_over_data=true (Zero-1) shards the optimizer state over 'data' on "
                                  "top of the parameters' layout; per-device memory for it is not modelled")
   if name not in OPTIMIZERS:
-    given = f"--train {name}" if train else f"opt_type={name!r}"
+    given = f"--train {name}" if train else f"opt_type={errors.shown(name)}"
     raise mesh_lib.ShardingError(f"{given}: per-device memory is modelled for {', '.join(OPTIMIZERS)}"
                                  + (" (muon's state layout is not modelled)" if name == "muon" else ""))
   return name

@@ -176,16 +176,20 @@ def build_mesh(cfg, devices: int) -> Mesh:
   """The mesh MaxText 0.2.5 makes for `cfg` on `devices` devices; `ShardingError` where MaxText refuses."""
   if devices < 1:
     raise ShardingError(f"--devices {devices}: the device count must be a positive integer")
-  axes = [str(a) for a in cfg.mesh_axes]
+  given = cfg.mesh_axes
+  if not isinstance(given, (list, tuple)) or not all(isinstance(a, str) for a in given):
+    raise ShardingError(f"mesh_axes={errors.shown(given)} is not a list of mesh axis names; known: "
+                        f"{', '.join(AXIS_KEYS)}")
+  axes = list(given)
   if not axes:
-    raise ShardingError(f"mesh_axes={list(cfg.mesh_axes)} names no axis; give MaxText's axes (known: "
+    raise ShardingError(f"mesh_axes={list(given)} names no axis; give MaxText's axes (known: "
                         f"{', '.join(AXIS_KEYS)})")
   if len(set(axes)) != len(axes):
-    raise ShardingError(f"mesh_axes {axes} names an axis twice")
+    raise ShardingError(f"mesh_axes={errors.shown(axes)} names an axis twice")
   unknown = [a for a in axes if a not in AXIS_KEYS and a not in _SIZE_ONE_AXES]
   if unknown:
-    raise ShardingError(f"mesh_axes: unknown axis {unknown[0]!r} (MaxText has no ici_/dcn_ key for it); known: "
-                        f"{', '.join(AXIS_KEYS)}")
+    raise ShardingError(f"mesh_axes: unknown axis {errors.shown(unknown[0])} (MaxText has no ici_/dcn_ key for it); "
+                        f"known: {', '.join(AXIS_KEYS)}")
   slices = num_slices(cfg)
   if devices % slices:
     raise ShardingError(f"--devices {devices} is not divisible by num_slices={slices}")

@@ -21,25 +21,40 @@ import functools
 import math
 from typing import Sequence
 
+from inspect_tool import errors
 from inspect_tool.sharding import mesh as mesh_lib
 
 Entry = str | tuple[str, ...] | None  # one dimension of a spec
 _UNASSIGNED = object()
 
 
-def _as_mesh_names(value) -> str | tuple[str, ...]:
-  if isinstance(value, str):
-    return value
-  return tuple(str(v) for v in (value or ()))
+def _as_mesh_names(rule, value) -> str | tuple[str, ...]:
+  """A rule's mesh axes: one name, or a list of distinct names (none or null: replicated)."""
+  names = [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [] if value is None \
+      else None
+  if names is None or not all(isinstance(n, str) and n for n in names):
+    raise mesh_lib.ShardingError(f"logical_axis_rules entry {errors.shown(rule)}: the mesh axes must be a mesh axis "
+                                 "name or a list of them (e.g. [embed, [fsdp, expert]])")
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise mesh_lib.ShardingError(f"logical_axis_rules entry {errors.shown(rule)} names mesh axis {repeated[0]!r} "
+                                 "twice; JAX refuses a sharding that uses one mesh axis twice (DuplicateSpecError)")
+  return value if isinstance(value, str) else tuple(names)
 
 
 def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...]], ...]:
-  """`[[name, [axes...]], [name, axis], ...]` (YAML lists) → tuple pairs; `ShardingError` for another shape."""
+  """`[[name, [axes...]], [name, axis], ...]` (YAML lists) → tuple pairs; `ShardingError` for another shape, an
+  empty logical name, a mesh axis that is not a name or one named twice in a rule."""
+  if rules is not None and not isinstance(rules, (list, tuple)):
+    raise mesh_lib.ShardingError(f"logical_axis_rules={errors.shown(rules)} is not a list of "
+                                 "[logical_name, mesh_axes] pairs")
   out = []
   for rule in rules or ():
     if not isinstance(rule, (list, tuple)) or len(rule) != 2 or not isinstance(rule[0], str):
-      raise mesh_lib.ShardingError(f"logical_axis_rules entry {rule!r} is not [logical_name, mesh_axes]")
-    out.append((rule[0], _as_mesh_names(rule[1])))
+      raise mesh_lib.ShardingError(f"logical_axis_rules entry {errors.shown(rule)} is not [logical_name, mesh_axes]")
+    if not rule[0].strip():
+      raise mesh_lib.ShardingError(f"logical_axis_rules entry {errors.shown(rule)} has an empty logical axis name")
+    out.append((rule[0], _as_mesh_names(rule, rule[1])))
   return tuple(out)
 
 
