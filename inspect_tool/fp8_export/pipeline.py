@@ -87,7 +87,6 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
 def _check_source(cfg, source: str | None) -> None:
   """Refuses up front (one line, exit 2) a model MaxText cannot run, and a random init (no source) that does not
   fit in the available memory (`read.InitSource` builds the whole model)."""
-
   validation.check_runs(cfg, "export")
   if source is None:
     limits.check_init_memory(cfg, "export --random-init")
