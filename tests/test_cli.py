@@ -170,7 +170,7 @@ def _boolean_flags():
 
 
 def _value(ctx, param):
-  return ctx.meta["inspect_checkpoint.overwrite"] if not param.expose_value else ctx.params[param.name]
+  return ctx.meta[f"inspect_checkpoint.{param.name}"] if not param.expose_value else ctx.params[param.name]
 
 
 def test_every_boolean_flag_of_every_command_takes_maxtext_true_and_false():

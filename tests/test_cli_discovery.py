@@ -183,26 +183,20 @@ def test_what_keys_says_a_key_affects_is_what_it_changes(capsys):
 MAXTEXT_SLICES = {"v4-8": 4, "v5p-8": 4, "v5p-256": 128, "v5e-256": 256, "v6e-64": 64, "tpu7x-2": 2, "a3": 8}
 
 
-def test_topologies_lists_maxtexts_slices(capsys):
+def test_topologies_lists_maxtexts_slices_with_their_chips_memory(capsys):
   code, out, _ = run(capsys, "topologies", "--format", "json")
   rows = {r["name"]: r for r in json.loads(out)["topologies"]}
   assert code == 0 and {n: rows[n]["devices"] for n in MAXTEXT_SLICES} == MAXTEXT_SLICES
   assert rows["a3"]["platform"] == "gpu" and rows["v5p-8"]["platform"] == "tpu"
   assert set(rows) == set(mesh.topologies())
+  # Per-chip memory from the vendors' pages: v5p 95 GiB (TPU v5p), H100 SXM 80 GB (a3 is 8 H100s).
+  assert (rows["v5p-256"]["chip"], rows["v5p-256"]["hbm_per_device"]) == ("v5p", "95GiB")
+  assert (rows["a3"]["chip"], rows["a3"]["hbm_per_device"]) == ("h100", "80GB")
+  assert rows["h100"]["devices"] is None  # a chip's name alone: the count comes from --devices
   code, out, _ = run(capsys, "topologies")
-  assert code == 0 and re.search(r"^v5p-256 +128 +tpu", out, re.M)
-
-
-def test_topologies_shows_an_hbm_column_only_when_the_table_has_one(capsys, tmp_path, monkeypatch):
-  table = tmp_path / "topologies.txt"
-  table.write_text("# name devices platform hbm\nv5p-8 4 tpu 95GiB\na3 8 gpu 80GB\n")
-  monkeypatch.setattr(mesh, "TOPOLOGY_FILE", str(table))
-  code, out, _ = run(capsys, "topologies")
-  assert code == 0 and out.splitlines()[0].split() == ["topology", "devices/slice", "platform", "HBM/device"]
-  assert out.splitlines()[1].split() == ["v5p-8", "4", "tpu", "95GiB"]
-  table.write_text("v5p-8 4 tpu\n")
-  code, out, _ = run(capsys, "topologies", "--format", "json")
-  assert code == 0 and json.loads(out)["topologies"] == [{"name": "v5p-8", "devices": 4, "platform": "tpu"}]
+  assert code == 0 and out.splitlines()[0].split() == ["topology", "devices/slice", "platform", "chip",
+                                                       "memory/device"]
+  assert re.search(r"^v5p-256 +128 +tpu +v5p +95GiB$", out, re.M) and re.search(r"^h100 +- +gpu", out, re.M)
 
 
 # ----------------------------------------------------------------------------------------------------------------

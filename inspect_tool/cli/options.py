@@ -214,6 +214,7 @@ def start_processes(coordinator, num_processes, process_id, quiet) -> None:
 
 
 def _configure_compile_cache(ctx, param, value):  # pylint: disable=unused-argument
+  ctx.meta["inspect_checkpoint.compile_cache"] = value
   if not ctx.resilient_parsing:
     from inspect_tool.run import compile_cache  # pylint: disable=import-outside-toplevel
     compile_cache.configure(value)

@@ -52,9 +52,10 @@ def keys_json(rows, legend: dict[str, str]) -> str:
 
 
 def topologies_text(rows) -> str:
-  columns = [c for c in ("name", "devices", "platform", "hbm_per_device") if any(c in r for r in rows)]
-  titles = {"name": "topology", "devices": "devices/slice", "platform": "platform", "hbm_per_device": "HBM/device"}
-  body = [[str(r.get(c, "-")) for c in columns] for r in rows]
+  columns = ("name", "devices", "platform", "chip", "hbm_per_device")
+  titles = {"name": "topology", "devices": "devices/slice", "platform": "platform", "chip": "chip",
+            "hbm_per_device": "memory/device"}
+  body = [["-" if r.get(c) is None else str(r[c]) for c in columns] for r in rows]
   return table([titles[c] for c in columns], body, right=(1,))
 
 

@@ -1,22 +1,18 @@
-"""The `--topology` table as rows for `inspect_checkpoint topologies`: every column `topologies.txt` holds."""
+"""The `--topology` table as rows for `inspect_checkpoint topologies`: name, devices per slice, chip, its memory."""
 
 from __future__ import annotations
 
 from inspect_tool.sharding import mesh
 
-# The columns of topologies.txt after the name, in order; a file without the last ones simply lacks them.
-COLUMNS = ("devices", "platform", "hbm_per_device")
+GPU_CHIPS = ("h100", "h200", "b200")
 
 
 def rows() -> list[dict]:
-  """One dict per topology, in the file's order: `name`, `devices` (int) and whichever other columns it has."""
+  """One dict per `--topology` name, in the file's order: `name`, `devices` (None for a chip's name alone, which
+  takes the count from --devices), `platform`, `chip` and `hbm_per_device` (the memory one device has)."""
   out = []
-  with open(mesh.TOPOLOGY_FILE, encoding="utf-8") as f:
-    for line in f:
-      if not line.strip() or line.startswith("#"):
-        continue
-      name, *values = line.split()
-      row = {"name": name, **dict(zip(COLUMNS, values))}
-      row["devices"] = int(row["devices"])
-      out.append(row)
+  for name, devices in mesh.topologies().items():
+    chip = mesh.topology_chip(name)
+    out.append({"name": name, "devices": devices, "platform": "gpu" if chip.name in GPU_CHIPS else "tpu",
+                "chip": chip.name, "hbm_per_device": chip.memory_text})
   return out
