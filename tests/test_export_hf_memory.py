@@ -18,6 +18,8 @@ import export_sources
 import memory_cgroup
 from test_export_memory import _arrays
 
+pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 600 * 10**6
 # The tied embedding (614400 x 512: 1.26 GB float32, 629 MB bfloat16) dominates: the one shard (5 GB limit) and

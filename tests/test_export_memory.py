@@ -15,6 +15,8 @@ import pytest
 
 import export_sources
 
+pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 LIMIT = 600 * 10**6

@@ -12,6 +12,8 @@ from test_export_distributed import _arrays
 import memory_cgroup
 import hf_sources
 
+pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
+
 LIMIT = 600 * 10**6
 E, FM, X, F, V = 1024, 1536, 64, 2048, 1024  # routed experts wi_0/wi_1/wo: (64, 2, 1024, 1536) float32 = 805 MB each
 WI_0 = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"
