@@ -43,7 +43,7 @@ class MismatchError(InputError):
 
 
 class Interrupted(BaseException):
-  """SIGTERM or SIGHUP arrived: raised in the main thread so that partial outputs are removed (like Ctrl-C)."""
+  """SIGTERM, SIGHUP or SIGINT arrived: raised in the main thread so that partial outputs are removed."""
 
   def __init__(self, signum: int):
     import signal  # pylint: disable=import-outside-toplevel
@@ -51,6 +51,42 @@ class Interrupted(BaseException):
     super().__init__(signal.Signals(signum).name)
     self.signum = signum
     self.exit_code = 128 + signum
+
+
+_stop_signal: list[int] = []  # the first stop signal received (SIGTERM, SIGHUP, SIGINT), kept until the run ends
+STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
+
+
+def _stop(signum, frame):  # pylint: disable=unused-argument
+  """The handler of `STOP_SIGNALS`: remembers the signal, then raises `Interrupted` in the main thread. Where the
+  exception is swallowed (a callback that ignores exceptions, e.g. JAX's gc hook), `check_stop` raises it again at
+  the next stage boundary, and always before an output is committed."""
+  if not _stop_signal:
+    _stop_signal.append(signum)
+  raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+  """SIGTERM, SIGHUP and SIGINT stop a run the way Ctrl-C does (outputs in progress removed, one line printed).
+
+  Called at start-up and again after anything that may replace the handlers (JAX's distributed runtime)."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+
+  if threading.current_thread() is threading.main_thread():
+    for name in STOP_SIGNALS:
+      signal.signal(getattr(signal, name), _stop)
+
+
+def clear_stop() -> None:
+  """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
+  _stop_signal.clear()
+
+
+def check_stop() -> None:
+  """Raises `Interrupted` when a stop signal has arrived (even if its first exception was swallowed)."""
+  if _stop_signal:
+    raise Interrupted(_stop_signal[0])
 
 
 def quiet_closed_event_loop() -> None:

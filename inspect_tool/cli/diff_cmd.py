@@ -17,7 +17,7 @@ from inspect_tool.cli import options
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @options.report_options(formats=options.FORMATS)
 @options.distributed_options
-def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_id, quiet):
+def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -29,7 +29,7 @@ def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file)
-  options.start_processes(coordinator, num_processes, process_id, quiet)
+  options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:

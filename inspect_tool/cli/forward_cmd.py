@@ -28,7 +28,7 @@ from inspect_tool.cli import options
 @options.report_options()
 @options.distributed_options
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, verbose, fmt, output_file,
-            coordinator, num_processes, process_id, quiet):
+            coordinator, num_processes, process_id, timeout, quiet):
   """Run the model of key=value overrides; print the weights it ran, the loss, MTP loss per depth and top-1
   predictions.
 
@@ -41,13 +41,13 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
-  options.start_processes(coordinator, num_processes, process_id, quiet)
   options.check_output_files(save_logits, output_file)
-  cfg = config.resolve_config(overrides)
-  if verbose:
-    click.echo("\n".join(config.describe_keys(overrides)), err=True)
+  cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
+  options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
+  if verbose:
+    click.echo("\n".join(config.describe_keys(overrides)), err=True)
   from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
   if compare and weights.is_random(checkpoint):
     click.echo(weights.RANDOM_WARNING.format(seed=cfg.init_weights_seed), err=True)

@@ -267,8 +267,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   for job in jobs:
     if job.quant is None:
       copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
-    for key, _, _, chunk, *_ in _outputs(job):
-      writer.register(key, chunk)
+    for key, shape, dtype, chunk, *_ in _outputs(job):
+      writer.register(key, chunk, shape, dtype)
     units = job.units()
     owned.append([unit for i, unit in enumerate(units) if (running + i) % process_count == process_index])
     running += len(units)
@@ -384,7 +384,7 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
     if index == 0:
       if step:
         writer.write_scalar(("step",), 0, np.int64)
-      writer.finalize(step_dir, ITEM)
+      writer.finalize(step_dir, ITEM, count)
   except quant_errors.QuantError as e:
     raise errors.InputError(str(e).replace(tmp, dst)) from None
   return written

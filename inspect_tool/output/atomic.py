@@ -85,9 +85,11 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     raise errors.InputError(_os_error_message(dst, e)) from None
   try:
     yield tmp
+    errors.check_stop()  # a stopped run never commits, even if its signal's exception was swallowed
     os.unlink(os.path.join(tmp, destination.TMP_MARKER))
     _fsync_tree(tmp)
     test_point("swap")
+    errors.check_stop()
     if os.path.lexists(dst):
       destination.check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
       _swap_into_place(tmp, dst)
