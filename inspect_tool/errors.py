@@ -57,13 +57,35 @@ _stop_signal: list[int] = []  # the first stop signal received (SIGTERM, SIGHUP,
 STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
 
 
-def _stop(signum, frame):  # pylint: disable=unused-argument
-  """The handler of `STOP_SIGNALS`: remembers the signal, then raises `Interrupted` in the main thread. Where the
-  exception is swallowed (a callback that ignores exceptions, e.g. JAX's gc hook), `check_stop` raises it again at
-  the next stage boundary, and always before an output is committed."""
+def _stop(signum, frame):
+  """The handler of `STOP_SIGNALS`: remembers the signal, then raises `Interrupted` in the main thread.
+
+  Python swallows an exception raised in a gc callback (JAX's `_xla_gc_callback` runs often) or a `__del__`
+  ("Exception ignored in ..."): there the handler raises nothing and runs again 50 ms later instead. Should the
+  exception still be lost, `check_stop` raises it at the next stage boundary, and always before a commit."""
   if not _stop_signal:
     _stop_signal.append(signum)
+  if _swallowing(frame):
+    import _thread  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+
+    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
+    timer.daemon = True
+    timer.start()
+    return
   raise Interrupted(signum)
+
+
+def _swallowing(frame) -> bool:
+  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
+  import gc  # pylint: disable=import-outside-toplevel
+
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
 
 
 def install_stop_handlers() -> None:

@@ -51,7 +51,7 @@ def parse_coordinator(text: str) -> tuple[str, int]:
     try:
       socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
-      raise errors.InputError(f"--coordinator host {host[:200]!r} does not resolve ({e.__class__.__name__}); "
+      raise errors.InputError(f"--coordinator host {host[:200]!r} does not resolve ({getattr(e, 'strerror', None) or type(e).__name__}); "
                               f"{accepted}") from None
   return host, int(port)
 

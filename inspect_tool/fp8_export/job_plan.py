@@ -44,9 +44,15 @@ def agree_on_inputs(tokens: Sequence[str], source: str | None, dst: str, overwri
     values = [json.dumps(g["inputs"][name]) for g in given]
     if _differing(values):
       bad = _differing(values)[0]
-      raise errors.InputError(
-          f"the processes of this job were given different {name}: process {bad} has "
-          f"{values[bad][:120]}, process 0 has {values[0][:120]}; accepted: the same {name} on every process")
+      if name == "keys":
+        mine, first = given[bad]["inputs"][name], given[0]["inputs"][name]
+        extra = [k for k in mine if k not in first] or ["(none)"]
+        lacks = [k for k in first if k not in mine] or ["(none)"]
+        shown = f"{' '.join(extra)[:120]} where process 0 has {' '.join(lacks)[:120]}"
+      else:
+        shown = f"{values[bad][:120]} where process 0 has {values[0][:120]}"
+      raise errors.InputError(f"the processes of this job were given different {name}: process {bad} has {shown}; "
+                              f"accepted: the same {name} on every process; nothing was written")
   return min(int(g["max_memory"]) for g in given)
 
 
