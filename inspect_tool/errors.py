@@ -53,64 +53,6 @@ class Interrupted(BaseException):
     self.exit_code = 128 + signum
 
 
-_stop_signal: list[int] = []  # the first stop signal received (SIGTERM, SIGHUP, SIGINT), kept until the run ends
-STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
-
-
-def _stop(signum, frame):
-  """The handler of `STOP_SIGNALS`: remembers the signal, then raises `Interrupted` in the main thread.
-
-  Python swallows an exception raised in a gc callback (JAX's `_xla_gc_callback` runs often) or a `__del__`
-  ("Exception ignored in ..."): there the handler raises nothing and runs again 50 ms later instead. Should the
-  exception still be lost, `check_stop` raises it at the next stage boundary, and always before a commit."""
-  if not _stop_signal:
-    _stop_signal.append(signum)
-  if _swallowing(frame):
-    import _thread  # pylint: disable=import-outside-toplevel
-    import threading  # pylint: disable=import-outside-toplevel
-
-    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
-    timer.daemon = True
-    timer.start()
-    return
-  raise Interrupted(signum)
-
-
-def _swallowing(frame) -> bool:
-  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
-  import gc  # pylint: disable=import-outside-toplevel
-
-  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-  while frame is not None:
-    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-      return True
-    frame = frame.f_back
-  return False
-
-
-def install_stop_handlers() -> None:
-  """SIGTERM, SIGHUP and SIGINT stop a run the way Ctrl-C does (outputs in progress removed, one line printed).
-
-  Called at start-up and again after anything that may replace the handlers (JAX's distributed runtime)."""
-  import signal  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
-
-  if threading.current_thread() is threading.main_thread():
-    for name in STOP_SIGNALS:
-      signal.signal(getattr(signal, name), _stop)
-
-
-def clear_stop() -> None:
-  """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
-  _stop_signal.clear()
-
-
-def check_stop() -> None:
-  """Raises `Interrupted` when a stop signal has arrived (even if its first exception was swallowed)."""
-  if _stop_signal:
-    raise Interrupted(_stop_signal[0])
-
-
 def quiet_closed_event_loop() -> None:
   """Drops the asyncio teardown tracebacks that follow a failed Orbax restore (after its one-line error).
 

@@ -97,10 +97,11 @@ def _library_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  errors.clear_stop()
-  errors.install_stop_handlers()
+  stop.clear()
+  stop.install_handlers()
   errors.quiet_closed_event_loop()
   code = _run(argv)
   from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
@@ -112,10 +113,11 @@ def _run(argv: list[str]) -> int:
   """The command's exit code; a failure is one line on stderr and, in a multi-process job, is sent to the others."""
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   try:
     code = cli.main(args=argv, prog_name="inspect_checkpoint", standalone_mode=False)
-    errors.check_stop()  # a stop signal whose exception was swallowed still fails the run
+    stop.check()  # a stop signal whose exception was swallowed still fails the run
   except click.exceptions.Exit as e:
     return e.exit_code
   except click.UsageError as e:  # one line, like every other input error
@@ -139,7 +141,8 @@ def _run(argv: list[str]) -> int:
     runtime.abandon(f"{type(e).__name__}: {str(e)[:200]}")
     raise
   except errors.Interrupted as e:
-    click.echo(f"interrupted by {e}; nothing was left half-written", err=True)
+    sys.stderr.flush()
+    stop.report(f"interrupted by {e}; nothing was left half-written")
     runtime.abandon(f"interrupted by {e}")
     return e.exit_code
   return code if isinstance(code, int) else 0

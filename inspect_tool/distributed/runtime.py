@@ -51,8 +51,8 @@ def parse_coordinator(text: str) -> tuple[str, int]:
     try:
       socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
-      raise errors.InputError(f"--coordinator host {host[:200]!r} does not resolve ({getattr(e, 'strerror', None) or type(e).__name__}); "
-                              f"{accepted}") from None
+      reason = getattr(e, "strerror", None) or type(e).__name__
+      raise errors.InputError(f"--coordinator host {host[:200]!r} does not resolve ({reason}); {accepted}") from None
   return host, int(port)
 
 
@@ -115,7 +115,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
   finally:
-    errors.install_stop_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT stop the run our way
+    from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
+    stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT stop the run our way
   _started = True
   _keep_stdout_for_data()
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from inspect_tool.output import atomic
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.output import destination
+from inspect_tool.output import stop
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.fp8_export import budget
@@ -114,7 +115,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
   jobs = write_orbax.plan_jobs(plan, src, max_memory, held)
   job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
-  errors.check_stop()
+  stop.check()
   source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
   skipped = None
   if run_validation:
@@ -134,7 +135,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
       return ExportResult(os.path.abspath(dst), {}, None)
-    errors.check_stop()
+    stop.check()
     atomic.test_point("written")
     validation = None
     if not skipped:
@@ -150,7 +151,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
                                      validation_skipped=skipped, memory=memory, dst=dst)
     atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
-    errors.check_stop()
+    stop.check()
   distributed.barrier("committed")
   return ExportResult(os.path.abspath(dst), report, validation)
 

@@ -28,6 +28,7 @@ from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
+from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 
 REPORT_NAME = "import_report.json"
@@ -106,7 +107,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
     held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
     jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
     job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
-    errors.check_stop()
+    stop.check()
     unused = src.unused_names()
     if unused and index == 0:
       shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
@@ -118,7 +119,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
       if index != 0:
         distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
         return {}
-      errors.check_stop()
+      stop.check()
       atomic.test_point("written")
       copies = mtp_copies(src, cfg)
       report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
@@ -127,7 +128,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
                                "processes": distributed.process_count()})
       atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
       atomic.test_point("report")
-      errors.check_stop()
+      stop.check()
     distributed.barrier("committed")
   finally:
     src.close()
