@@ -103,8 +103,11 @@ class Job:
         left = deadline - time.monotonic()
         if left <= 0:
           missing = sorted(set(range(1, self.count)) - set(waiting))
-          raise JobError(f"process(es) {', '.join(map(str, missing))} of --num-processes {self.count} did not join "
-                         f"within {self.timeout:g} s (see --timeout)")
+          message = (f"process(es) {', '.join(map(str, missing))} of --num-processes {self.count} did not join "
+                     f"within {self.timeout:g} s (see --timeout)")
+          self._peers = list(waiting.values())
+          self.fail(message)
+          raise JobError(message)
         server.settimeout(left)
         try:
           sock, _ = server.accept()
@@ -151,9 +154,9 @@ class Job:
     peer = _Peer(sock, "process 0")
     peer.send({"hello": self.index, "count": self.count})
     self._peers = [peer]
-    reply = peer.recv(max(deadline - time.monotonic(), 1.0), "every process to join")
+    reply = peer.recv(self.timeout + 10.0, "every process to join")  # process 0 says first why not
     if "fail" in reply:
-      raise JobError(reply["fail"])
+      raise JobError(f"process 0: {reply['fail']}")
 
   def _heartbeat(self) -> None:
     period = max(0.2, min(5.0, self.timeout / 4))

@@ -7,7 +7,8 @@ after JAX's distributed runtime, whose preemption notifier would take SIGTERM). 
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
 - the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
   a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
-  (`add_cleanup`), prints the line and exits `GRACE_S` seconds after the signal if the process is still alive.
+  (`add_cleanup`), prints the line and exits when the main thread has not taken the signal `GRACE_S` seconds
+  after it, or has not ended `CLEANUP_S` seconds after taking it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from inspect_tool import errors
 
 NAMES = ("SIGTERM", "SIGHUP", "SIGINT")
-GRACE_S = 3.0  # seconds the main thread has to stop by itself
+GRACE_S = 3.0  # seconds the main thread has to take the signal (raise `Interrupted`)
+CLEANUP_S = 30.0  # then, seconds it has to remove its outputs and end
 _received: list[int] = []  # the first stop signal, kept until the run ends
+_raised: list[bool] = []  # whether the main thread raised `Interrupted` for it
 _cleanups: dict[int, object] = {}  # id -> callable, run by the watchdog before it exits
 _report_lock = threading.Lock()
 _reported: list[bool] = []  # whether the one line was printed
@@ -37,6 +41,7 @@ def _handler(signum, frame):
     timer.daemon = True
     timer.start()
     return
+  _raised.append(True)
   raise errors.Interrupted(signum)
 
 
@@ -76,7 +81,8 @@ def _watch(read: int) -> None:
     signum = next((b for b in data if b in stops), None)
     if signum is None:
       continue
-    threading.Event().wait(GRACE_S)
+    if not _still_stopping(GRACE_S) or (_raised and not _still_stopping(CLEANUP_S)):
+      continue  # the run ended its own way, or a test went on (`clear`)
     report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
     for cleanup in list(_cleanups.values()):
       try:
@@ -84,6 +90,16 @@ def _watch(read: int) -> None:
       except Exception:  # pylint: disable=broad-except
         pass
     os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+def _still_stopping(seconds: float) -> bool:
+  """Waits `seconds`; False as soon as the stop is forgotten (`clear`)."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    if not _received:
+      return False
+    time.sleep(0.05)
+  return bool(_received)
 
 
 def report(line: str) -> bool:
@@ -116,4 +132,5 @@ def check() -> None:
 def clear() -> None:
   """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
   _received.clear()
+  _raised.clear()
   _reported.clear()
