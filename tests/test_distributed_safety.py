@@ -103,7 +103,8 @@ def test_processes_with_different_keys_fail_on_every_process_and_write_nothing(t
 def test_a_bad_budget_after_joining_ends_every_process_with_the_same_line(tmp_path):
   outs = _finish(_start(tmp_path / "dst", [[], ["--max-memory", "1KB"]]))
   lines = [_one_line(err) for _, _, err in outs]
-  assert [code for code, _, _ in outs] == [2, 2] and lines[0] == lines[1] and "--max-memory 1000 B is smaller" in lines[0]
+  assert [code for code, _, _ in outs] == [2, 2] and lines[0] == lines[1]
+  assert "--max-memory 1000 B is smaller" in lines[0]
   assert os.listdir(tmp_path) == []
 
 
@@ -194,7 +195,8 @@ def test_sigterm_to_process_0_of_a_job_commits_nothing_and_ends_both(tmp_path):
     outs = _finish(procs)
   assert outs[0][0] == 128 + signal.SIGTERM and "interrupted by SIGTERM" in _one_line(outs[0][2])
   assert outs[1][0] == 2 and "process 0: interrupted by SIGTERM" in _one_line(outs[1][2])
-  assert sorted(os.listdir(out / "dst")) == before and "command" not in (out / "dst" / "quantization_report.json").read_text()
+  assert sorted(os.listdir(out / "dst")) == before
+  assert "command" not in (out / "dst" / "quantization_report.json").read_text()
   assert [n for n in os.listdir(out) if n != ".dst.lock"] == ["dst"]
 
 
@@ -234,7 +236,8 @@ def stop_handlers():
     signal.signal(getattr(signal, name), handler)
 
 
-def test_ctrl_c_landing_in_a_gc_callback_is_not_dropped(stop_handlers):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures("stop_handlers")
+def test_ctrl_c_landing_in_a_gc_callback_is_not_dropped():
   """Python drops an exception raised in a gc callback ("Exception ignored in"); the stop arrives just after it."""
   fired, ignored = [], []
 
@@ -257,7 +260,8 @@ def test_ctrl_c_landing_in_a_gc_callback_is_not_dropped(stop_handlers):  # pylin
   assert fired and caught.value.signum == signal.SIGINT and ignored == []
 
 
-def test_a_stop_swallowed_by_the_work_never_commits(tmp_path, stop_handlers):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures("stop_handlers")
+def test_a_stop_swallowed_by_the_work_never_commits(tmp_path):
   dst = tmp_path / "dst"
   with pytest.raises(errors.Interrupted):
     with atomic.atomic_directory(str(dst)) as tmp:
@@ -314,3 +318,38 @@ def test_sigterm_during_an_overwrite_export_ends_it_promptly(tmp_path, attempt):
     proc.kill()
   assert proc.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in _one_line(err)
   assert sorted(os.listdir(out / "dst")) == before and os.listdir(out) == ["dst"]
+
+
+def _two_writers(tmp_path, rows_by_process):
+  """Process 0 and 1's writers of one (4, 3) array in 4 one-row chunks, each writing `rows_by_process[i]`."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
+
+  items = tmp_path / "0" / "items"
+  items.mkdir(parents=True)
+  key, value = ("params", "params", "w"), np.arange(12, dtype=np.float32).reshape(4, 3)
+  writers = [orbax_writer.OrbaxArrayWriter(str(items), process_index=i) for i in range(2)]
+  for i, writer in enumerate(writers):
+    writer.register(key, (1, 3), value.shape, value.dtype)
+    if rows_by_process[i] is None:
+      continue
+    store, = writer.create_many([(key, value.shape, value.dtype, (1, 3))])
+    for row in rows_by_process[i]:
+      writer.write(store, (slice(row, row + 1),), value[row:row + 1])
+    writer.wait()
+  return writers[0], str(tmp_path / "0")
+
+
+def test_the_merge_refuses_a_missing_chunk_or_database(tmp_path):
+  """The merge (process 0) checks every process's database and every chunk before anything is committed."""
+  from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  writer, step = _two_writers(tmp_path / "a", [[0, 2], [1]])  # row 3 (chunk c/3/0) written by no one
+  with pytest.raises(CheckpointError, match="array params/params/w of the merged checkpoint has 3 of its 4 chunks"):
+    writer.finalize(step, "items", 2)
+  writer, step = _two_writers(tmp_path / "b", [[0, 2], None])  # process 1 wrote nothing
+  with pytest.raises(CheckpointError, match=r"the databases of process\(es\) 1 are missing"):
+    writer.finalize(step, "items", 2)
+  writer, step = _two_writers(tmp_path / "c", [[0, 2], [1, 3]])
+  writer.finalize(step, "items", 2)
+  assert os.path.exists(os.path.join(step, "items", "_METADATA"))
