@@ -122,6 +122,25 @@ def test_a_killed_process_ends_the_other_with_one_line(tmp_path, killed):
     assert os.listdir(tmp_path) in ([], [".dst.lock"])
 
 
+def test_a_stopped_process_ends_the_job_within_the_timeout(tmp_path):
+  """Process 1 frozen (SIGSTOP, no heartbeats): process 0 ends with one line after --timeout, then process 1, let
+  go, ends with one line too; nothing is written."""
+  flag = tmp_path / "paused"
+  procs = _start(tmp_path / "out" / "dst", [[], []], [{}, {atomic.PAUSE_ENV: f"start:{flag}"}], timeout=5)
+  (tmp_path / "out").mkdir()
+  try:
+    _wait_for(flag, procs[1])
+    procs[1].send_signal(signal.SIGSTOP)
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 2 and "process 1 sent nothing for 5 s" in _one_line(err)
+    procs[1].send_signal(signal.SIGCONT)
+    flag.unlink()
+  finally:
+    outs = _finish(procs[1:])
+  assert outs[0][0] == 2 and "process 0: process 1 sent nothing for 5 s" in _one_line(outs[0][2])
+  assert [n for n in os.listdir(tmp_path / "out") if n != ".dst.lock"] == []
+
+
 def test_a_missing_process_ends_the_job_within_the_timeout(tmp_path):
   """3 processes declared, 2 started: both end with one line after --timeout (5 s), not a SIGABRT after 126 s."""
   started = time.monotonic()

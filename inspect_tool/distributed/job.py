@@ -24,6 +24,7 @@ from inspect_tool import errors
 
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 1 << 20
+_FRAME, _BEAT = b"F", b"H"  # a message (length, JSON) follows; a heartbeat
 
 
 class JobError(errors.InspectError):
@@ -39,18 +40,27 @@ class _Peer:
   def send(self, message: dict) -> None:
     data = json.dumps(message).encode()
     with self._lock:
-      self.sock.sendall(_HEADER.pack(len(data)) + data)
+      self.sock.sendall(_FRAME + _HEADER.pack(len(data)) + data)
+
+  def beat(self) -> None:
+    """One heartbeat byte: sent whole or not at all, so a full buffer (a peer busy for hours) corrupts nothing."""
+    with self._lock:
+      self.sock.send(_BEAT)
 
   def recv(self, timeout: float, waiting_for: str) -> dict:
-    """The next frame other than a heartbeat; a frame must come at least every `timeout` seconds."""
+    """The next message; something (a message or a heartbeat) must come at least every `timeout` seconds."""
     while True:
-      header = self._read(_HEADER.size, timeout, waiting_for)
-      (size,) = _HEADER.unpack(header)
-      if size > _MAX_FRAME:
-        raise JobError(f"{self.name} sent a message of {size} bytes; this is not an inspect_checkpoint job")
-      message = json.loads(self._read(size, timeout, waiting_for))
-      if not message.get("alive"):
-        return message
+      kind = self._read(1, timeout, waiting_for)
+      if kind == _BEAT:
+        continue
+      (size,) = _HEADER.unpack(self._read(_HEADER.size, timeout, waiting_for))
+      if kind != _FRAME or size > _MAX_FRAME:
+        raise JobError(f"{self.name} sent something else than this tool's messages; accepted at --coordinator: "
+                       "the processes of one inspect_checkpoint job")
+      try:
+        return json.loads(self._read(size, timeout, waiting_for))
+      except ValueError:
+        raise JobError(f"{self.name} sent a message that is not JSON") from None
 
   def _read(self, size: int, timeout: float, waiting_for: str) -> bytes:
     out = b""
@@ -116,7 +126,7 @@ class Job:
         peer = _Peer(sock, "a process")
         try:
           hello = peer.recv(min(left, 10.0), "its hello")
-        except (JobError, ValueError):
+        except JobError:
           peer.close()
           continue
         index, count = hello.get("hello"), hello.get("count")
@@ -156,14 +166,14 @@ class Job:
     self._peers = [peer]
     reply = peer.recv(self.timeout + 10.0, "every process to join")  # process 0 says first why not
     if "fail" in reply:
-      raise JobError(f"process 0: {reply['fail']}")
+      raise JobError(f"process {reply.get('from', 0)}: {reply['fail']}")
 
   def _heartbeat(self) -> None:
     period = max(0.2, min(5.0, self.timeout / 4))
     while not self._closed.wait(period):
       for peer in list(self._peers):
         try:
-          peer.send({"alive": True})
+          peer.beat()
         except OSError:
           pass
 
@@ -178,8 +188,7 @@ class Job:
         pass  # process 0 has gone or failed: its last message (or the closed connection) says which
       reply = peer.recv(self.timeout, waiting_for)
       if "fail" in reply:
-        error = reply["fail"]
-        raise JobError(error if error.startswith("process ") else f"process 0: {error}")
+        raise JobError(f"process {reply.get('from', 0)}: {reply['fail']}")
       return list(reply["texts"])
     texts = [text]
     for peer in self._peers:
@@ -189,9 +198,8 @@ class Job:
         self.fail(str(e))
         raise
       if "fail" in message:
-        error = message["fail"] if message["fail"].startswith("process ") else f"{peer.name}: {message['fail']}"
-        self.fail(error)
-        raise JobError(error)
+        self.fail(message["fail"], origin=self._peers.index(peer) + 1)
+        raise JobError(f"{peer.name}: {message['fail']}")
       if message.get("tag") != tag:
         error = f"{peer.name} reached {message.get('tag')!r} where process 0 reached {tag!r}"
         self.fail(error)
@@ -204,12 +212,13 @@ class Job:
         pass
     return texts
 
-  def fail(self, message: str) -> None:
+  def fail(self, message: str, origin: int | None = None) -> None:
     """Tells the other processes (process 0: every one; another: process 0, which relays it) that the job
-    failed with `message`; best effort, then the connections close."""
+    failed with `message` (on process `origin`, default this one); best effort, then the connections close."""
+    origin = self.index if origin is None else origin
     for peer in self._peers:
       try:
-        peer.send({"fail": message})
+        peer.send({"fail": message, "from": origin})
       except OSError:
         pass
     self.close()
