@@ -108,6 +108,16 @@ def test_a_bad_budget_after_joining_ends_every_process_with_the_same_line(tmp_pa
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("bad, says", [(["quantize_mpt=true"], "quantize_mpt"),
+                                       (["--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt")])
+def test_a_bad_input_on_one_process_is_refused_before_joining(tmp_path, bad, says):
+  """Once the peers waited forever; now the bad process ends at once, the others after --timeout, one line each."""
+  outs = _finish(_start(tmp_path / "dst", [[], bad], timeout=5))
+  assert outs[1][0] == 2 and says in _one_line(outs[1][2])
+  assert outs[0][0] == 2 and "process(es) 1 of --num-processes 2 did not join within 5 s" in _one_line(outs[0][2])
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_process_ends_the_other_with_one_line(tmp_path, killed):
   envs = [{}, {}]

@@ -74,10 +74,11 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
   budget.resolve_max_memory(max_bytes)
   data = None
-  if validate:
+  if validate and layout == "orbax":
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
+  used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   if layout in ("deepseek-fp8", "deepseek-bf16"):
     if distributed.process_count() > 1:  # a job JAX's cluster detection found
@@ -86,7 +87,6 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     fp8 = layout == "deepseek-fp8"
     summary = pipeline.export_deepseek_fp8(overrides, dst, source=source, overwrite=overwrite,
                                            max_memory=max_bytes, fp8=fp8)
-    used = _weights_text(overrides, source)
     if fmt == "json":
       text = json.dumps(dict(summary, weights=used), indent=1) + "\n"
     else:
@@ -103,7 +103,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   if fmt == "json":
     text = json.dumps(result.report, indent=1) + "\n"
   else:
-    text = f"weights: {_weights_text(overrides, source)}\n" + report.format_text(result)
+    text = f"weights: {used}\n" + report.format_text(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
 

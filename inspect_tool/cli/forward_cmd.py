@@ -45,10 +45,11 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+  used = weights.describe(cfg, checkpoint)  # the checkpoint found (or named in one line) before joining
   options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
-  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
   if compare and weights.is_random(checkpoint):
     click.echo(weights.RANDOM_WARNING.format(seed=cfg.init_weights_seed), err=True)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
@@ -64,6 +65,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result)
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                              comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint)),
+                              comparisons=comparisons, grad=outcome.grad, weights=used),
                     output_file)
   return 0
