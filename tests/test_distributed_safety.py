@@ -382,3 +382,33 @@ def test_the_merge_refuses_a_missing_chunk_or_database(tmp_path):
   writer, step = _two_writers(tmp_path / "c", [[0, 2], [1, 3]])
   writer.finalize(step, "items", 2)
   assert os.path.exists(os.path.join(step, "items", "_METADATA"))
+
+
+def test_a_job_exchanges_over_ipv4_and_ipv6_and_relays_a_failure_to_all():
+  """`distributed.job.Job` in threads: every process gets every text; a failure on process 2 reaches 0 and 1."""
+  from inspect_tool.distributed import job  # pylint: disable=import-outside-toplevel
+
+  port, got = _free_port(), {}
+
+  def run(index, host):
+    member = job.Job(host, port, 3, index, 10)
+    try:
+      got[index] = [member.exchange("first", str(index))]
+      if index == 2:
+        member.fail("boom")
+        return
+      member.exchange("second", "")
+    except job.JobError as e:
+      got[index].append(str(e))
+    finally:
+      member.close()
+
+  import threading  # pylint: disable=import-outside-toplevel
+  six = "::1" if socket.has_dualstack_ipv6() else "127.0.0.1"  # IPv6 where this host has it
+  threads = [threading.Thread(target=run, args=args) for args in ((0, ""), (1, six), (2, "127.0.0.1"))]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(60)
+  assert got == {0: [["0", "1", "2"], "process 2: boom"], 1: [["0", "1", "2"], "process 2: boom"],
+                 2: [["0", "1", "2"]]}

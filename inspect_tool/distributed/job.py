@@ -102,7 +102,10 @@ class Job:
 
   def _listen(self, port: int) -> None:
     try:
-      server = socket.create_server(("", port), reuse_port=False)
+      if socket.has_dualstack_ipv6():  # every address of this host, IPv4 and IPv6 (as JAX's [::]:port)
+        server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+      else:
+        server = socket.create_server(("", port))
     except OSError as e:
       raise errors.InputError(f"--coordinator port {port} cannot be listened on by process 0 "
                               f"({e.strerror or type(e).__name__}); accepted: a free port of this host") from None
