@@ -29,7 +29,8 @@ def diff(overrides, path, fmt, output_file, coordinator, num_processes, process_
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file)
-  options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
+  # metadata only: no computation across processes, so the job of `export` (bounded waits), not JAX's runtime
+  options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
