@@ -68,7 +68,7 @@ class MismatchError(InputError):
 
 
 class Interrupted(BaseException):
-  """SIGTERM or SIGHUP arrived: raised in the main thread so that partial outputs are removed (like Ctrl-C)."""
+  """SIGTERM, SIGHUP or SIGINT arrived: raised in the main thread so that partial outputs are removed."""
 
   def __init__(self, signum: int):
     import signal  # pylint: disable=import-outside-toplevel

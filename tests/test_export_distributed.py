@@ -62,7 +62,7 @@ def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
   outs = _run_processes(["export", *TOKENS, "--checkpoint", CKPT, "--output", str(two), "--no-validate"])
   for code, _, err in outs:
     assert code == 0, err[-3000:]
-  assert outs[0][1].startswith("wrote ") and outs[1][1] == ""  # process 0 reports for the job; stdout is data only
+  assert "\nwrote " in outs[0][1] and outs[1][1] == ""  # process 0 reports for the job; stdout is data only
   a, b = _arrays(str(one)), _arrays(str(two))
   assert sorted(a) == sorted(b) and len(a) == 86
   for name in a:

@@ -103,7 +103,7 @@ def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zer
   store, = writer.create_many([(key, value.shape, value.dtype, (2, 6), plain)])
   writer.write(store, (slice(0, 6),), value[:6])  # rows 6-7 (chunk c/3/0) never stored
   writer.wait()
-  writer.finalize(str(tmp_path / "src" / "0"), "items")
+  writer.finalize(str(tmp_path / "src" / "0"), "items", complete=False)  # a source with a chunk missing
   source = read.CheckpointSource(str(tmp_path / "src" / "0"), [tree.Leaf(key, value.shape, "float32")])
   jobs = write_orbax.plan_jobs(type("Plan", (), {"weights": {}})(), source, 10**9, held=0)
   jobs = [write_orbax.ArrayJob(jobs[0].leaf, key, None, budget.Slicing(value.shape, (4, 6)), jobs[0].chunk,

@@ -95,30 +95,29 @@ def _library_errors() -> tuple[type[BaseException], ...]:
   return tuple(kinds)
 
 
-def _raise_interrupted(signum, frame):  # pylint: disable=unused-argument
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-
-  raise errors.Interrupted(signum)
-
-
-def _handle_termination() -> None:
-  """SIGTERM and SIGHUP end a run the way Ctrl-C does: outputs in progress are removed, one line is printed."""
-  import signal  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
-
-  if threading.current_thread() is threading.main_thread():
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-      signal.signal(signum, _raise_interrupted)
-
-
 def main(argv: list[str] | None = None) -> int:
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  _handle_termination()
+  stop.clear()
+  stop.install_handlers()
   errors.quiet_closed_event_loop()
+  code = _run(argv)
+  from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
+  runtime.finish()
+  return code
+
+
+def _run(argv: list[str]) -> int:
+  """The command's exit code; a failure is one line on stderr and, in a multi-process job, is sent to the others."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
+
   try:
     code = cli.main(args=argv, prog_name="inspect_checkpoint", standalone_mode=False)
+    stop.check()  # a stop signal whose exception was swallowed still fails the run
   except click.exceptions.Exit as e:
     return e.exit_code
   except click.UsageError as e:  # one line, like every other input error
@@ -130,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     return e.exit_code
   except click.exceptions.Abort:
     click.echo("aborted; nothing was left half-written", err=True)
+    runtime.abandon("interrupted")
     return 130
   except OSError as e:  # a write to stdout outside `options.echo` (Click's own output: --help, --version)
     from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
@@ -140,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(e, _library_errors()):
       click.echo(f"error: {e}", err=True)
+      runtime.abandon(str(e))
       return getattr(e, "exit_code", 2)
+    runtime.abandon(f"{type(e).__name__}: {str(e)[:200]}")
     raise
   except errors.Interrupted as e:
-    click.echo(f"interrupted by {e}; nothing was left half-written", err=True)
+    sys.stderr.flush()
+    stop.report(f"interrupted by {e}; nothing was left half-written")
+    runtime.abandon(f"interrupted by {e}")
     return e.exit_code
   return code if isinstance(code, int) else 0
 

@@ -19,7 +19,7 @@ from inspect_tool.cli import options
               "of REGEX (the verdict and exit code stay the whole model's).")
 @options.report_options(formats=options.FORMATS)
 @options.distributed_options
-def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_processes, process_id, quiet):
+def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Compare the model of key=value overrides with a checkpoint: missing, unexpected, shape and dtype mismatches.
 
   Exit code 0 when they agree, 1 when they do not.
@@ -34,7 +34,8 @@ def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_process
   from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   key_filter = select.compile_filter(key_filter)
-  options.start_processes(coordinator, num_processes, process_id, quiet)
+  # metadata only: no computation across processes, so the job of `export` (bounded waits), not JAX's runtime
+  options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:

@@ -44,7 +44,7 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 @cli_options.distributed_options
 @cli_options.compile_cache_option
 def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout,
-           max_memory, fmt, output_file, coordinator, num_processes, process_id, quiet):
+           max_memory, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
@@ -67,19 +67,27 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     raise errors.InputError(f"--random-init and --checkpoint {source!r} exclude each other; accepted: one of them")
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
-  cli_options.start_processes(coordinator, num_processes, process_id, quiet)
+  several = distributed.check_flags(coordinator, num_processes, process_id, timeout)
+  if several and layout != "orbax":
+    raise errors.InputError(f"--layout {layout} is written by one process; accepted: --layout orbax with "
+                            f"--num-processes {num_processes}, or --layout {layout} without --coordinator, "
+                            "--num-processes and --process-id")
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
+  budget.resolve_max_memory(max_bytes)
   data = None
-  if validate and distributed.process_count() == 1:
+  if validate:
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
-    from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-    cfg = config.resolve_config(overrides)
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
+  used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
+  cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
               run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes)
   if layout in ("deepseek-fp8", "deepseek-bf16"):
-    if distributed.process_count() > 1:
-      raise click.UsageError(f"--layout {layout} is written by one process")
+    if distributed.process_count() > 1:  # a job JAX's cluster detection found
+      raise errors.InputError(f"--layout {layout} is written by one process; this job has "
+                              f"{distributed.process_count()}; accepted: --layout orbax")
     result = pipeline.export_deepseek_fp8(overrides, dst, fp8=layout == "deepseek-fp8", **args)
   else:
     result = pipeline.export(overrides, dst, **args)
@@ -89,7 +97,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     text = json.dumps(result.report, indent=1) + "\n"
   else:
     formatter = report.format_text if layout == "orbax" else report.format_hf_text
-    text = f"weights: {_weights_text(overrides, source)}\n" + formatter(result)
+    text = f"weights: {used}\n" + formatter(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
 

@@ -29,7 +29,7 @@ from inspect_tool.cli import options
 @options.distributed_options
 @options.compile_cache_option
 def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compare, grad, verbose, fmt, output_file,
-            coordinator, num_processes, process_id, quiet):
+            coordinator, num_processes, process_id, timeout, quiet):
   """Run the model of key=value overrides; print the weights it ran, the loss, MTP loss per depth and top-1
   predictions.
 
@@ -42,14 +42,15 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
-  options.start_processes(coordinator, num_processes, process_id, quiet)
   options.check_output_files(save_logits, output_file)
-  cfg = config.resolve_config(overrides)
-  if verbose:
-    click.echo("\n".join(config.describe_keys(overrides)), err=True)
+  cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+  used = weights.describe(cfg, checkpoint)  # the checkpoint found (or named in one line) before joining
+  options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
+  if verbose:
+    click.echo("\n".join(config.describe_keys(overrides)), err=True)
   if compare and weights.is_random(checkpoint):
     click.echo(weights.RANDOM_WARNING.format(seed=cfg.init_weights_seed), err=True)
   outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
@@ -65,6 +66,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result, overwrite=options.overwrite_requested())
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
-                              comparisons=comparisons, grad=outcome.grad, weights=weights.describe(cfg, checkpoint),
+                              comparisons=comparisons, grad=outcome.grad, weights=used,
                               compared=outcome.compared), output_file)
   return 0

@@ -25,7 +25,7 @@ from inspect_tool.cli import options as cli_options
 @cli_options.report_options(overwrite=False)
 @cli_options.distributed_options
 def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coordinator, num_processes, process_id,
-            quiet):
+            timeout, quiet):
   """Import a Hugging Face DeepSeek directory into a MaxText Orbax checkpoint (MaxText's converter layout).
 
   The MaxText keys come from config.json and the stored tensors; key=value overrides may set scan_layers,
@@ -38,7 +38,8 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
-  cli_options.start_processes(coordinator, num_processes, process_id, quiet)
+  pipeline.check_inputs(path, overrides, max_bytes)  # before joining: a bad input ends no other process
+  cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   result = pipeline.import_checkpoint(path, dst, overrides, overwrite=overwrite, max_memory=max_bytes,
                                       command=cli_options.command_line())
   if distributed.process_index() != 0:

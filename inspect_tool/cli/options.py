@@ -189,7 +189,7 @@ def write_html(path: str, html: str) -> None:
 
 
 def distributed_options(func):
-  """--coordinator/--num-processes/--process-id (jax.distributed; see inspect_tool.distributed.runtime) and --quiet."""
+  """--coordinator/--num-processes/--process-id/--timeout (see inspect_tool.distributed.runtime) and --quiet."""
   options = [
       click.option("--coordinator", type=str, help="HOST:PORT of process 0 for a multi-process (multi-host) job; "
                    "default: JAX's cluster detection, else one process."),
@@ -197,6 +197,9 @@ def distributed_options(func):
                    help="Processes in the job."),
       click.option("--process-id", "--process_id", "process_id", type=click.IntRange(min=0),
                    help="This process's index (0 first)."),
+      click.option("--timeout", type=float, default=None,
+                   help="Seconds a process waits for the others (joining, each step) before the job is abandoned "
+                   "with one line on every process (default 300)."),
       click.option("--quiet", is_flag=True, help="No progress output on stderr."),
   ]
   for option in reversed(options):
@@ -204,12 +207,13 @@ def distributed_options(func):
   return func
 
 
-def start_processes(coordinator, num_processes, process_id, quiet) -> None:
-  """Applies `distributed_options`: --quiet, then joins the jax.distributed job (if any)."""
+def start_processes(coordinator, num_processes, process_id, quiet, timeout=None, *, jax_runtime: bool = True) -> None:
+  """Applies `distributed_options`: --quiet, then joins the job (if any): JAX's distributed runtime, or with
+  `jax_runtime=False` (export, import) a `distributed.job.Job`. Run it once every input is checked."""
   from inspect_tool import progress  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
-  distributed.initialize(coordinator, num_processes, process_id)
+  distributed.initialize(coordinator, num_processes, process_id, timeout=timeout, jax_runtime=jax_runtime)
   progress.set_quiet(quiet or distributed.process_index() != 0)  # process 0 speaks for the job
 
 

@@ -1,15 +1,20 @@
-"""Many processes: `jax.distributed` for `export`, `forward` and `diff` (one process per host, as MaxText runs).
+"""Many processes: one process per host, as MaxText runs, for `export`, `import`, `forward` and `diff`.
 
-`initialize(coordinator, num_processes, process_id)` starts JAX's distributed runtime from the command line's
-`--coordinator HOST:PORT --num-processes N --process-id I`; without them it lets JAX detect a cluster (Slurm, Open
-MPI, Cloud TPU, GKE, ...) when the environment names one, and otherwise stays a single process. Then
-`process_index()`/`process_count()` say who this is, `barrier` waits for every process and `broadcast_text` sends a
-string from process 0 to all.
+`initialize(coordinator, num_processes, process_id, timeout=..., jax_runtime=...)` joins the job of the command
+line's `--coordinator HOST:PORT --num-processes N --process-id I`. `forward` and `diff` compute across processes
+and start JAX's distributed runtime (`jax_runtime=True`; without the flags JAX detects a cluster, e.g. Slurm, Open
+MPI, Cloud TPU, GKE, when the environment names one). `export` and `import` only agree and write their own shares:
+they join a `job.Job` (TCP through process 0, bounded waits, one-line failures) instead. The address is checked
+before anything is started. Then `process_index()`/`process_count()` say who this is, `barrier` waits for every
+process, `broadcast_text` sends a string from process 0 to all and `gather_text` gives every process's string to
+all; `abandon(message)` tells the other processes that this one failed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import sys
 
 from inspect_tool import errors
@@ -17,47 +22,119 @@ from inspect_tool import errors
 # Environment variables through which JAX's cluster detection finds a job it can join.
 CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "MEGASCALE_COORDINATOR_ADDRESS",
                "TPU_WORKER_HOSTNAMES", "JOBSET_NAME", "MPI_LOCALNRANKS")
+DEFAULT_TIMEOUT = 300.0  # seconds a process waits for another (joining, a barrier) before the job is abandoned
 _TEXT_BYTES = 4096
 _started = False
+_job = None  # job.Job of an export or import
+_exchanges = 0  # running number of the unnamed exchanges (every process makes them in the same order)
+
+
+def parse_coordinator(text: str) -> tuple[str, int]:
+  """(host, port) of `--coordinator HOST:PORT`: a host name that resolves or an IP address ([v6] in brackets),
+  and a port in 1..65535.
+
+  Raises:
+    errors.InputError: anything else (a scheme such as http://, an empty host, a port out of range).
+  """
+  accepted = "accepted: HOST:PORT with a host name or IP address and a port 1-65535, e.g. 10.0.0.1:1234"
+  shown = repr(text[:200])
+  if "://" in text or "/" in text:
+    raise errors.InputError(f"--coordinator {shown} is not HOST:PORT (no scheme or path); {accepted}")
+  host, sep, port = text.rpartition(":")
+  if host.startswith("[") and host.endswith("]"):
+    host = host[1:-1]
+  if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise errors.InputError(f"--coordinator {shown} is not HOST:PORT; {accepted}")
+  try:
+    ipaddress.ip_address(host)
+  except ValueError:
+    try:
+      socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+      reason = getattr(e, "strerror", None) or type(e).__name__
+      raise errors.InputError(f"--coordinator host {host[:200]!r} does not resolve ({reason}); {accepted}") from None
+  return host, int(port)
+
+
+def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                timeout: float | None = None) -> bool:
+  """Checks the distributed flags without starting anything; True when they name a job of several processes.
+
+  Raises:
+    errors.InputError: an incomplete or inconsistent set of flags, or a bad address or timeout.
+  """
+  if timeout is not None and not 0 < timeout <= 86400:
+    raise errors.InputError(f"--timeout {timeout} is not a number of seconds; accepted: more than 0, at most 86400")
+  given = [v is not None for v in (coordinator, num_processes, process_id)]
+  if any(given) and not all(given):
+    raise errors.InputError("--coordinator, --num-processes and --process-id go together; accepted: all three "
+                            "(e.g. --coordinator 10.0.0.1:1234 --num-processes 16 --process-id 0) or none")
+  if not all(given):
+    return False
+  if num_processes < 1:
+    raise errors.InputError(f"--num-processes {num_processes} is not a process count; accepted: 1 or more")
+  if not 0 <= process_id < num_processes:
+    raise errors.InputError(f"--process-id {process_id} is not in [0, {num_processes}); accepted: 0 to "
+                            f"{num_processes - 1} with --num-processes {num_processes}")
+  parse_coordinator(coordinator)
+  return num_processes > 1
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+               process_id: int | None = None, *, timeout: float | None = None, jax_runtime: bool = True) -> None:
   """Joins the job (see the module docstring); a no-op for a single process.
 
   Raises:
     errors.InputError: an incomplete or inconsistent set of flags, or the coordinator cannot be reached.
   """
-  global _started  # pylint: disable=global-statement
-  given = [v is not None for v in (coordinator, num_processes, process_id)]
-  if any(given) and not all(given):
-    raise errors.InputError("--coordinator, --num-processes and --process-id go together; accepted: all three "
-                            "(e.g. --coordinator 10.0.0.1:1234 --num-processes 16 --process-id 0) or none")
-  if all(given):
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-      raise errors.InputError(f"--process-id {process_id} is not in [0, {num_processes}); accepted: 0 to "
-                              f"{num_processes - 1} with --num-processes {num_processes}")
-    if ":" not in coordinator:
-      raise errors.InputError(f"--coordinator {coordinator!r} is not HOST:PORT; accepted: e.g. 10.0.0.1:1234")
-    if num_processes == 1:
-      return
-  elif not any(name in os.environ for name in CLUSTER_ENV):
+  global _started, _job  # pylint: disable=global-statement
+  timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+  several = check_flags(coordinator, num_processes, process_id, timeout)
+  if coordinator is not None and not several:
+    return
+  if coordinator is None and not any(name in os.environ for name in CLUSTER_ENV):
+    return
+  if several and not jax_runtime:
+    from inspect_tool.distributed import job  # pylint: disable=import-outside-toplevel
+
+    host, port = parse_coordinator(coordinator)
+    _job = job.Job(host, port, num_processes, process_id, timeout)
     return
   import jax  # pylint: disable=import-outside-toplevel
 
   if _cpu_only():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through Gloo
+  jax.config.update("jax_enable_preemption_service", False)  # its notifier would take SIGTERM from us
   try:
-    if all(given):
+    if several:
       jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                 process_id=process_id, initialization_timeout=120)
+                                 process_id=process_id, initialization_timeout=max(1, int(timeout)))
     else:
-      jax.distributed.initialize()
+      jax.distributed.initialize(initialization_timeout=max(1, int(timeout)))
   except Exception as e:  # pylint: disable=broad-except
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
+  finally:
+    from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
+    stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT stop the run our way
   _started = True
   _keep_stdout_for_data()
+
+
+def abandon(message: str) -> None:
+  """Tells the other processes of an export or import job that this one failed (`message`); best effort."""
+  global _job  # pylint: disable=global-statement
+  if _job is not None:
+    _job.fail(message)
+    _job = None
+
+
+def finish() -> None:
+  """Closes this process's part of an export or import job (after its last exchange)."""
+  global _job  # pylint: disable=global-statement
+  if _job is not None:
+    _job.close()
+    _job = None
 
 
 def _keep_stdout_for_data() -> None:
@@ -74,6 +151,8 @@ def _cpu_only() -> bool:
 
 
 def process_index() -> int:
+  if _job is not None:
+    return _job.index
   if not _started:
     return 0
   import jax  # pylint: disable=import-outside-toplevel
@@ -81,6 +160,8 @@ def process_index() -> int:
 
 
 def process_count() -> int:
+  if _job is not None:
+    return _job.count
   if not _started:
     return 1
   import jax  # pylint: disable=import-outside-toplevel
@@ -89,7 +170,9 @@ def process_count() -> int:
 
 def barrier(name: str) -> None:
   """Returns once every process has reached the barrier `name`."""
-  if process_count() > 1:
+  if _job is not None:
+    _job.exchange(name, "")
+  elif process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
 
@@ -98,6 +181,8 @@ def broadcast_text(text: str | None) -> str:
   """Process 0's `text`, on every process (others pass None)."""
   if process_count() == 1:
     return text or ""
+  if _job is not None:
+    return gather_text(text or "")[0]
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
@@ -107,6 +192,23 @@ def broadcast_text(text: str | None) -> str:
   buffer = np.frombuffer(raw.ljust(_TEXT_BYTES, b"\0"), np.uint8)
   out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
   return bytes(out).rstrip(b"\0").decode()
+
+
+def gather_text(text: str) -> list[str]:
+  """Every process's `text`, in process order, on every process (each process calls this, in the same order)."""
+  global _exchanges  # pylint: disable=global-statement
+  if process_count() == 1:
+    return [text]
+  _exchanges += 1
+  if _job is not None:
+    return _job.exchange(f"exchange {_exchanges}", text)
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  raw = text.encode()[:_TEXT_BYTES]
+  buffer = np.frombuffer(raw.ljust(_TEXT_BYTES, b"\0"), np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(buffer))
+  return [bytes(row).rstrip(b"\0").decode() for row in rows.reshape(-1, _TEXT_BYTES)]
 
 
 def to_host(value):

@@ -40,6 +40,7 @@ class OrbaxArrayWriter:
     self.process_index = process_index
     self._context = context or ts_context()
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
+    self._specs: dict[tuple[str, ...], tuple] = {}  # key -> (shape, dtype name, chunk), checked after the merge
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
     self._scalars: set[tuple[str, ...]] = set()  # keys Orbax records as scalars (e.g. MaxText's `step`)
     self._in_flight: list = []  # the background writes of the last slice
@@ -63,6 +64,7 @@ class OrbaxArrayWriter:
       self._created.add(key)
       shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
       self._entries[key] = tuple(chunk)
+      self._specs[key] = (tuple(shape), np.dtype(dtype).name, tuple(chunk))
       kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
                      path=".".join(key) + "/")
       metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
@@ -86,9 +88,13 @@ class OrbaxArrayWriter:
     self._scalars.add(tuple(str(k) for k in key))
     self.write_slice([(store, (), np.asarray(value, dtype))])
 
-  def register(self, key: Sequence[str], chunk: Sequence[int]) -> None:
-    """Records an array another process creates (for `_METADATA`)."""
-    self._entries.setdefault(tuple(str(k) for k in key), tuple(int(c) for c in chunk))
+  def register(self, key: Sequence[str], chunk: Sequence[int], shape: Sequence[int] = (), dtype=None) -> None:
+    """Records an array another process creates (for `_METADATA`, and checked after the merge)."""
+    key = tuple(str(k) for k in key)
+    self._entries.setdefault(key, tuple(int(c) for c in chunk))
+    if dtype is not None:
+      self._specs.setdefault(key, (tuple(int(d) for d in shape), np.dtype(dtype).name,
+                                   tuple(max(1, int(c)) for c in chunk)))
 
   def write(self, store, index: tuple[slice, ...], value) -> None:
     """Writes `value` at `index` of `store` in the background (one write in flight at a time)."""
@@ -136,16 +142,27 @@ class OrbaxArrayWriter:
     except Exception:  # pylint: disable=broad-except
       pass
 
-  def finalize(self, step_dir: str, item: str) -> None:
-    """Merges every process's database into the root one and writes `_METADATA` and `_CHECKPOINT_METADATA`.
+  def finalize(self, step_dir: str, item: str, process_count: int = 1, *, complete: bool = True) -> None:
+    """Checks that every process's database is there, merges them into the root one, checks every array and
+    chunk of the result (`verify`) and writes `_METADATA` and `_CHECKPOINT_METADATA`.
 
-    Called by process 0 once every process has finished writing.
+    Called by process 0 once every process has finished writing. `complete=False` allows chunks never written
+    (tests that build a sparse source).
+
+    Raises:
+      errors.CheckpointError: a database, an array's metadata or one of its chunks is missing or wrong.
     """
+    from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
     from quant import compat  # pylint: disable=import-outside-toplevel
 
     self.wait()
+    verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
     try:
-      self._merge()
+      parent = self._merge()
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+    verify.check_merged(parent, self._specs, self._context, complete=complete)
+    try:
       _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
       _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(arrays))
@@ -156,7 +173,7 @@ class OrbaxArrayWriter:
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
-  def _merge(self) -> None:
+  def _merge(self):
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
@@ -167,6 +184,7 @@ class OrbaxArrayWriter:
       store = ts.KvStore.open(_ocdbt(os.path.join(self.items_dir, child)), context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
+    return parent
 
 
 def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=frozenset()) -> dict:

@@ -23,9 +23,11 @@ from inspect_tool.output import atomic
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
 from inspect_tool.output import destination
+from inspect_tool.output import stop
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import job_plan
 from inspect_tool.fp8_export import load
 from inspect_tool.fp8_export import plan as plan_lib
 from inspect_tool.fp8_export import read
@@ -75,9 +77,9 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
+  max_memory = job_plan.agree_on_inputs(tokens, source, dst, overwrite, budget.resolve_max_memory(max_memory))
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
-              run_validation=run_validation, mesh=mesh, command=command,
-              max_memory=budget.resolve_max_memory(max_memory))
+              run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory)
   if distributed.process_index() != 0:
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
@@ -97,7 +99,8 @@ def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   if distributed.process_count() > 1:
-    return f"validation runs in one process; this export ran in {distributed.process_count()}"
+    return (f"validation runs in one process; this export ran in {distributed.process_count()} (every array's "
+            "metadata and chunks were checked and one chunk of each read back)")
   need = validate_lib.memory_needed(source_bytes)
   have = max_memory - budget.current_rss()
   if need > have:
@@ -122,6 +125,8 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   index, count = distributed.process_index(), distributed.process_count()
   held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
   jobs = write_orbax.plan_jobs(plan, src, max_memory, held)
+  job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
+  stop.check()
   source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
   skipped = None
   if run_validation:
@@ -139,7 +144,9 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)")
     if index != 0:
+      distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
       return ExportResult(os.path.abspath(dst), {}, None)
+    stop.check()
     atomic.test_point("written")
     validation = None
     if not skipped:
@@ -155,6 +162,8 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
                                      validation_skipped=skipped, memory=memory, dst=dst)
     atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
+    stop.check()
+  distributed.barrier("committed")
   return ExportResult(os.path.abspath(dst), report, validation)
 
 
@@ -217,7 +226,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                                 chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
-      del arrays
+      arrays = None  # the source views are done with (validation reads the source again)
       validation = None
       if not skipped:
         validation = validate_lib.validate_hf(cfg, source, tmp, data, min_top1=min_top1,

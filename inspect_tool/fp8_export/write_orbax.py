@@ -267,8 +267,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   for job in jobs:
     if job.quant is None:
       copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
-    for key, _, _, chunk, *_ in _outputs(job):
-      writer.register(key, chunk)
+    for key, shape, dtype, chunk, *_ in _outputs(job):
+      writer.register(key, chunk, shape, dtype)
     units = job.units()
     owned.append([unit for i, unit in enumerate(units) if (running + i) % process_count == process_index])
     running += len(units)
@@ -384,8 +384,29 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
     if index == 0:
       if step:
         writer.write_scalar(("step",), 0, np.int64)
-      writer.finalize(step_dir, ITEM)
+      writer.finalize(step_dir, ITEM, count)
   except quant_errors.QuantError as e:
+    if index:
+      _remove_share(tmp, items_dir, index)
     raise errors.InputError(str(e).replace(tmp, dst)) from None
+  except BaseException:
+    if index:
+      _remove_share(tmp, items_dir, index)
+    raise
   return written
+
+
+def _remove_share(tmp: str, items_dir: str, index: int) -> None:
+  """Process `index` (not 0) of a failed job: removes its database, and the directories up to `tmp` once empty
+  (process 0 removes `tmp`; writing after that recreates the path without the marker that lets a later run
+  reclaim it)."""
+  import os  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  shutil.rmtree(os.path.join(items_dir, orbax_writer.PROCESS_DIR.format(index)), ignore_errors=True)
+  for directory in (items_dir, os.path.dirname(items_dir), tmp):
+    try:
+      os.rmdir(directory)
+    except OSError:
+      break
 

@@ -21,12 +21,14 @@ from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import job_plan
 from inspect_tool.fp8_export import pipeline as export_pipeline
 from inspect_tool.fp8_export import write_orbax
 from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
+from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 
 REPORT_NAME = "import_report.json"
@@ -59,11 +61,8 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
   given, path = path, os.path.abspath(path)
-  keys = keys_lib.maxtext_keys(path, list(tokens))
-  cfg = config_lib.resolve_config(keys)
-  _check_supported(cfg)
-  max_memory = budget.resolve_max_memory(max_memory)
-  budget.check_floor(max_memory)
+  keys, cfg, max_memory = check_inputs(path, tokens, max_memory)
+  max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
     report = _import(cfg, keys, path, dst, **args)
@@ -71,6 +70,20 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
     with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
   return ImportResult(given, os.path.abspath(dst), report)
+
+
+def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
+  """(keys, config, budget) of an import, every input checked (run before joining a multi-process job).
+
+  Raises:
+    errors.InputError: the directory, a key or the budget is not acceptable.
+  """
+  keys = keys_lib.maxtext_keys(os.path.abspath(path), list(tokens))
+  cfg = config_lib.resolve_config(keys)
+  _check_supported(cfg)
+  max_memory = budget.resolve_max_memory(max_memory)
+  budget.check_floor(max_memory)
+  return keys, cfg, max_memory
 
 
 def _check_supported(cfg) -> None:
@@ -95,6 +108,8 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
   try:
     held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
     jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
+    job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
+    stop.check()
     unused = src.unused_names()
     if unused and index == 0:
       shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
@@ -104,7 +119,9 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
       written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
                                                step=True)
       if index != 0:
+        distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
         return {}
+      stop.check()
       atomic.test_point("written")
       copies = mtp_copies(src, cfg)
       report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
@@ -113,6 +130,8 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
                                "processes": distributed.process_count()})
       atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
       atomic.test_point("report")
+      stop.check()
+    distributed.barrier("committed")
   finally:
     src.close()
   return report

@@ -12,6 +12,7 @@ import time
 from typing import Iterator
 
 from inspect_tool import errors
+from inspect_tool.output import stop
 
 
 def _os_error_message(path: str, e: OSError) -> str:
@@ -119,11 +120,14 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   except OSError as e:  # a full disk: the directory was made, its marker could not be written
     shutil.rmtree(tmp, ignore_errors=True)
     raise errors.InputError(_os_error_message(dst, e)) from None
+  cleanup = stop.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))  # if a stop cannot wait for us
   try:
     yield tmp
+    stop.check()  # a stopped run never commits, even if its signal's exception was swallowed
     os.unlink(os.path.join(tmp, destination.TMP_MARKER))
     _fsync_tree(tmp)
     test_point("swap")
+    stop.check()
     if os.path.lexists(dst):
       destination.check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
       _swap_into_place(tmp, dst)
@@ -137,6 +141,8 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  finally:
+    stop.remove_cleanup(cleanup)
 
 
 def _io_error_message(dst: str, tmp: str, e: OSError) -> str:

@@ -55,7 +55,7 @@ class ActivationEstimate:
 
 def _dtype_bytes(name) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
-  import ml_dtypes  # pylint: disable=import-outside-toplevel,unused-import
+  import ml_dtypes  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (registers bfloat16 with numpy)
 
   return np.dtype(str(name)).itemsize
 

@@ -1,0 +1,136 @@
+"""Stop signals: SIGTERM, SIGHUP and SIGINT end a run cleanly (outputs in progress removed, one line, 128+signal).
+
+`install_handlers` makes each of them raise `errors.Interrupted` in the main thread (called at start-up and again
+after JAX's distributed runtime, whose preemption notifier would take SIGTERM). The signal is also remembered:
+- where Python would swallow the exception (a gc callback such as JAX's `_xla_gc_callback`, a `__del__`), the
+  handler raises nothing and runs again 50 ms later;
+- `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
+- the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
+  a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
+  (`add_cleanup`), prints the line and exits when the main thread has not taken the signal `GRACE_S` seconds
+  after it, or has not ended `CLEANUP_S` seconds after taking it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from inspect_tool import errors
+
+NAMES = ("SIGTERM", "SIGHUP", "SIGINT")
+GRACE_S = 3.0  # seconds the main thread has to take the signal (raise `Interrupted`)
+CLEANUP_S = 30.0  # then, seconds it has to remove its outputs and end
+_received: list[int] = []  # the first stop signal, kept until the run ends
+_raised: list[bool] = []  # whether the main thread raised `Interrupted` for it
+_cleanups: dict[int, object] = {}  # id -> callable, run by the watchdog before it exits
+_report_lock = threading.Lock()
+_reported: list[bool] = []  # whether the one line was printed
+_watchdog: list[threading.Thread] = []
+
+
+def _handler(signum, frame):
+  if not _received:
+    _received.append(signum)
+  if _swallowing(frame):
+    import _thread  # pylint: disable=import-outside-toplevel
+
+    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
+    timer.daemon = True
+    timer.start()
+    return
+  _raised.append(True)
+  raise errors.Interrupted(signum)
+
+
+def _swallowing(frame) -> bool:
+  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
+  import gc  # pylint: disable=import-outside-toplevel
+
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
+
+
+def install_handlers() -> None:
+  """The stop handlers (see the module docstring), and the watchdog; only from the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  for name in NAMES:
+    signal.signal(getattr(signal, name), _handler)
+  if not _watchdog:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    thread = threading.Thread(target=_watch, args=(read,), name="stop-watchdog", daemon=True)
+    thread.start()
+    _watchdog.append(thread)
+
+
+def _watch(read: int) -> None:
+  stops = {int(getattr(signal, name)) for name in NAMES}
+  while True:
+    data = os.read(read, 64)
+    if not data:
+      return
+    signum = next((b for b in data if b in stops), None)
+    if signum is None:
+      continue
+    if not _still_stopping(GRACE_S) or (_raised and not _still_stopping(CLEANUP_S)):
+      continue  # the run ended its own way, or a test went on (`clear`)
+    report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
+    for cleanup in list(_cleanups.values()):
+      try:
+        cleanup()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+def _still_stopping(seconds: float) -> bool:
+  """Waits `seconds`; False as soon as the stop is forgotten (`clear`)."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    if not _received:
+      return False
+    time.sleep(0.05)
+  return bool(_received)
+
+
+def report(line: str) -> bool:
+  """Prints the run's one stop line on stderr unless it was printed already; True if this call printed it."""
+  with _report_lock:
+    if _reported:
+      return False
+    _reported.append(True)
+  os.write(2, (line + "\n").encode())
+  return True
+
+
+def add_cleanup(fn) -> int:
+  """Registers `fn` (remove an output in progress) for the watchdog; returns the key for `remove_cleanup`."""
+  key = id(fn)
+  _cleanups[key] = fn
+  return key
+
+
+def remove_cleanup(key: int) -> None:
+  _cleanups.pop(key, None)
+
+
+def check() -> None:
+  """Raises `errors.Interrupted` when a stop signal has arrived (even if its first exception was swallowed)."""
+  if _received:
+    raise errors.Interrupted(_received[0])
+
+
+def clear() -> None:
+  """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
+  _received.clear()
+  _raised.clear()
+  _reported.clear()
