@@ -36,16 +36,17 @@ stack: $(BIN)/.installed ## create the virtual environment if needed and print t
 	print('stack: Python', sys.version.split()[0], *(p + ' ' + m.version(p) for p in \
 	('jax', 'flax', 'qwix', 'orbax-checkpoint', 'numpy')), '($(VENV))')"
 
-demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 256 devices (no accelerator)
+demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on a v5p-512 slice (no accelerator)
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) --summary   # (the 58-line listing left out)'
 	@$(IC) maxtext $(M671) --summary | sed -n '/^Total Parameters/,$$p'
 	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true   # (the verdict)'
 	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true \
 	  | sed -n '/^At a glance/,/^$$/p'
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 \'
-	@echo '    --devices 256 --summary --train adamw --device-memory 95GiB   # (per-device totals)'
-	@$(IC) maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 --devices 256 --summary --train adamw \
-	  --device-memory 95GiB | sed -n '/^Per-device memory/,$$p' | grep -E '^(Per-device|  group|  total|Largest|--device)'
+	@echo '    per_device_batch_size=1 --topology v5p-512 --summary --train adamw   # (per-device totals)'
+	@$(IC) maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 per_device_batch_size=1 \
+	  --topology v5p-512 --summary --train adamw | sed -n '/^Per-device memory/,$$p' \
+	  | grep -E '^(Per-device|  group|  total|Largest|Plus|v5p)'
 
 test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
 	bash scripts/install_chromium.sh

@@ -260,7 +260,8 @@ def test_layout_deepseek_fp8_writes_hugging_face_safetensors(tmp_path, capsys):
   code, out, err = _run(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
                         "deepseek-fp8", "--no-validate")
   assert code == 0, err
-  assert out.startswith(f"wrote {dst}") and "128x128 block scales" in out
+  assert out.startswith(f"weights: Orbax checkpoint {CKPT}") and f"\nwrote {dst}: " in out
+  assert "128x128 block scales" in out
   assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(dst))
   assert _leftovers(tmp_path) == []
 

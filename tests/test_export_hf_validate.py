@@ -170,7 +170,7 @@ def test_min_top1_above_the_achieved_value_exits_1_and_keeps_the_export_with_its
   dst = tmp_path / "fp8"
   code, out, _ = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
                      "--tokens", batch_files[0], "--targets", batch_files[1], "--min-top1", "0.75")
-  assert code == 1 and out.startswith(f"wrote {dst}: ") and out.rstrip().endswith("FAILED: top-1 agreement below 0.75")
+  assert code == 1 and out.startswith("weights: ") and f"\nwrote {dst}: " in out and out.rstrip().endswith("FAILED: top-1 agreement below 0.75")
   report = json.loads((dst / "quantization_report.json").read_text())
   assert report["validation"]["passed"] is False and report["validation"]["min_top1"] == 0.75
   assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= set(os.listdir(dst))

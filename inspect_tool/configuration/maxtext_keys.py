@@ -37,7 +37,6 @@ NO_EFFECT_FIELDS = {
     "num_vocab_tiling": "a memory tiling of the loss; the logits are the same",
     "dropout_rate": "no parameters; the forward pass here is deterministic, dropout off",
     "enable_dropout": "no parameters; the forward pass here is deterministic, dropout off",
-    "per_device_batch_size": "batch size; the batch comes from --tokens",
     "mtp_reuse_input_embedding": "MaxText shifts the main token embeddings instead of looking the shifted tokens up "
                                  "again: one lookup, the same values",
 }
@@ -83,6 +82,7 @@ SHARDING_KEYS = frozenset({
     "mesh_axes", "num_slices", "compile_topology_num_slices", "custom_mesh_and_rule", "logical_axis_rules",
     "override_logical_axis_rules", "shard_exp_on_fsdp", "use_2d_fsdp_sharding", "use_batch_split_schedule",
     "use_lineage", "shard_optimizer_over_data", "mu_dtype", "opt_type",
+    "per_device_batch_size", "remat_policy",  # the activation estimate of the fit check (--train)
 })
 # Fields of `quant.settings.QuantSettings` that choose a kernel, not a rule.
 _KERNEL_FIELDS = frozenset({"gmm_backend", "use_tokamax_backend"})
@@ -108,6 +108,8 @@ def affects(key: str, fields) -> tuple[str, str]:
     return "tree", ""
   if key in NO_EFFECT_FIELDS:
     return "ignored", NO_EFFECT_FIELDS[key]
+  if key in ("per_device_batch_size", "remat_policy"):
+    return "sharding", "the activation estimate of the fit check (--train); forward's batch comes from --tokens"
   if key in {f.name for f in dataclasses.fields(settings.QuantSettings)} - _KERNEL_FIELDS:
     return "rules", ""
   if key in fields and key != "passthrough":
