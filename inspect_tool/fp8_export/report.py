@@ -27,6 +27,15 @@ def producer() -> dict:
   return {"name": "inspect_checkpoint", "version": version}
 
 
+def origin(cfg, source: str | None, command: str | None) -> dict:
+  """Who wrote an export, when, by which command, from which weights (a checkpoint, or the seeded init)."""
+  return {"producer": producer(),
+          "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "command": command,
+          "source": {"checkpoint": os.path.abspath(source) if source else None,
+                     "init": None if source else f"random (seed {cfg.init_weights_seed})"}}
+
+
 def _coverage_summary(report) -> dict:
   def group(g):
     return {"group": g.group, "weights": g.weights, "quantized_weights": g.quantized_weights, "params": g.params,
@@ -49,11 +58,7 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
                  "quantized": "<key>/array/qvalue (qtype, weight shape) + <key>/array/scale (weight rank, 1 on "
                               "shared axes, compute dtype): Qwix PTQ layout, dense and expert weights alike",
                  "copied": "unchanged (same key under params/params, same dtype)"},
-      "producer": producer(),
-      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": command,
-      "source": {"checkpoint": os.path.abspath(source) if source else None,
-                 "init": None if source else f"random (seed {cfg.init_weights_seed})"},
+      **origin(cfg, source, command),
       "config": {"overrides": list(tokens), "model_name": cfg.model_name, "quantization": cfg.quantization,
                  "quantize_mtp": cfg.quantize_mtp, "quantize_router_proj": cfg.quantize_router_proj,
                  "quantize_logits_proj": cfg.quantize_logits_proj, "scan_layers": cfg.scan_layers,
@@ -82,11 +87,7 @@ def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | 
                          "copied": "bfloat16 (every weight); e_score_correction_bias float32"})
   return {
       "format": {"version": FORMAT_VERSION, **layout},
-      "producer": producer(),
-      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": command,
-      "source": {"checkpoint": os.path.abspath(source) if source else None,
-                 "init": None if source else f"random (seed {cfg.init_weights_seed})"},
+      **origin(cfg, source, command),
       "config": {"overrides": list(tokens), "model_name": cfg.model_name, "quantization": cfg.quantization,
                  "scan_layers": cfg.scan_layers},
       **written,
