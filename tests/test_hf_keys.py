@@ -1,6 +1,6 @@
 """One translation of a Hugging Face DeepSeek directory's config.json into MaxText keys (`hf_config`), checked against
 transformers: `tests/data/import/hf_small` is a DeepSeek-V3 made and saved by transformers 5.24 (float32, non-zero
-routing bias, an MTP layer as the release stores it; see /work/shared/reference/README.md, import/) and
+routing bias, an MTP layer as the release stores it; see tests/data/README.md, import/) and
 `hf_small_transformers_logits.npz` transformers' float32 logits of its base model on `tokens.npy`.
 
 The `rope_interleave: false` copy is an independent reference too: transformers' `apply_rotary_pos_emb_interleave`

@@ -26,7 +26,7 @@ from inspect_tool.fp8_export import pipeline as export
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data")
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
-HF_SMALL = "/work/shared/reference/import/hf_small"
+HF_SMALL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "import", "hf_small")
 L4_SCAN = "deepseek3-tiny-L4-V1024_scan_mtp1.txt"
 L4_NOSCAN = "deepseek3-tiny-L4-V1024_noscan_mtp1.txt"
 L4 = maxtext_listings.model_keys(L4_SCAN)
