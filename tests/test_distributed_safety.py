@@ -22,6 +22,8 @@ from inspect_tool import errors
 from inspect_tool.distributed import runtime
 from inspect_tool.output import atomic
 from inspect_tool.output import stop
+from test_export_distributed import finish as _finish
+from test_export_kill import _wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
@@ -52,19 +54,6 @@ def _start(dst, extras, envs=None, n=2, timeout=60):
                                    "--process-id", str(i), "--timeout", str(timeout)),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(**env))
           for i, (extra, env) in enumerate(zip(extras, envs))]
-
-
-def _finish(procs, timeout=240):
-  outs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=timeout)
-      outs.append((p.returncode, out, err))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  return outs
 
 
 def _one_line(err: str) -> str:
@@ -200,14 +189,6 @@ def _previous(dst):
   (dst / "0").mkdir(parents=True)
   (dst / "quantization_report.json").write_text(json.dumps({"producer": {"name": "inspect_checkpoint"}}))
   return sorted(os.listdir(dst))
-
-
-def _wait_for(flag, proc, timeout=180):
-  deadline = time.monotonic() + timeout
-  while not flag.exists():
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
 
 
 def test_sigterm_to_process_0_of_a_job_commits_nothing_and_ends_both(tmp_path):

@@ -31,6 +31,11 @@ def _run_processes(command: list[str], n: int = 2, timeout: int = 240):
   procs = [subprocess.Popen([sys.executable, "-m", "inspect_tool", *command, "--coordinator", f"127.0.0.1:{port}",
                              "--num-processes", str(n), "--process-id", str(i)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(2)) for i in range(n)]
+  return finish(procs, timeout)
+
+
+def finish(procs, timeout: int = 240) -> list[tuple[int, str, str]]:
+  """(exit code, stdout, stderr) of every process of a job, waited for; any still running afterwards is killed."""
   outs = []
   try:
     for p in procs:

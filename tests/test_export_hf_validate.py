@@ -20,24 +20,12 @@ import deepseek_fp8_reference
 import golden_parity
 import test_export_hf as hf_ref
 import test_hf_restore as hf_rt
+from test_hf_restore import batch_files, golden  # noqa: F401  (fixtures: MaxText's golden batch as .npy files)
 from inspect_tool import cli, model
 from inspect_tool.paramtree import params
 
 L4, CKPT = hf_rt.L4, hf_rt.CKPT
 run = hf_rt._run  # pylint: disable=protected-access
-
-
-@pytest.fixture(scope="module")
-def golden():
-  return dict(np.load(os.path.join(hf_rt.DATA, "golden", "a_noquant.npz")))
-
-
-@pytest.fixture(scope="module")
-def batch_files(tmp_path_factory, golden):
-  d = tmp_path_factory.mktemp("batch")
-  np.save(d / "tokens.npy", golden["tokens"])
-  np.save(d / "targets.npy", golden["targets"])
-  return str(d / "tokens.npy"), str(d / "targets.npy")
 
 
 @pytest.fixture(scope="module")

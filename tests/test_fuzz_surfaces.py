@@ -9,24 +9,22 @@ Tables list values every reader must refuse. A hang aborts the run (faulthandler
 """
 
 import copy
-import faulthandler
 import json
 import os
 import random
 import shutil
 import struct
-import sys
 
 import pytest
 
-from inspect_tool import cli
 from inspect_tool import errors
 
 from hostile import REF_CKPT, TINY_CKPT_MODEL, check_one_line
+from test_fuzz_inputs import _run
+from test_hostile_hf import fp8_dir  # noqa: F401  (a fixture: an FP8 export of the L4 checkpoint)
 
 SEED = 18
 FAST, SLOW = 6, 60  # seeds per surface in the quick and the `slow` runs
-HANG_SECONDS = 120  # far above any case: only a hang reaches it
 ITEMS = os.path.join("0", "items")
 TINY_MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "inspect_tool",
                                "configuration", "maxtext_data", "models", "deepseek3-tiny.yml")
@@ -35,16 +33,6 @@ HOSTILE_JSON = [None, True, False, -1, 0, 2**64, -2**63 - 1, 1e308, -1e308, 0.5,
                  "F8_E4M3", [], {}, [[]], {"a": None}, [-1], [2**63], ["x"], [0, 2**62], DEEP, [1.5, 2]]
 YAML_ALPHABET = list("[]{}:,&*!|>-?'\"#%@` \n\t") + ["a", "b", "x", "1", "0", ".nan", "&a ", "*a", "- ", ": ",
                                                         "!!python/object ", "<<: ", "fsdp", "embed", "~"]
-
-
-def _run(capsys, argv) -> tuple[int, str, str]:
-  faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=sys.__stderr__)
-  try:
-    code = cli.main([str(a) for a in argv])
-  finally:
-    faulthandler.cancel_dump_traceback_later()
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _one_line_or_success(capsys, argv) -> int:
@@ -151,28 +139,20 @@ def _small_safetensors() -> tuple[dict, bytes]:
   return header, data
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-  dst = tmp_path_factory.mktemp("export") / "fp8"
-  assert cli.main(["export", *TINY_CKPT_MODEL, "--checkpoint", REF_CKPT, "--output", str(dst), "--layout",
-                   "deepseek-fp8", "--no-validate"]) == 0
-  return str(dst)
-
-
 @pytest.mark.parametrize("seed", _seeds("safetensors"))
-def test_safetensors_headers(capsys, tmp_path, hf_dir, seed):
+def test_safetensors_headers(capsys, tmp_path, fp8_dir, seed):
   header, data = _small_safetensors()
   path = tmp_path / "model.safetensors"
   _safetensors(path, mutate_json(header, random.Random(seed)), data)
-  shutil.copy(os.path.join(hf_dir, "config.json"), tmp_path)
+  shutil.copy(os.path.join(fp8_dir, "config.json"), tmp_path)
   _one_line_or_success(capsys, ["hf", "--path", path])
   _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", tmp_path])
 
 
 @pytest.mark.parametrize("seed", _seeds("config_json"))
-def test_config_json(capsys, tmp_path, hf_dir, seed):
+def test_config_json(capsys, tmp_path, fp8_dir, seed):
   path = tmp_path / "hf"
-  shutil.copytree(hf_dir, path)
+  shutil.copytree(fp8_dir, path)
   with open(path / "config.json", encoding="utf-8") as f:
     doc = json.load(f)
   (path / "config.json").write_text(json.dumps(mutate_json(doc, random.Random(seed))))
@@ -180,15 +160,15 @@ def test_config_json(capsys, tmp_path, hf_dir, seed):
   _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", path])  # reads it as forward and import do
 
 
-def test_the_unmutated_documents_are_accepted(capsys, tmp_path, hf_dir):
+def test_the_unmutated_documents_are_accepted(capsys, tmp_path, fp8_dir):
   """The control: every surface above, intact, succeeds; failures come from the mutations."""
   assert _one_line_or_success(capsys, ["orbax", "--path", REF_CKPT]) == 0
   assert _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", REF_CKPT]) == 0
   header, data = _small_safetensors()
   _safetensors(tmp_path / "model.safetensors", header, data)
   assert _one_line_or_success(capsys, ["hf", "--path", tmp_path / "model.safetensors"]) == 0
-  assert _one_line_or_success(capsys, ["hf", "--path", hf_dir, "--keys"]) == 0
-  assert _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", hf_dir]) == 0
+  assert _one_line_or_success(capsys, ["hf", "--path", fp8_dir, "--keys"]) == 0
+  assert _one_line_or_success(capsys, ["diff", *TINY_CKPT_MODEL, "--path", fp8_dir]) == 0
 
 
 # YAML -----------------------------------------------------------------------------------------------------------
