@@ -17,3 +17,21 @@ def _compilation_cache_in_a_temporary_directory(tmp_path_factory):
     os.environ.pop(compile_cache.JAX_ENV, None)
   else:
     os.environ[compile_cache.JAX_ENV] = saved
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """One local GCS emulator for the session (tests/gcs_emulator.py), its variables set in os.environ meanwhile."""
+  from gcs_emulator import emulator  # pylint: disable=import-outside-toplevel
+
+  with emulator(tmp_path_factory.mktemp("gcs-emulator")) as running:
+    saved = {name: os.environ.get(name) for name in running.env}
+    os.environ.update(running.env)
+    try:
+      yield running
+    finally:
+      for name, value in saved.items():
+        if value is None:
+          os.environ.pop(name, None)
+        else:
+          os.environ[name] = value
