@@ -1,0 +1,1 @@
+"""Where bytes live: local paths and gs:// object-store prefixes (paths)."""
