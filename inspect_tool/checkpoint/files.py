@@ -7,6 +7,7 @@ naming the file.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import stat
@@ -48,6 +49,15 @@ def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
     from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return remote.read_bytes(path, max_bytes, what)
   return yaml_file.read_regular_file(path, f"{what} {path}".strip(), errors.CheckpointError, max_bytes)
+
+
+def list_suffix(directory: str, suffix: str) -> list[str]:
+  """The entries directly in `directory` whose names end with `suffix` (dot-files left out, as `glob` does), sorted;
+  in a gs:// prefix, its objects."""
+  if paths.is_remote(directory):
+    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
+    return [p for p in remote.glob(directory, suffix) if not paths.basename(p).startswith(".")]
+  return sorted(glob.glob(os.path.join(glob.escape(directory), "*" + suffix)))
 
 
 def _no_constant(name: str) -> Any:
