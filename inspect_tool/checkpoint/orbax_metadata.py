@@ -129,7 +129,7 @@ def open_kvstore(items_dir: str, use_ocdbt: bool):
       try:
         return ts.KvStore.open(spec, context=remote.context()).result()
       except Exception as e:  # pylint: disable=broad-except
-        raise remote.error(items_dir, e) from None
+        raise remote.error(items_dir, e, tensorstore=True) from None
     return ts.KvStore.open(spec).result()
   except errors.InspectError:
     raise
@@ -176,7 +176,7 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
     except Exception as e:  # pylint: disable=broad-except
       if paths.is_remote(items_dir):
         from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
-        raise remote.error(items_dir, e) from None
+        raise remote.error(items_dir, e, tensorstore=True) from None
       raise errors.CheckpointError(
           f"{items_dir}: cannot read the array metadata of {entry.param_name} ({_first_line(e)})") from None
     if result.state != "value":

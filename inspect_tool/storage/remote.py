@@ -22,7 +22,7 @@ TIMEOUT_ENV = "INSPECT_GCS_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 RETRIES = 4
 _DENIED = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|\b40[13]\b|Forbidden|Unauthorized", re.I)
-_UNREACHABLE = re.compile(r"retry attempts failed|Could not connect|Couldn't connect|CURL error|UNAVAILABLE", re.I)
+_UNREACHABLE = re.compile(r"retry attempts failed|(?:Could not|Couldn't|Cannot) connect|CURL error|UNAVAILABLE", re.I)
 
 
 def timeout_s() -> float:
@@ -38,9 +38,10 @@ def timeout_s() -> float:
   return value
 
 
-def endpoint() -> str:
-  """The Cloud Storage service the clients talk to (the emulator's address when one is named)."""
-  return os.environ.get(paths.EMULATOR_ENV) or "https://storage.googleapis.com"
+def endpoint(tensorstore: bool = False) -> str:
+  """The Cloud Storage service gcsfs (or tensorstore) talks to: the emulator's address when one is named."""
+  named = os.environ.get(paths.TENSORSTORE_URL_ENV) if tensorstore else None
+  return named or os.environ.get(paths.EMULATOR_ENV) or "https://storage.googleapis.com"
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,18 +59,20 @@ def _first_line(e: BaseException) -> str:
   return (lines[0] if lines else type(e).__name__)[:300]
 
 
-def error(path: str, e: BaseException, *, tries: int | None = None) -> errors.CheckpointError:
-  """The one line for a failed read of `path` (an exception from gcsfs or tensorstore)."""
+def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.CheckpointError:
+  """The one line for a failed read of `path` (an exception from gcsfs, or from `tensorstore`)."""
   from fsspec import exceptions as fs_exceptions  # pylint: disable=import-outside-toplevel
   text = _first_line(e)
+  tries = re.search(r"All (\d+) retry attempts failed", text)
   if isinstance(e, (fs_exceptions.FSTimeoutError, TimeoutError)):
     return errors.CheckpointError(f"{path}: Cloud Storage at {endpoint()} did not answer; gave up after "
                                   f"{timeout_s():g} s ({TIMEOUT_ENV} sets the limit)")
   if isinstance(e, PermissionError) or _DENIED.search(text):
     return errors.CheckpointError(f"{path}: permission denied by Cloud Storage ({text})")
   if _UNREACHABLE.search(text) or isinstance(e, ConnectionError):
-    after = f"gave up after {tries or RETRIES} tries" if tries or "retry attempts" in text else "gave up"
-    return errors.CheckpointError(f"{path}: cannot reach Cloud Storage at {endpoint()}; {after} ({text})")
+    after = f"; gave up after {tries.group(1)} tries" if tries else ""
+    return errors.CheckpointError(f"{path}: cannot reach Cloud Storage at {endpoint(tensorstore)}{after} "
+                                  f"({text})")
   return errors.CheckpointError(f"{path}: cannot be read from Cloud Storage ({text})")
 
 
@@ -164,7 +167,7 @@ def read_range(path: str, start: int, length: int) -> bytes:
     store = ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=context()).result()
     result = store.read(name, byte_range=slice(start, start + length)).result()
   except Exception as e:  # pylint: disable=broad-except
-    raise error(path, e) from None
+    raise error(path, e, tensorstore=True) from None
   if result.state != "value":
     raise errors.CheckpointError(f"{path}: no such object")
   return bytes(result.value)
