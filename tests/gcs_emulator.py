@@ -50,7 +50,7 @@ class _Proxy(http.server.ThreadingHTTPServer):
 
   def __init__(self, target: str):
     super().__init__(("127.0.0.1", 0), _Relay)
-    self.target, self.denied = target, set()
+    self.target, self.denied, self.requests = target, set(), 0
 
   @property
   def url(self) -> str:
@@ -92,6 +92,7 @@ class _Relay(http.server.BaseHTTPRequestHandler):
       return error.code, dict(error.headers), error.read()
 
   def _relay(self):
+    self.server.requests += 1
     body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
     bucket = _BUCKET.match(self.path)
     if bucket and urllib.parse.unquote(bucket.group(1)) in self.server.denied:

@@ -109,13 +109,14 @@ def _check_bucket(path: str) -> None:
 
 def kind(path: str) -> str:
   """'file', 'dir' (a prefix some object's name starts with, or a bucket) or 'missing'; a bucket that does not
-  exist, a refused or unreachable service raise one line."""
-  try:
-    info = _call(path, "info", _name(path))
-  except FileNotFoundError:
+  exist, a refused or unreachable service raise one line. Answered from the listing of the parent prefix (one
+  request per prefix, kept for the process by gcsfs), so that resolving a directory of steps costs a request per
+  directory, not several per name looked at."""
+  path = paths.normalize(path)
+  if not paths.split(path)[1]:
     _check_bucket(path)
-    return "missing"
-  return "file" if info.get("type") == "file" else "dir"
+    return "dir"
+  return entries(paths.parent(path), named=path).get(paths.basename(path), "missing")
 
 
 def size(path: str) -> int:
@@ -127,12 +128,14 @@ def size(path: str) -> int:
     raise errors.CheckpointError(f"{path}: no such object") from None
 
 
-def entries(path: str) -> dict[str, str]:
-  """What is directly under the prefix `path`: name -> 'file' or 'dir' (a sub-prefix), sorted by name."""
+def entries(path: str, named: str | None = None) -> dict[str, str]:
+  """What is directly under the prefix `path`: name -> 'file' or 'dir' (a sub-prefix), sorted by name. Errors name
+  `named` (default `path`)."""
+  named = named or path
   try:
-    found = _call(path, "ls", _name(path), detail=True)
+    found = _call(named, "ls", _name(path), detail=True)
   except FileNotFoundError:
-    _check_bucket(path)
+    _check_bucket(named)
     return {}
   named = {entry["name"].rstrip("/").rpartition("/")[2]: "file" if entry.get("type") == "file" else "dir"
            for entry in found}
