@@ -21,7 +21,8 @@ from inspect_tool.storage import paths
 TIMEOUT_ENV = "INSPECT_GCS_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 RETRIES = 4
-_DENIED = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|\b40[13]\b|Forbidden|Unauthorized", re.I)
+_DENIED = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|Forbidden|Unauthorized|Invalid Credentials|"
+                     r"does not have storage\.", re.I)
 _UNREACHABLE = re.compile(r"retry attempts failed|(?:Could not|Couldn't|Cannot) connect|CURL error|UNAVAILABLE", re.I)
 
 
@@ -137,9 +138,9 @@ def entries(path: str, named: str | None = None) -> dict[str, str]:
   except FileNotFoundError:
     _check_bucket(named)
     return {}
-  named = {entry["name"].rstrip("/").rpartition("/")[2]: "file" if entry.get("type") == "file" else "dir"
+  kinds = {entry["name"].rstrip("/").rpartition("/")[2]: "file" if entry.get("type") == "file" else "dir"
            for entry in found}
-  return {name: named[name] for name in sorted(named) if name}
+  return {name: kinds[name] for name in sorted(kinds) if name}
 
 
 def listdir(path: str) -> list[str]:
@@ -148,18 +149,18 @@ def listdir(path: str) -> list[str]:
 
 
 def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
-  """The whole object `path` of at most `max_bytes`; otherwise one line naming it."""
+  """The whole object `path` of at most `max_bytes`; otherwise one line naming it (worded as for a local file)."""
   label = f"{what} {path}".strip()
   found = kind(path)
   if found != "file":
-    raise errors.CheckpointError(f"{label}: " + ("is a directory, not a file" if found == "dir" else "does not exist"))
+    raise errors.CheckpointError(f"{label} " + ("is a directory, not a file" if found == "dir" else "does not exist"))
   total = size(path)
   if total > max_bytes:
-    raise errors.CheckpointError(f"{label}: {total} bytes, over the {max_bytes}-byte limit for this file")
+    raise errors.CheckpointError(f"{label} is {total} bytes; files over {max_bytes} bytes are refused")
   try:
     return _call(path, "cat_file", _name(path))
   except FileNotFoundError:
-    raise errors.CheckpointError(f"{label}: does not exist") from None
+    raise errors.CheckpointError(f"{label} does not exist") from None
 
 
 def read_range(path: str, start: int, length: int) -> bytes:
