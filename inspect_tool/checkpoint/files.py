@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from inspect_tool import errors
 from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 from quant import yaml_file
 
 MAX_DIM = 2**63 - 1
@@ -25,7 +26,6 @@ def kind(path: str) -> str:
   """'file', 'dir', 'missing' or 'other' (FIFO, socket, device); permission problems raise one line.
   A gs:// path is asked of Cloud Storage (`storage.remote.kind`)."""
   if paths.is_remote(path):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return remote.kind(path)
   try:
     mode = os.stat(path).st_mode
@@ -46,7 +46,6 @@ def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
   """The bytes of a regular file (or gs:// object) of at most `max_bytes`; anything else is a one-line
   `CheckpointError`."""
   if paths.is_remote(path):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return remote.read_bytes(path, max_bytes, what)
   return yaml_file.read_regular_file(path, f"{what} {path}".strip(), errors.CheckpointError, max_bytes)
 
@@ -55,7 +54,6 @@ def list_suffix(directory: str, suffix: str) -> list[str]:
   """The entries directly in `directory` whose names end with `suffix` (dot-files left out, as `glob` does), sorted;
   in a gs:// prefix, its objects."""
   if paths.is_remote(directory):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return [p for p in remote.glob(directory, suffix) if not paths.basename(p).startswith(".")]
   return sorted(glob.glob(os.path.join(glob.escape(directory), "*" + suffix)))
 

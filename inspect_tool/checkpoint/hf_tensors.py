@@ -23,6 +23,7 @@ from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.run import limits
 from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 CONFIG_NAME = "config.json"
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -101,7 +102,6 @@ class Tensors:
 def _read_span(file: str, name: str, start: int, count: int) -> bytes:
   """`count` bytes of `file` from offset `start` (a gs:// object: one ranged read) for tensor `name`."""
   if paths.is_remote(file):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return remote.read_range(file, start, count) if count else b""
   try:
     with open(file, "rb") as f:

@@ -13,6 +13,7 @@ import os
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
 from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 TREE_METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -48,7 +49,6 @@ def _looks_like_orbax(path: str) -> bool:
 
 def _listdir(path: str) -> list[str]:
   if paths.is_remote(path):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return remote.listdir(path)
   try:
     return sorted(os.listdir(path))

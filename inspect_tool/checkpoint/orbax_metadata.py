@@ -17,6 +17,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import locate
 from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 _SEQUENCE_KEY = 1
 _STRING_TYPE = "string"
@@ -124,16 +125,12 @@ def open_kvstore(items_dir: str, use_ocdbt: bool):
   base = paths.kvstore_spec(items_dir)
   spec = {"driver": "ocdbt", "base": base} if use_ocdbt else base
   try:
-    if paths.is_remote(items_dir):
-      from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
-      try:
-        return ts.KvStore.open(spec, context=remote.context()).result()
-      except Exception as e:  # pylint: disable=broad-except
-        raise remote.error(items_dir, e, tensorstore=True) from None
-    return ts.KvStore.open(spec).result()
-  except errors.InspectError:
-    raise
+    if not paths.is_remote(items_dir):
+      return ts.KvStore.open(spec).result()
+    return ts.KvStore.open(spec, context=remote.context()).result()
   except Exception as e:  # tensorstore raises ValueError/OSError subclasses with long messages
+    if paths.is_remote(items_dir):
+      raise remote.error(items_dir, e, tensorstore=True) from None
     raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({_first_line(e)})") from None
 
 
@@ -175,7 +172,6 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
       result = future.result()
     except Exception as e:  # pylint: disable=broad-except
       if paths.is_remote(items_dir):
-        from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
         raise remote.error(items_dir, e, tensorstore=True) from None
       raise errors.CheckpointError(
           f"{items_dir}: cannot read the array metadata of {entry.param_name} ({_first_line(e)})") from None

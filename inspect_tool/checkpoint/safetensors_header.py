@@ -16,6 +16,7 @@ from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 # safetensors dtype tags -> numpy / ml_dtypes names.
 DTYPES = {
@@ -44,7 +45,6 @@ def _read_prefix(path: str) -> tuple[int, int, bytes]:
   if found != "file":
     raise errors.CheckpointError(f"{path}: is not a regular file" + (" (a directory)" if found == "dir" else ""))
   if paths.is_remote(path):
-    from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
     return _parse_prefix(path, remote.size(path), lambda start, count: remote.read_range(path, start, count))
   try:
     with open(path, "rb") as f:
