@@ -114,8 +114,16 @@ def test_a_prefix_that_is_not_a_checkpoint_is_refused_in_the_local_wording(gcs, 
   (tmp_path / "logs").mkdir()
   (tmp_path / "logs" / "a.log").write_text("x")
   url = gcs.upload(tmp_path, f"gs://{BUCKET}/read/not-a-checkpoint")
-  err = _one_line(_cli_process({}, "orbax", "--path", url))
-  assert err.startswith(f"error: not an Orbax checkpoint: {url}; expected an Orbax step directory")
+  for command in (["orbax", "--path"], ["forward", *L4, "--checkpoint"]):
+    err = _one_line(_cli_process({}, *command, url))
+    assert err.startswith(f"error: not an Orbax checkpoint: {url}; expected an Orbax step directory")
+  local = _one_line(_cli_process({}, "hf", "--path", tmp_path))
+  assert _one_line(_cli_process({}, "hf", "--path", url)) == local.replace(str(tmp_path), url)
+
+
+def test_a_bad_time_limit_is_one_line(remote):
+  err = _one_line(_cli_process({"INSPECT_GCS_TIMEOUT": "soon"}, "orbax", "--path", remote))
+  assert err == "error: INSPECT_GCS_TIMEOUT='soon' is not a number of seconds; accepted: a positive number\n"
 
 
 def test_refused_access_is_permission_denied(gcs, remote):
