@@ -102,6 +102,8 @@ def _one_line(result) -> str:
 def test_missing_bucket_is_named(remote):
   err = _one_line(_cli_process({}, "orbax", "--path", "gs://no-such-bucket-here/run/checkpoints"))
   assert err == "error: gs://no-such-bucket-here/run/checkpoints: no such bucket gs://no-such-bucket-here\n"
+  err = _one_line(_cli_process({}, "orbax", "--path", "gs:///run"))  # gcsfs would answer HTTP 501 and a traceback
+  assert err == "error: gs:///run: names no bucket; accepted: gs://BUCKET/PATH\n"
 
 
 def test_missing_prefix_reads_as_a_missing_local_path(remote):

@@ -84,7 +84,10 @@ def _fs():
 
 
 def _name(path: str) -> str:
+  """gcsfs's `bucket/name` of `path`; a path without a bucket is refused in one line."""
   bucket, name = paths.split(paths.normalize(path))
+  if not bucket:
+    raise errors.CheckpointError(f"{path}: names no bucket; accepted: gs://BUCKET/PATH")
   return f"{bucket}/{name}" if name else bucket
 
 
@@ -114,7 +117,7 @@ def kind(path: str) -> str:
   request per prefix, kept for the process by gcsfs), so that resolving a directory of steps costs a request per
   directory, not several per name looked at."""
   path = paths.normalize(path)
-  if not paths.split(path)[1]:
+  if "/" not in _name(path):  # the bucket itself
     _check_bucket(path)
     return "dir"
   return entries(paths.parent(path), named=path).get(paths.basename(path), "missing")
