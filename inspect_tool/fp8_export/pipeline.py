@@ -155,7 +155,10 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     atomic.test_point("validated")
     memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0), "processes": count,
-              "two_pass_arrays": sum(job.two_pass for job in jobs)}
+              "two_pass_arrays": sum(job.two_pass for job in jobs),
+              "read_ahead_arrays": sum(job.ahead for job in jobs),
+              "decoding": report_lib.decoding(getattr(src, "decodes", {}),
+                                              {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
                                      mesh_devices=int(mesh.size), validation=validation,
