@@ -153,6 +153,10 @@ class CheckpointSource:
   def __getitem__(self, key):
     return self.open(key)
 
+  def view(self, key: tuple[str, ...]) -> "ArrayView":
+    """The array of model leaf `key` as a lazy array whose indexing reads (and counts) through `read`."""
+    return ArrayView(self, self.open(key))
+
   def __iter__(self):
     return iter(self._pairs)
 
@@ -161,6 +165,35 @@ class CheckpointSource:
 
   def __contains__(self, key):
     return key in self._pairs
+
+
+class ArrayView:
+  """A source array that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
+
+  def __init__(self, source: CheckpointSource, store):
+    self._source, self._store = source, store
+    self.shape = tuple(int(d) for d in store.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(self.shape) - len(index))
+    box, squeeze = [], []
+    for axis, (part, d) in enumerate(zip(index, self.shape)):
+      if isinstance(part, slice):
+        start, stop, step = part.indices(d)
+        if step != 1:
+          raise IndexError("ArrayView reads contiguous boxes only")
+        box.append(slice(start, stop))
+      else:
+        i = int(part) + (d if int(part) < 0 else 0)
+        box.append(slice(i, i + 1))
+        squeeze.append(axis)
+    value = self._source.read(self._store, tuple(box))
+    return value.reshape([n for axis, n in enumerate(value.shape) if axis not in squeeze]) if squeeze else value
+
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
+    value = self[()] if self.shape else self._source.read(self._store, ())
+    return np.asarray(value, dtype) if dtype is not None else np.asarray(value)
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to use a host buffer as is

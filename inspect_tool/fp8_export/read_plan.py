@@ -34,8 +34,9 @@ class ReadPlan:
 
 
 def minimal_box(shape: Sequence[int], chunk: Sequence[int] | None, cuttable: Sequence[int]) -> tuple[int, ...]:
-  """The smallest chunk-aligned box: one chunk along each `cuttable` axis, the whole of every other axis."""
-  return tuple(min(int(chunk[axis]), int(d)) if chunk and axis in cuttable and chunk[axis] else int(d)
+  """The smallest chunk-aligned box: one chunk (one index when the chunking is unknown) along each `cuttable`
+  axis, the whole of every other axis."""
+  return tuple(min(int(chunk[axis]) if chunk and chunk[axis] else 1, int(d)) if axis in cuttable else int(d)
                for axis, d in enumerate(shape))
 
 
@@ -131,6 +132,19 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead):
     if block is not None:
       return box, block, ahead, _need(box, block, itemsize, ahead, overhead)
   return None
+
+
+def plan_boxes(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int,
+               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int]) -> tuple[tuple[int, ...], bool]:
+  """(box, ahead) for reading an array whose work beside the boxes is already taken from `available`: the largest
+  chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest box."""
+  smallest = minimal_box(shape, chunk, cuttable)
+  for ahead in (True, False):
+    limit = available // (1 + ahead) - int(overhead(smallest))
+    box = aligned_box(shape, chunk, itemsize, max(limit, 0), cuttable)
+    if (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) <= available:
+      return box, ahead
+  return smallest, False
 
 
 def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, channel_axes: Sequence[int],
