@@ -35,15 +35,16 @@ def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Calla
   shape = tuple(int(d) for d in value.shape)
   if rule.kind == BF16_LINEAR:
     if _rows_by_columns(shape, rule):
-      return (shape[1], shape[0]), lambda a, b: _cast(np.asarray(value[:, a:b], np.float32).T, dtype)
-    matrix = _cast(hf_names.hf_matrix(value, rule, cfg), dtype)
+      return (shape[1], shape[0]), lambda a, b: cast(np.asarray(value[:, a:b], np.float32).T, dtype)
+    matrix = cast(hf_names.hf_matrix(value, rule, cfg), dtype)
     return matrix.shape, lambda a, b: matrix[a:b]
   if not shape:
-    return shape, lambda a, b: _cast(np.asarray(value, np.float32), dtype)
-  return shape, lambda a, b: _cast(np.asarray(value[a:b], np.float32), dtype)
+    return shape, lambda a, b: cast(np.asarray(value, np.float32), dtype)
+  return shape, lambda a, b: cast(np.asarray(value[a:b], np.float32), dtype)
 
 
-def _cast(array, dtype):
+def cast(array, dtype):
+  """`array` as a C-contiguous array of `dtype` (through float32)."""
   return np.ascontiguousarray(np.asarray(array, np.float32).astype(dtype))
 
 

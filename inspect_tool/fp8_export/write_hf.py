@@ -145,7 +145,7 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
         if expert_axis is not None:
           at[expert_axis] = j - index[expert_axis].start
         matrix = hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg)
-        arrays = _block_quantize(matrix) if fp8 else (_cast(matrix, ml_dtypes.bfloat16),)
+        arrays = _block_quantize(matrix) if fp8 else (hf_rows.cast(matrix, ml_dtypes.bfloat16),)
         for region, array in zip(regions[s, j], arrays):
           region.write(array)
     del block
