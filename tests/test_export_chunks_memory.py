@@ -58,7 +58,7 @@ def unbounded(sources, tmp_path_factory):
 
 
 def _export(source: str, dst: str, layout: str, *extra: str, cgroup=None):
-  return memory_cgroup.run_tool(["export", *MODEL, *(QUANT if layout == "maxtext" else []), "--layout", layout,
+  return memory_cgroup.run_tool(["export", *MODEL, *(QUANT if layout == "orbax" else []), "--layout", layout,
                                  "--checkpoint", source, "--output", dst, "--format", "json", *extra], cgroup,
                                 timeout=600)
 
@@ -75,7 +75,7 @@ def _floor(source: str, layout: str, tmp_path) -> int:
 
 
 @pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
-@pytest.mark.parametrize("layout", ["maxtext", "deepseek-fp8"])
+@pytest.mark.parametrize("layout", ["orbax", "deepseek-fp8"])
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))
 def test_the_floor_named_holds_in_a_memory_cgroup_on_every_chunking(chunking, layout, sources, unbounded, tmp_path):
   source, chunks = sources[chunking]
