@@ -11,9 +11,9 @@ under `params/params` (MaxText's params-only loaders find the bias there too).
 
 Writing: each array is read in chunk-aligned boxes and processed in slices that fit the memory budget
 (`read_plan`: a box bigger than a slice may be is read once and cut in memory, so no source chunk is decoded again
-for the next slice); a slice is (`quantize`'s compiled quantizers: a slice along channel axes gets exactly the whole weight's scales; the
-blocks of a two-pass weight get its absmax from a first pass) and written into the destination zarr3 array,
-chunked by the slice block, through tensorstore. As Orbax does, each process writes into its own OCDBT database
+for the next slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
+exactly the whole weight's scales; the slices of a two-pass weight get its absmax from a first pass) and written
+into the destination zarr3 array, chunked by a sub-block of the slice, through tensorstore. As Orbax does, each process writes into its own OCDBT database
 (`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
 (the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`) and the step's `_CHECKPOINT_METADATA`. With several
 processes (`jax.distributed`), process `i` handles every unit of work (a slice; a two-pass group of blocks) whose
@@ -245,8 +245,8 @@ SLICE, ABSMAX, REUSE = "slice", "absmax", "reuse"  # read and write; read for pa
 
 
 def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, tuple[slice, ...], str]]:
-  """The reads of one unit of `job`: its slice; or, two-pass, every block for the absmax, then every block again
-  in reverse order for quantizing, the first of them (the last read) kept from pass 1."""
+  """The reads of one unit of `job`: its box; or, two-pass, every box for the absmax, then every box again in
+  reverse order for quantizing, the first of them (the last read) kept from pass 1."""
   if not job.two_pass:
     return [(job, index, SLICE) for index in unit]
   return ([(job, index, ABSMAX) for index in unit]
@@ -257,10 +257,10 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
-  Three stages overlap: slice k+1 is read (tensorstore threads) while slice k is quantized, and slice k-1's
-  outputs are encoded and written meanwhile; so memory holds about three slices at once (`budget.SLICE_FACTOR`).
-  A two-pass job (`ArrayJob.two_pass`) reads each group of blocks that share channels twice: their absmax first,
-  then the blocks again to quantize them; the group's scale is written with its first quantized block.
+  Three stages overlap: the next box is read (tensorstore threads; only with `ArrayJob.ahead`) while the slices
+  of this one are quantized, and the last slice's outputs are encoded and written meanwhile (`read_plan`).
+  A two-pass job (`ArrayJob.two_pass`) reads each group of boxes that share channels twice: their absmax first,
+  then the boxes again to quantize them; the scale of each channel range is written with its first slice.
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
   array (progress). The checkpoint is complete once every process has returned and process 0 has called
   `finalize` on the returned writer. With several processes, process `i` owns every unit whose running number is
