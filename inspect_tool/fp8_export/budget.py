@@ -1,12 +1,9 @@
-"""Export's memory budget: `--max-memory`, and how each array is cut into slices that fit it.
+"""Export's memory budget: `--max-memory`, the memory the process holds, and how slices are shaped.
 
-Every array is read, quantized and written one slice at a time; the slice is a block of the array that spans
-every axis a scale is computed over (a quantized weight may only be cut along its channel axes, so that each slice
-gets exactly the scales the whole weight would) and is cut first along the outermost axes it may be cut along (a
-layer, a range of experts, a range of rows). A slice of `b` source bytes costs about `SLICE_FACTOR * b` of memory
-(the source slice, its compute-dtype cast, the quantizer's temporaries and the encoded output), so the slice size
-is `(max_memory - memory the process already holds) / SLICE_FACTOR`. The destination array is chunked by that
-block, so every write fills whole chunks.
+Every array is read in chunk-aligned boxes and quantized and written one slice at a time (`read_plan`). A slice of
+`b` source bytes costs about `SLICE_FACTOR * b` of memory (its compute-dtype cast, the quantizer's temporaries,
+the encoded output and its write in flight), beside the box it is cut from. The destination array is chunked by a
+sub-block of the slice (`chunk_within`), so every write fills whole chunks.
 """
 
 from __future__ import annotations
@@ -116,59 +113,6 @@ class Slicing:
       yield tuple(slice(s, min(s + b, d)) for s, b, d in zip(starts, self.block, self.shape))
 
 
-def slicing(shape: Sequence[int], itemsize: int, budget: int, cuttable: Sequence[int],
-            align: Sequence[int] | None = None) -> Slicing | None:
-  """The largest block of `shape` within `budget` bytes, cutting only `cuttable` axes, outermost first.
-
-  `align`: the source's chunk shape; a cut prefers block sides that do not straddle its chunks (each chunk a
-  slice touches is decoded again for that slice). None when even a block of 1 along every cuttable axis is over
-  the budget.
-  """
-  shape = tuple(int(d) for d in shape)
-  block = list(shape)
-  for axis in sorted(set(cuttable)):
-    size = math.prod(block) * itemsize
-    if size <= budget:
-      break
-    per_index = size // max(block[axis], 1)
-    most = max(1, min(block[axis], budget // max(per_index, 1)))
-    block[axis] = _aligned_block(block[axis], most, int(align[axis]) if align else 0)
-  if math.prod(block) * itemsize > budget:
-    return None
-  return Slicing(shape, tuple(block))
-
-
-def decode_factor(shape: Sequence[int], block: Sequence[int], chunk: Sequence[int] | None) -> float:
-  """How many times each source chunk (`chunk`, None: unknown) is decoded, on average, when an array of `shape`
-  is read by `block`s: a block that cuts across a chunk decodes all of it."""
-  factor = 1.0
-  for length, side, size in zip(shape, block, chunk or ()):
-    if not size or length <= 0:
-      continue
-    touched = 0
-    for start in range(0, length, side):
-      stop = min(start + side, length)
-      touched += min(-(-stop // size) * size, length) - start // size * size
-    factor *= touched / length
-  return factor
-
-
-def _aligned_block(length: int, most: int, chunk: int) -> int:
-  """A block side of at most `most` along an axis whose source chunks are `chunk` long: a multiple of `chunk`
-  when `most` reaches it, else a divisor of it (not below `most / 2`), else `_even_block`'s."""
-  if 1 < chunk < length:
-    if most >= chunk:
-      top = most // chunk
-      for k in range(top, max(1, -(-top // 2)) - 1, -1):
-        if length % (k * chunk) == 0:
-          return k * chunk
-      return top * chunk
-    for size in range(most, max(1, most // 2) - 1, -1):
-      if chunk % size == 0:
-        return size
-  return _even_block(length, most)
-
-
 def _even_block(length: int, most: int) -> int:
   """`most`, or the largest divisor of `length` not below `most / 2`: equal slices, so one compiled quantizer."""
   for size in range(most, max(1, most // 2) - 1, -1):
@@ -190,11 +134,6 @@ def chunk_within(block: Sequence[int], itemsize: int, limit: int, cuttable: Sequ
     if chunk[axis] % divisor == 0:
       chunk[axis] = divisor
   return tuple(chunk)
-
-
-def smallest_slice(shape: Sequence[int], itemsize: int, cuttable: Sequence[int]) -> int:
-  """Bytes of the smallest block `slicing` can cut."""
-  return math.prod(1 if i in set(cuttable) else int(d) for i, d in enumerate(shape)) * itemsize
 
 
 def return_freed_memory() -> None:

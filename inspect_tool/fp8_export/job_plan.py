@@ -57,10 +57,11 @@ def agree_on_inputs(tokens: Sequence[str], source: str | None, dst: str, overwri
 
 
 def fingerprint(jobs) -> str:
-  """A digest of what a plan writes: every array's key, shape, dtype, quantization, slice block, chunk, passes."""
+  """A digest of what a plan writes: every array's key, shape, dtype, quantization, slice block, chunk, passes,
+  read box."""
   rows = [["/".join(job.leaf.key), list(job.leaf.shape), str(job.leaf.dtype), "/".join(map(str, job.out_key)),
            job.quant is not None, list(job.slicing.block), list(job.chunk), bool(job.two_pass),
-           job.stored is not None] for job in jobs]
+           job.stored is not None, list(job.read_block), bool(job.ahead)] for job in jobs]
   return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 

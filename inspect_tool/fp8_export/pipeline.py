@@ -163,7 +163,10 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     atomic.test_point("validated")
     memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0), "processes": count,
-              "two_pass_arrays": sum(job.two_pass for job in jobs)}
+              "two_pass_arrays": sum(job.two_pass for job in jobs),
+              "read_ahead_arrays": sum(job.ahead for job in jobs),
+              "decoding": report_lib.decoding(getattr(src, "decodes", {}),
+                                              {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
                                      mesh_devices=int(mesh.size), validation=validation,
@@ -217,9 +220,19 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = plan_lib.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
-    work_bytes = write_hf.plan_memory(
-        arrays.keys(), cfg, max_memory, held=budget.current_rss() + write_orbax.RESERVE_BYTES,
-        chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
+    shapes = {}  # key -> source chunk shape, each array opened once here
+
+    def chunk_shape(key):
+      if key not in shapes:
+        shapes[key] = arrays.chunk_shape(arrays.open(key))
+      return shapes[key]
+
+    def read_overhead(key, box):
+      return arrays.read_overhead(arrays.open(key), box) if chunk_shape(key) else 0
+
+    work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
+                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES,
+                                      chunk_shape=chunk_shape, read_overhead=read_overhead)
     skipped = "--no-validate"
     rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
                                         batch_options=batch_options, min_top1=min_top1)
@@ -232,20 +245,35 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       with progress.step(f"writing DeepSeek {'FP8' if fp8 else 'bf16'} safetensors ({len(arrays)} arrays)"):
         try:
-          summary = write_hf.write_deepseek_fp8(arrays, cfg, tmp, work_bytes=work_bytes, fp8=fp8,
-                                                chunk_shape=lambda key: arrays.chunk_shape(arrays.open(key)))
+          summary = write_hf.write_deepseek_fp8(_Views(arrays), cfg, tmp, work_bytes=work_bytes, fp8=fp8,
+                                                chunk_shape=chunk_shape, read_overhead=read_overhead)
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
+      decoding = report_lib.decoding(getattr(arrays, "decodes", {}),
+                                     {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       validation = None
       if not skipped:
         validation = validate_lib.validate_hf(cfg, source, tmp, data, min_top1=min_top1,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
-      summary = dict(summary, dst=claimed.path, max_memory=max_memory)
+      summary = dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding)
       summary.pop("config", None)
       report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
                                           validation=validation, validation_skipped=skipped, fp8=fp8,
                                           rerun=rerun)
       atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)
+
+
+class _Views:
+  """The source's arrays as `write_hf` reads them: key -> lazy array (reads counted, `read.ArrayView`)."""
+
+  def __init__(self, source):
+    self._source = source
+
+  def keys(self):
+    return self._source.keys()
+
+  def __getitem__(self, key):
+    return self._source.view(key) if hasattr(self._source, "view") else self._source.open(key)

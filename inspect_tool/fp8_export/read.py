@@ -1,8 +1,10 @@
 """Export stage 2, reading: the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
 
-A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files), without a chunk cache,
-and read one slice (`budget.Slicing`) at a time: memory holds the slice and the source chunks it touches, never a
-whole array. The random init (no `--checkpoint`) builds the whole model: it is for small models.
+A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files), without a chunk cache
+and with `DECODING_CHUNKS` chunks decoded at once (`read_context`), and read one chunk-aligned box (`read_plan`)
+at a time: memory holds the box and the chunks being decoded into it (`CheckpointSource.read_overhead`), never a
+whole array. Every read is counted (`CheckpointSource.decodes`: chunks and bytes decoded per array).
+The random init (no `--checkpoint`) builds the whole model: it is for small models.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
+
+# Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
+# being decoded, its decoded bytes (its stored bytes are freed before it is copied into the box, whose pages are
+# only touched then): reading one 200 MB chunk peaks at 400 MB, a 200 MB box of 20 MB chunks at 237 MB.
+DECODING_CHUNKS = 2
+
+
+def read_context():
+  """The tensorstore context of source reads: no chunk cache (every byte read is used once), `DECODING_CHUNKS`
+  copy threads and as many file reads in flight (no stored chunk waits in memory for a decoder)."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                     "data_copy_concurrency": {"limit": DECODING_CHUNKS},
+                     "file_io_concurrency": {"limit": DECODING_CHUNKS}})
 
 
 def nbytes(leaf: tree.Leaf) -> int:
@@ -32,12 +49,12 @@ class CheckpointSource:
 
   def __init__(self, path: str, leaves, context=None):
     from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
-    from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
-
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
-    self._context = context or orbax_writer.ts_context()
+    self._context = context or read_context()
+    self._names: dict[int, tuple[str, ...]] = {}  # id(store) -> model leaf key, for counting decodes
+    self.decodes: dict[tuple[str, ...], list[int]] = {}  # model leaf key -> [chunks, bytes] decoded so far
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
     """The checkpoint's leaf (shape, stored dtype) for a model leaf key."""
@@ -56,9 +73,11 @@ class CheckpointSource:
     kvstore = {"driver": "ocdbt", "base": base} if self._listing.use_ocdbt else base
     spec = {"driver": "zarr3" if self._listing.use_zarr3 else "zarr", "kvstore": dict(kvstore, path=name + "/")}
     try:
-      return ts.open(spec, open=True, read=True, context=self._context).result()
+      store = ts.open(spec, open=True, read=True, context=self._context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise errors.CheckpointError(f"{self.items_dir}: cannot open the data of {name} ({_first_line(e)})") from None
+    self._names[id(store)] = key
+    return store
 
   def chunk_shape(self, store) -> tuple[int, ...]:
     """The shape of the source's chunks of `store` (what a read decodes whole)."""
@@ -67,6 +86,24 @@ class CheckpointSource:
   def chunk_bytes(self, store) -> int:
     """Bytes of one decoded source chunk (what reading any part of it holds at once)."""
     return math.prod(self.chunk_shape(store)) * np.dtype(store.dtype.numpy_dtype).itemsize
+
+  def read_overhead(self, store, box) -> int:
+    """Bytes held beyond a chunk-aligned box of shape `box` while it is read: the decoded bytes of the chunks
+    decoded at once (`DECODING_CHUNKS`, at most as many as the box has)."""
+    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
+
+    chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
+    return min(DECODING_CHUNKS, chunks) * self.chunk_bytes(store)
+
+  def _count(self, store, index: tuple[slice, ...]) -> None:
+    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
+
+    shape = tuple(int(d) for d in store.shape)
+    index = index or tuple(slice(0, d) for d in shape)
+    chunk = self.chunk_shape(store)
+    counts = self.decodes.setdefault(self._names.get(id(store), ()), [0, 0])
+    counts[0] += read_plan.chunks_touched(index, chunk)
+    counts[1] += read_plan.covered(index, chunk, shape) * np.dtype(store.dtype.numpy_dtype).itemsize
 
   def stored_layout(self, store) -> dict | None:
     """The zarr3 metadata of `store` when its stored chunks can be copied as they are (regular grid, default
@@ -101,6 +138,7 @@ class CheckpointSource:
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
     out = None
+    self._count(store, index)
     try:
       if index:
         part = store[index]
@@ -115,6 +153,10 @@ class CheckpointSource:
   def __getitem__(self, key):
     return self.open(key)
 
+  def view(self, key: tuple[str, ...]) -> "ArrayView":
+    """The array of model leaf `key` as a lazy array whose indexing reads (and counts) through `read`."""
+    return ArrayView(self, self.open(key))
+
   def __iter__(self):
     return iter(self._pairs)
 
@@ -123,6 +165,35 @@ class CheckpointSource:
 
   def __contains__(self, key):
     return key in self._pairs
+
+
+class ArrayView:
+  """A source array that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
+
+  def __init__(self, source: CheckpointSource, store):
+    self._source, self._store = source, store
+    self.shape = tuple(int(d) for d in store.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(self.shape) - len(index))
+    box, squeeze = [], []
+    for axis, (part, d) in enumerate(zip(index, self.shape)):
+      if isinstance(part, slice):
+        start, stop, step = part.indices(d)
+        if step != 1:
+          raise IndexError("ArrayView reads contiguous boxes only")
+        box.append(slice(start, stop))
+      else:
+        i = int(part) + (d if int(part) < 0 else 0)
+        box.append(slice(i, i + 1))
+        squeeze.append(axis)
+    value = self._source.read(self._store, tuple(box))
+    return value.reshape([n for axis, n in enumerate(value.shape) if axis not in squeeze]) if squeeze else value
+
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
+    value = self[()] if self.shape else self._source.read(self._store, ())
+    return np.asarray(value, dtype) if dtype is not None else np.asarray(value)
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to use a host buffer as is
@@ -212,6 +283,9 @@ class InitSource:
 
   def chunk_bytes(self, store) -> int:  # pylint: disable=unused-argument
     return 0
+
+  def read_overhead(self, store, box) -> int:  # pylint: disable=unused-argument
+    return 0  # nothing decoded
 
   def read(self, store, index):
     return store[index] if index else store

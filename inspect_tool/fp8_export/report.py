@@ -96,6 +96,22 @@ def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | 
   }
 
 
+def decoding(decodes: dict, sizes: dict) -> dict:
+  """What reading the source decoded, as counted at each read (`read.CheckpointSource.decodes`): chunks, bytes of
+  the arrays inside them, the bytes of those arrays as stored (decoded size) and their ratio (1: every chunk
+  decoded once; 2: twice, two-pass), overall and for the array read most often. `sizes`: key -> array bytes."""
+  read = {key: counts for key, counts in decodes.items() if counts[0] and key in sizes}
+  decoded = sum(counts[1] for counts in read.values())
+  stored = sum(sizes[key] for key in read)
+  ratios = {key: counts[1] / max(sizes[key], 1) for key, counts in read.items()}
+  worst = max(ratios, key=ratios.get, default=None)
+  return {"chunks_decoded": sum(counts[0] for counts in read.values()), "bytes_decoded": decoded,
+          "bytes_stored": stored, "decoded_per_stored": round(decoded / stored, 4) if stored else 0.0,
+          "most_decoded_array": None if worst is None else {"key": "/".join(worst),
+                                                            "decoded_per_stored": round(ratios[worst], 4)},
+          "arrays": len(read)}
+
+
 def _validation_record(validation, skipped: str | None, run_elsewhere: str) -> dict:
   if validation is not None:
     return validation.to_dict()

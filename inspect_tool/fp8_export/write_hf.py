@@ -42,6 +42,8 @@ from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
 from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import hf_rows
+from inspect_tool.fp8_export import read_plan
 from inspect_tool.fp8_export import safetensors_writer
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -117,28 +119,23 @@ def _blocks(value, cut: budget.Slicing, ahead: bool) -> Iterator[tuple[tuple[sli
 
 
 def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
-                    fp8: bool = True) -> None:
+                    fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
-  The leaf is read in blocks, cut along its expert axis, then its layer axis, so that each source chunk is decoded
-  about once, not once per layer and expert: two blocks of up to `spare / 2` bytes (float32; `MAX_READ_BYTES` at
-  most) when `spare` holds two of the smallest, the next read while the current is converted, else one block at a
-  time; block sides are multiples or divisors of the source's `chunk` shape where the budget allows (each chunk a
-  block touches is decoded for it). Every matrix is quantized whole (its scales must not depend on how the leaf
+  The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
+  the source's `chunk` sides (`read_plan.plan_boxes`), so that each source chunk is decoded once, not once per
+  layer and expert: two blocks (the next read while the current is converted) when `spare` holds two with the
+  chunks decoded into them (`overhead(block)`), else one; at most `MAX_READ_BYTES` of float32 each. Every matrix is quantized whole (its scales must not depend on how the leaf
   is cut) and written at the place `_fp8_regions` gave it. Routed experts are quantized one at a time:
   quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
   absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
   """
   regions = _fp8_regions(writer, entry, cfg, fp8)
   layer_axis = entry.layer_axis
-  expert_axis = None
-  if entry.rule.kind == EXPERTS_FP8:
-    expert_axis = 1 if layer_axis == 0 else 0
-  cuttable = [axis for axis in (expert_axis, layer_axis) if axis is not None]
-  ahead = spare >= 2 * budget.smallest_slice(entry.shape, 4, cuttable)
-  read_bytes = min(MAX_READ_BYTES, spare // 2 if ahead else spare)
-  cut = budget.slicing(entry.shape, 4, read_bytes, cuttable, chunk) or budget.Slicing(
-      entry.shape, tuple(1 if axis in cuttable else d for axis, d in enumerate(entry.shape)))
+  expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
+  cuttable = _read_axes(entry)
+  box, ahead = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES), cuttable, overhead)
+  cut = budget.Slicing(tuple(entry.shape), box)
   for index, block in _blocks(value, cut, ahead):
     for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
       for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
@@ -148,45 +145,10 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
         if expert_axis is not None:
           at[expert_axis] = j - index[expert_axis].start
         matrix = hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg)
-        arrays = _block_quantize(matrix) if fp8 else (_cast(matrix, ml_dtypes.bfloat16),)
+        arrays = _block_quantize(matrix) if fp8 else (hf_rows.cast(matrix, ml_dtypes.bfloat16),)
         for region, array in zip(regions[s, j], arrays):
           region.write(array)
     del block
-
-
-def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
-  """(HF shape, rows(start, stop) -> those HF rows converted) of a BF16, BF16_LINEAR or F32 tensor.
-
-  Elementwise tensors and 2-D Linear kernels without rope columns are read by rows (kernel columns), so a
-  129280 x 7168 embedding or head never sits whole in memory; other BF16 Linears (small) come as one block.
-  """
-  dtype = np.float32 if rule.kind == F32 else ml_dtypes.bfloat16
-  shape = tuple(int(d) for d in value.shape)
-  if rule.kind == BF16_LINEAR:
-    if len(shape) == 2 and rule.n_in == 1 and not rule.rope:
-      return (shape[1], shape[0]), lambda a, b: _cast(np.asarray(value[:, a:b], np.float32).T, dtype)
-    matrix = _cast(hf_names.hf_matrix(value, rule, cfg), dtype)
-    return matrix.shape, lambda a, b: matrix[a:b]
-  if not shape:
-    return shape, lambda a, b: _cast(np.asarray(value, np.float32), dtype)
-  return shape, lambda a, b: _cast(np.asarray(value[a:b], np.float32), dtype)
-
-
-def _cast(array, dtype):
-  return np.ascontiguousarray(np.asarray(array, np.float32).astype(dtype))
-
-
-def _write_rows(writer, value, rule: hf_names.Rule, layer: int | None, cfg, block_bytes: int) -> None:
-  """Writes the BF16 / F32 tensor(s) of one layer's slice (or a top-level tensor), `block_bytes` of rows at once."""
-  shape, rows = _row_blocks(value, rule, cfg)
-  regions = [writer.reserve(n.replace("{i}", str(layer)), np.float32 if rule.kind == F32 else ml_dtypes.bfloat16,
-                            shape) for n in rule.names]  # copies (MTP embed_tokens / shared_head) get every block
-  n_rows = shape[0] if shape else 1
-  step = max(1, block_bytes // max(4 * math.prod(shape[1:]), 1))
-  for start in range(0, n_rows, step):
-    block = rows(start, min(start + step, n_rows))
-    for region in regions:
-      region.write(block)
 
 
 def _synthesized(cfg) -> Iterator[tuple[str, Any]]:
@@ -195,15 +157,6 @@ def _synthesized(cfg) -> Iterator[tuple[str, Any]]:
   zeros = np.zeros((cfg.num_experts,), np.float32)
   for name in names:
     yield name, zeros
-
-
-def _slices(value, entry: hf_names.Entry) -> Iterator[tuple[int | None, Any]]:
-  """(HF layer, per-layer slice) of a leaf; indexing only, so lazy arrays read one layer at a time."""
-  if entry.layer_axis is None:
-    yield (entry.layers[0] if entry.layers else None), value
-    return
-  for s, layer in enumerate(entry.layers):
-    yield layer, value[(slice(None),) * entry.layer_axis + (s,)]
 
 
 def _unit_bytes(entry: hf_names.Entry) -> int:
@@ -219,35 +172,49 @@ def _unit_bytes(entry: hf_names.Entry) -> int:
   return 4 * math.prod(shape)
 
 
+def _read_axes(entry: hf_names.Entry) -> list[int]:
+  """The axes a leaf is read in blocks along: expert and layer axes of FP8 leaves; `hf_rows.read_axis` else."""
+  if entry.rule.kind in (FP8, EXPERTS_FP8):
+    expert_axis = (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
+    return [axis for axis in (expert_axis, entry.layer_axis) if axis is not None]
+  axis = hf_rows.read_axis(entry)
+  return [] if axis is None else [axis]
+
+
 def plan_memory(keys, cfg, max_memory: int, *, held: int,
-                chunk_bytes: Callable[[tuple[str, ...]], int] | None = None,
+                chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
+                read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                 mtp_shared_copies: bool = True) -> int:
   """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
-  A unit of work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an
-  embedding, head or norm) costs `budget.SLICE_FACTOR` times its float32 bytes, beside `held` (what the process
-  holds) and `chunk_bytes(key)` (decoded source chunks). At DeepSeek-V3's size the largest unit is a dense-layer
+  A leaf needs at least its smallest read (one source chunk along the axes it is read along, whole elsewhere,
+  float32) with what decoding it holds (`read_overhead(key, block)`) and `budget.SLICE_FACTOR` times its unit of
+  work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an embedding,
+  head or norm), beside `held` (what the process holds). At DeepSeek-V3's size the largest unit is a dense-layer
   MLP matrix, 18432 x 7168 float32 (528 MB).
 
   Raises:
-    errors.InputError: `max_memory` is smaller than what the largest unit of work needs.
+    errors.InputError: `max_memory` is smaller than what the largest leaf needs; the line names the smallest
+      budget that works.
   """
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
-  worst, largest_chunk = (0, None, None, 0), 0
+  worst = (0, None, None, 0)
   for key, target in _match(list(keys), plan):
-    chunk = chunk_bytes(key) if chunk_bytes else 0
-    largest_chunk = max(largest_chunk, chunk)
-    need = held + chunk + budget.SLICE_FACTOR * _unit_bytes(plan[target])
+    entry = plan[target]
+    chunk = chunk_shape(key) if chunk_shape else None
+    box = read_plan.minimal_box(entry.shape, chunk, _read_axes(entry))
+    decoding = int(read_overhead(key, box)) if read_overhead else 0
+    need = held + 4 * math.prod(box) + decoding + budget.SLICE_FACTOR * _unit_bytes(entry)
     if need > worst[0]:
-      worst = (need, key, plan[target].shape, chunk)
-  need, key, shape, chunk = worst
+      worst = (need, key, entry.shape, decoding)
+  need, key, shape, decoding = worst
   if need > max_memory:
     raise errors.InputError(
         f"--max-memory {budget.format_size(max_memory)} is smaller than the smallest slice of {'/'.join(key)} "
         f"{shape} needs (with the {budget.format_size(held)} the process holds"
-        f"{' and decoded source chunks of ' + budget.format_size(chunk) if chunk else ''}); accepted: at least "
-        f"{budget.format_size(need)}")
-  return int(max_memory - held - largest_chunk)
+        f"{' and decoded source chunks of ' + budget.format_size(decoding) if decoding else ''}); accepted: at "
+        f"least {budget.format_size(need)}")
+  return int(max_memory - held)
 
 
 def _rope_scaling(cfg) -> dict[str, Any]:
@@ -368,6 +335,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        work_bytes: int = DEFAULT_WORK_BYTES,
                        header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
+                       read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
                        fp8: bool = True) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
@@ -391,7 +359,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     mtp_shared_copies: also write the MTP layers' copies of embed_tokens and shared_head.head, as the release.
     work_bytes: memory for reading and converting (beyond what the process already holds).
     header_reserve: bytes reserved for each shard's header (a shard is closed early when they are full).
-    chunk_shape: the source's chunk shape of a leaf key (None: unknown), which blocks of FP8 leaves align to.
+    chunk_shape: the source's chunk shape of a leaf key (None: unknown), which the blocks read align to.
+    read_overhead: (key, block shape) -> bytes the source holds beyond a block while decoding it (default 0).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
 
   Returns:
@@ -413,13 +382,15 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
+      chunk = chunk_shape(key) if chunk_shape else None
+      overhead = functools.partial(read_overhead, key) if read_overhead else (lambda box: 0)
       if entry.rule.kind in (FP8, EXPERTS_FP8):
         _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry),
-                        chunk_shape(key) if chunk_shape else None, fp8)
+                        chunk, fp8, overhead)
         continue
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
-      for layer, part in _slices(value, entry):
-        _write_rows(writer, part, entry.rule, layer, cfg, row_bytes)
+      hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
+                         work_bytes - budget.SLICE_FACTOR * max(row_bytes, _unit_bytes(entry)), overhead)
     for name, array in _synthesized(cfg):
       writer.add(name, array)
     weight_map = writer.close()

@@ -9,10 +9,11 @@ the dtype the forward pass quantizes in (the compute dtype, bfloat16 by default)
 exactly (in value) the float32 scales of the FP8 grouped matmul. Everything, the gate bias included, is written
 under `params/params` (MaxText's params-only loaders find the bias there too).
 
-Writing: each array is cut into slices that fit the memory budget (`budget`); a slice is read from the source,
-quantized (`quantize`'s compiled quantizers: a slice along channel axes gets exactly the whole weight's scales; the
-blocks of a two-pass weight get its absmax from a first pass) and written into the destination zarr3 array,
-chunked by the slice block, through tensorstore. As Orbax does, each process writes into its own OCDBT database
+Writing: each array is read in chunk-aligned boxes and processed in slices that fit the memory budget
+(`read_plan`: a box bigger than a slice may be is read once and cut in memory, so no source chunk is decoded again
+for the next slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
+exactly the whole weight's scales; the slices of a two-pass weight get its absmax from a first pass) and written
+into the destination zarr3 array, chunked by a sub-block of the slice, through tensorstore. As Orbax does, each process writes into its own OCDBT database
 (`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
 (the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`) and the step's `_CHECKPOINT_METADATA`. With several
 processes (`jax.distributed`), process `i` handles every unit of work (a slice; a two-pass group of blocks) whose
@@ -33,6 +34,8 @@ from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import budget as budget_lib
 from inspect_tool.fp8_export import orbax_writer
+from inspect_tool.fp8_export import read as read_lib
+from inspect_tool.fp8_export import read_plan
 
 @dataclasses.dataclass(frozen=True)
 class Written:
@@ -54,44 +57,57 @@ class ArrayJob:
   chunk: tuple[int, ...] = ()  # destination chunk: divides the slice block (tensorstore encodes chunks in parallel)
   stored: dict | None = None  # a copy whose slices are whole source chunks: their stored bytes are copied as is
   two_pass: bool = False  # quantized in two passes over blocks that also cut the shared axes
+  box: tuple[int, ...] = ()  # what one read holds, aligned to the source's chunks (default: the slice block)
+  ahead: bool = True  # the next box of the array is read while this one is processed
 
   @property
   def slice_bytes(self) -> int:
     return int(np.prod(self.slicing.block, dtype=np.int64)) * np.dtype(self.leaf.dtype).itemsize
 
+  @property
+  def read_block(self) -> tuple[int, ...]:
+    return tuple(self.box) or self.slicing.block
+
   def units(self) -> list[list[tuple[slice, ...]]]:
-    """The units of work, in order: one slice each; for a two-pass job, the slices that share channels (their
-    absmax is gathered over all of them before any is quantized)."""
+    """The units of work, in order, each a list of boxes: one box; for a two-pass job, the boxes that share
+    channels (their absmax is gathered over all of them before any is quantized)."""
+    boxes = read_plan.boxes(self.slicing.shape, self.read_block)
     if not self.two_pass:
-      return [[index] for index in self.slicing.slices()]
+      return [[index] for index in boxes]
     groups: dict[tuple, list] = {}
-    for index in self.slicing.slices():
-      channels = tuple((s.start, s.stop) for axis, s in enumerate(index) if axis in self.quant.channel_axes)
-      groups.setdefault(channels, []).append(index)
+    for index in boxes:
+      groups.setdefault(_channels(index, self.quant), []).append(index)
     return list(groups.values())
+
+  def slices_in(self, box: tuple[slice, ...]) -> list[tuple[slice, ...]]:
+    """The slices of the box `box` (absolute indices), in order."""
+    return read_plan.slices_in(box, self.slicing.block)
+
+
+def _channels(index: tuple[slice, ...], wq) -> tuple:
+  return tuple((s.start, s.stop) for axis, s in enumerate(index) if axis in wq.channel_axes)
 
 
 CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
-DECODING_CHUNKS = 2  # source chunks tensorstore may hold decoded at once (its copy threads)
+DECODING_CHUNKS = read_lib.DECODING_CHUNKS  # source chunks decoded at once
 # Compiling and compiled quantizers, tensorstore's buffers, beside the slices. Measured: `--max-memory 600MB` on the
 # benchmark's embedding source holds 0.26 GB when slicing starts and peaks at 0.39 GB (bench/bench_export.py).
 RESERVE_BYTES = 96 * 2**20
 
 
 def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
-  """Cuts every source array into slices so that the process stays under `max_memory` bytes.
+  """Plans the reads of every source array so that the process stays under `max_memory` bytes (`read_plan`).
 
   What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
-  the plan; plus `RESERVE_BYTES`) must hold `DECODING_CHUNKS` decoded source chunks and `budget.SLICE_FACTOR`
-  times a slice. A slice that cuts across the source's chunks decodes each of them again: a source chunked along
-  an axis the scales are reduced over (experts, rows) would be read once per slice when the budget is tight. Such
-  a weight with absmax scales is quantized in two passes instead (`ArrayJob.two_pass`) over blocks cut along the
-  source's chunks on every axis: the first gathers the absmax of the blocks that share channels, the second
-  quantizes them; each chunk is decoded twice when a slice may hold one. It is chosen when it decodes less
-  (`budget.decode_factor`).
+  the plan; plus `RESERVE_BYTES`) holds one chunk-aligned box (two with read-ahead), the chunks being decoded into
+  it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis
+  its scales are shared over fits, each source chunk decoded once; else, with absmax scales, in two passes over
+  boxes cut along the source's chunks on every axis (`ArrayJob.two_pass`): the first gathers the absmax of the
+  boxes that share channels, the second quantizes them, each chunk decoded twice.
 
   Raises:
-    errors.InputError: `max_memory` is smaller than what the smallest slice of some array needs.
+    errors.InputError: `max_memory` is smaller than what the smallest read of some array needs; the line names
+      the smallest budget that works for every array.
   """
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
@@ -103,32 +119,24 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     wq = plan.weights.get(key)
     itemsize = np.dtype(leaf.dtype).itemsize
     every_axis = tuple(range(len(leaf.shape)))
-    gathers = wq is not None and ptq_weights.gathers_absmax(wq)  # may be cut along every axis, in two passes
-    cuttable = tuple(wq.channel_axes) if wq is not None else every_axis
+    channels = tuple(wq.channel_axes) if wq is not None else every_axis
     store = source.open(key)
-    chunk = source.chunk_bytes(store) * DECODING_CHUNKS
     align = source.chunk_shape(store)
-    slice_budget = (max_memory - held - chunk) // budget_lib.SLICE_FACTOR
-    cut = wide = None
-    if slice_budget > 0:
-      cut = budget_lib.slicing(leaf.shape, itemsize, slice_budget, cuttable, align)
-      wide = budget_lib.slicing(leaf.shape, itemsize, slice_budget, every_axis, align) if gathers else None
-    once = math.inf if cut is None else budget_lib.decode_factor(leaf.shape, cut.block, align)
-    two_pass = wide is not None and 2 * budget_lib.decode_factor(leaf.shape, wide.block, align) < once
-    if two_pass:
-      cut, cuttable = wide, every_axis
-    if cut is None:
-      smallest = budget_lib.smallest_slice(leaf.shape, itemsize, every_axis if gathers else cuttable)
-      short.append((held + chunk + smallest * budget_lib.SLICE_FACTOR, key, tuple(leaf.shape), chunk))
+    args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
+                overhead=lambda box, store=store: source.read_overhead(store, box))
+    found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
+    if found is None:
+      short.append((held + read_plan.floor(leaf.shape, itemsize, align, **args), key, tuple(leaf.shape),
+                    source.chunk_bytes(store)))
       continue
+    cut = budget_lib.Slicing(tuple(leaf.shape), found.block)
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
-    stored = None
-    if wq is None:
-      stored, cut = _stored_copy(source, store, cut)
-    chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, cuttable)
+    stored = _stored_layout(source, store, found) if wq is None else None
+    chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, every_axis if found.two_pass else channels)
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
-    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored, two_pass))
+    jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored,
+                         found.two_pass, found.box, found.ahead))
   if short:  # name the array that needs the most: its need is the smallest budget that works for every array
     need, key, shape, chunk = max(short, key=lambda item: item[0])
     raise errors.InputError(
@@ -139,18 +147,17 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   return sorted(jobs, key=lambda job: job.quant is not None)  # copies first: the quantizers compile meanwhile
 
 
-def _stored_copy(source, store, cut: budget_lib.Slicing) -> tuple[dict | None, budget_lib.Slicing]:
-  """(The source array's metadata, `cut` in whole stored chunks) for an array whose stored chunks are copied as
-  they are: each side of the block is rounded down to whole chunks, or up to one chunk (one chunk's stored bytes
-  fit in what the budget keeps for decoded source chunks). (None, `cut`) when the chunks cannot be copied."""
+def _stored_layout(source, store, found: read_plan.ReadPlan) -> dict | None:
+  """The source array's metadata when its stored chunks can be copied as they are: a box processed whole (no
+  in-memory cut) made of whole stored chunks; else None."""
   stored = source.stored_layout(store)
-  if stored is None:
-    return None, cut
+  if stored is None or found.box != found.block:
+    return None
   chunk = stored["chunk_grid"]["configuration"]["chunk_shape"]
-  if len(chunk) != len(cut.shape):
-    return None, cut
-  block = tuple(d if b >= d else min(d, max(c, b // c * c)) for b, c, d in zip(cut.block, chunk, cut.shape))
-  return stored, budget_lib.Slicing(cut.shape, block)
+  shape = tuple(int(d) for d in store.shape)
+  if len(chunk) != len(shape) or any(b % c and b != d for b, c, d in zip(found.box, chunk, shape)):
+    return None
+  return stored
 
 
 def _chunk_keys(index: tuple[slice, ...], chunk: Sequence[int]) -> list[str]:
@@ -186,7 +193,8 @@ class _Ready:
 
 
 class _Reads:
-  """The slices to read, in order, each started in the background when the one before it is taken.
+  """The boxes to read, in order; the next box of the same array is read in the background while one is processed
+  when its job reads ahead (`ArrayJob.ahead`: the budget holds two boxes), else only when it is taken.
 
   `work` holds (job, index, kind) items; a `REUSE` item reads nothing (its value is the last one taken).
   """
@@ -213,11 +221,14 @@ class _Reads:
     return self._source.read(self._store, index)
 
   def take(self):
-    """The next slice's values; starts reading the one after it."""
-    pending, self._next = self._pending, self._next + 1
+    """The next box's values (the caller holds no other box); starts reading the one after it when allowed."""
+    if self._pending is None:
+      self._pending = self._start(self._next)
+    pending, job, self._next = self._pending, self._work[self._next][0], self._next + 1
     self._pending = None
     value = pending.result()
-    self._pending = self._start(self._next)
+    if job.ahead and self._next < len(self._work) and self._work[self._next][0] is job:
+      self._pending = self._start(self._next)
     return value
 
   def close(self) -> None:
@@ -234,8 +245,8 @@ SLICE, ABSMAX, REUSE = "slice", "absmax", "reuse"  # read and write; read for pa
 
 
 def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, tuple[slice, ...], str]]:
-  """The reads of one unit of `job`: its slice; or, two-pass, every block for the absmax, then every block again
-  in reverse order for quantizing, the first of them (the last read) kept from pass 1."""
+  """The reads of one unit of `job`: its box; or, two-pass, every box for the absmax, then every box again in
+  reverse order for quantizing, the first of them (the last read) kept from pass 1."""
   if not job.two_pass:
     return [(job, index, SLICE) for index in unit]
   return ([(job, index, ABSMAX) for index in unit]
@@ -246,10 +257,10 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
-  Three stages overlap: slice k+1 is read (tensorstore threads) while slice k is quantized, and slice k-1's
-  outputs are encoded and written meanwhile; so memory holds about three slices at once (`budget.SLICE_FACTOR`).
-  A two-pass job (`ArrayJob.two_pass`) reads each group of blocks that share channels twice: their absmax first,
-  then the blocks again to quantize them; the group's scale is written with its first quantized block.
+  Three stages overlap: the next box is read (tensorstore threads; only with `ArrayJob.ahead`) while the slices
+  of this one are quantized, and the last slice's outputs are encoded and written meanwhile (`read_plan`).
+  A two-pass job (`ArrayJob.two_pass`) reads each group of boxes that share channels twice: their absmax first,
+  then the boxes again to quantize them; the scale of each channel range is written with its first slice.
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
   array (progress). The checkpoint is complete once every process has returned and process 0 has called
   `finalize` on the returned writer. With several processes, process `i` owns every unit whose running number is
@@ -305,56 +316,72 @@ def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
   return math.prod(s.stop - s.start for s in index) * np.dtype(job.leaf.dtype).itemsize
 
 
+def _relative(index: tuple[slice, ...], box: tuple[slice, ...]) -> tuple[slice, ...]:
+  return tuple(slice(s.start - b.start, s.stop - b.start) for s, b in zip(index, box))
+
+
 def _one_slice(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
                progress) -> int:
-  """Reads, quantizes (or copies) and writes the one slice of `unit`; returns its source bytes."""
-  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
-
-  index = unit[0]
-  value, wq, nbytes = reads.take(), job.quant, _slice_bytes(job, index)
+  """Reads the one box of `unit` and quantizes (or copies) and writes it slice by slice (cut in memory); returns
+  its source bytes."""
+  box = unit[0]
+  value, wq = reads.take(), job.quant
   if job.stored is not None:
+    nbytes = _slice_bytes(job, box)
     if value is not None:  # every chunk stored: copied as it is
       writer.write_stored(outputs[0], value, nbytes)
     else:
-      writer.write_slice([(outputs[0], index, reads.read_again(index))])
-  elif wq is None:
-    writer.write_slice([(outputs[0], index, value)])
-  else:
-    value = read_lib.to_jax(value)  # the slice itself when aligned, else a copy (the numpy one freed)
-    qvalue, scale = quantizers.quantize(value, wq)  # one call: the slice is already within budget
-    del value
-    writer.write_slice([(outputs[0], index, np.asarray(qvalue)),
-                        (outputs[1], _scale_index(index, wq), np.asarray(scale))])
-  progress(nbytes, 0)
-  return nbytes
+      writer.write_slice([(outputs[0], box, reads.read_again(box))])
+    progress(nbytes, 0)
+    return nbytes
+  for index in job.slices_in(box):
+    part = value[_relative(index, box)]
+    if wq is None:
+      writer.write_slice([(outputs[0], index, part)])
+    else:
+      part = read_lib.to_jax(part)  # the box itself when aligned and whole, else a copy of the slice
+      qvalue, scale = quantizers.quantize(part, wq)  # one call: the slice is already within budget
+      part = None
+      writer.write_slice([(outputs[0], index, np.asarray(qvalue)),
+                          (outputs[1], _scale_index(index, wq), np.asarray(scale))])
+    progress(_slice_bytes(job, index), 0)
+  return _slice_bytes(job, box)
 
 
 def _two_pass(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
               progress) -> int:
-  """Quantizes one group of blocks that share channels in two passes (absmax, then quantize with it); writes
-  every block's qvalue and, once, the group's scale. Returns the source bytes of the group."""
+  """Quantizes one group of boxes that share channels in two passes (the absmax of every slice, gathered per
+  channels; then each slice quantized with it); writes every slice's qvalue and, once per channels, the scale.
+  The last box of pass 1 stays in memory for pass 2. Returns the source bytes of the group."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import read as read_lib  # pylint: disable=import-outside-toplevel
 
-  wq, amax, value = job.quant, None, None
-  for index in unit:
-    value = read_lib.to_jax(reads.take())
-    part = quantizers.absmax(value, wq)
-    amax = part if amax is None else jnp.maximum(amax, part)
-    progress(_slice_bytes(job, index) // 2, 0)
-  for i, index in enumerate(reversed(unit)):
+  wq, amax, value = job.quant, {}, None
+  for box in unit:
+    value = None  # at most one box in memory (besides a box read ahead)
+    value = reads.take()
+    for index in job.slices_in(box):
+      part = quantizers.absmax(read_lib.to_jax(value[_relative(index, box)]), wq)
+      channels = _channels(index, wq)
+      amax[channels] = part if channels not in amax else jnp.maximum(amax[channels], part)
+    progress(_slice_bytes(job, box) // 2, 0)
+  scaled = set()
+  for i, box in enumerate(reversed(unit)):
+    if i:
+      value = None
     taken = reads.take()
     if i:
-      value = read_lib.to_jax(taken)
-    qvalue, scale = quantizers.quantize_block(value, amax, wq)
-    value = None
-    parts = [(outputs[0], index, np.asarray(qvalue))]
-    if i == 0:
-      parts.append((outputs[1], _scale_index(index, wq), np.asarray(scale)))
-    writer.write_slice(parts)
-    nbytes = _slice_bytes(job, index)
+      value, taken = taken, None
+    for index in job.slices_in(box):
+      channels = _channels(index, wq)
+      qvalue, scale = quantizers.quantize_block(read_lib.to_jax(value[_relative(index, box)]), amax[channels], wq)
+      parts = [(outputs[0], index, np.asarray(qvalue))]
+      if channels not in scaled:
+        scaled.add(channels)
+        parts.append((outputs[1], _scale_index(index, wq), np.asarray(scale)))
+      writer.write_slice(parts)
+    nbytes = _slice_bytes(job, box)
     progress(nbytes - nbytes // 2, 0)
-  return sum(_slice_bytes(job, index) for index in unit)
+  return sum(_slice_bytes(job, box) for box in unit)
 
 
 STEP, ITEM = 0, "items"  # MaxText's converter layout: DST/0/items

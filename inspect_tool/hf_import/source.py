@@ -112,6 +112,10 @@ class HfSource:
   def chunk_bytes(self, key) -> int:
     return COPIES * 4 * math.prod(self.chunk_shape(key))
 
+  def read_overhead(self, key, box) -> int:  # pylint: disable=unused-argument
+    """Bytes held beyond a box while it is read: one HF tensor (or band of rows) at a time, in `COPIES`."""
+    return self.chunk_bytes(key)
+
   def stored_layout(self, key) -> None:  # pylint: disable=unused-argument
     return None  # HF tensors are always converted, never copied as stored
 

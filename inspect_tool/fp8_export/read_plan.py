@@ -1,0 +1,188 @@
+"""How one source array is read within the memory budget: chunk-aligned boxes, cut in memory into slices.
+
+A source chunk is the least a read can decode, so every read is a *box* whose sides are whole multiples of the
+source's chunk sides (or the whole axis): no box cuts a chunk that the next box would decode again. A box is
+processed (quantized, copied) in *slices*, blocks whose sides divide the box's, cut in memory when the box is
+bigger than a slice may be. A weight is quantized in one pass when its boxes span every axis its scales are
+shared over; otherwise (absmax scales only) in two passes over boxes that share channels, each box decoded twice.
+
+Memory of a read plan, beside what the process holds:
+  (1 + ahead) * (box bytes + the source's decode overhead of a box) + `budget.SLICE_FACTOR` * slice bytes,
+where `ahead` (the next box read while this one is processed) is taken only when the budget holds two boxes, and
+the decode overhead is what the source holds while decoding (`CheckpointSource.read_overhead`: the stored and
+the decoded bytes of the chunks it decodes at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+from inspect_tool.fp8_export import budget
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+  """One array's reads: `box` (chunk-aligned), `block` (the slice, dividing the box), passes, read-ahead."""
+
+  box: tuple[int, ...]
+  block: tuple[int, ...]
+  two_pass: bool
+  ahead: bool
+  need: int  # bytes beyond what the process holds
+
+
+def minimal_box(shape: Sequence[int], chunk: Sequence[int] | None, cuttable: Sequence[int]) -> tuple[int, ...]:
+  """The smallest chunk-aligned box: one chunk (one index when the chunking is unknown) along each `cuttable`
+  axis, the whole of every other axis."""
+  return tuple(min(int(chunk[axis]) if chunk and chunk[axis] else 1, int(d)) if axis in cuttable else int(d)
+               for axis, d in enumerate(shape))
+
+
+def aligned_box(shape: Sequence[int], chunk: Sequence[int] | None, itemsize: int, limit: int,
+                cuttable: Sequence[int]) -> tuple[int, ...]:
+  """The largest box of at most `limit` bytes whose sides along `cuttable` axes are whole multiples of `chunk`'s
+  (or the whole axis), cut outermost first; `minimal_box` when even that is over `limit`."""
+  box = [int(d) for d in shape]
+  floor = minimal_box(shape, chunk, cuttable)
+  for axis in sorted(set(cuttable)):
+    size = math.prod(box) * itemsize
+    if size <= limit:
+      break
+    side = max(floor[axis], 1)
+    per_index = size // max(box[axis], 1)
+    most = max(1, limit // max(per_index, 1))
+    count = max(1, most // side)
+    chunks = -(-box[axis] // side)
+    for k in range(count, max(1, -(-count // 2)) - 1, -1):  # equal boxes where a near count divides the chunks
+      if chunks % k == 0:
+        count = k
+        break
+    box[axis] = min(box[axis], count * side)
+  return tuple(box)
+
+
+def slice_block(shape: Sequence[int], box: Sequence[int], itemsize: int, limit: int,
+                cuttable: Sequence[int]) -> tuple[int, ...] | None:
+  """The largest slice of at most `limit` bytes within `box`, cutting `cuttable` axes outermost first, whose side
+  divides the box's along every axis the box cuts (so the slices of the array are a regular grid that never
+  crosses a box); None when a slice of 1 along every cuttable axis is over `limit`."""
+  block = [int(b) for b in box]
+  for axis in sorted(set(cuttable)):
+    size = math.prod(block) * itemsize
+    if size <= limit:
+      break
+    per_index = size // max(block[axis], 1)
+    most = max(1, min(block[axis], limit // max(per_index, 1)))
+    if block[axis] < int(shape[axis]):
+      block[axis] = next(d for d in range(most, 0, -1) if block[axis] % d == 0)
+    else:
+      block[axis] = budget._even_block(block[axis], most)  # pylint: disable=protected-access
+  if math.prod(block) * itemsize > limit:
+    return None
+  return tuple(block)
+
+
+def _nbytes(block: Sequence[int], itemsize: int) -> int:
+  return math.prod(int(d) for d in block) * itemsize
+
+
+def plan_reads(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int, *,
+               channel_axes: Sequence[int], two_pass_allowed: bool,
+               overhead: Callable[[Sequence[int]], int]) -> ReadPlan | None:
+  """The read plan of an array within `available` bytes (None: none fits): one pass before two, then whole boxes
+  with read-ahead, whole boxes, a smallest box cut in memory with and without read-ahead.
+
+  `channel_axes`: the axes a one-pass slice may be cut along (a quantized weight's channels; every axis for a
+  copy); `two_pass_allowed`: the weight may be quantized in two passes (then boxes and slices cut every axis);
+  `overhead(box)`: what the source holds beyond the box while decoding it.
+  """
+  every = tuple(range(len(shape)))
+  modes = [(False, tuple(channel_axes))]
+  if two_pass_allowed and set(channel_axes) != set(every):
+    modes.append((True, every))
+  for two_pass, cuttable in modes:
+    found = _fit(shape, itemsize, chunk, available, cuttable, overhead)
+    if found is not None:
+      box, block, ahead, need = found
+      return ReadPlan(box, block, two_pass, ahead, need)
+  return None
+
+
+def _need(box, block, itemsize: int, ahead: bool, overhead) -> int:
+  return (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) + budget.SLICE_FACTOR * _nbytes(block, itemsize)
+
+
+def _fit(shape, itemsize, chunk, available, cuttable, overhead):
+  for ahead in (True, False):  # whole boxes, each read once into a slice of its own
+    limit = (available - (1 + ahead) * int(overhead(minimal_box(shape, chunk, cuttable)))) // (
+        1 + ahead + budget.SLICE_FACTOR)
+    for _ in range(4):
+      if limit <= 0:
+        break
+      box = aligned_box(shape, chunk, itemsize, limit, cuttable)
+      if _nbytes(box, itemsize) <= limit and _need(box, box, itemsize, ahead, overhead) <= available:
+        return box, box, ahead, _need(box, box, itemsize, ahead, overhead)
+      limit = limit * 3 // 4
+  box = minimal_box(shape, chunk, cuttable)  # one box, cut in memory
+  for ahead in (True, False):
+    room = (available - (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box)))) // budget.SLICE_FACTOR
+    block = slice_block(shape, box, itemsize, room, cuttable) if room > 0 else None
+    if block is not None:
+      return box, block, ahead, _need(box, block, itemsize, ahead, overhead)
+  return None
+
+
+def plan_boxes(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int,
+               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int]) -> tuple[tuple[int, ...], bool]:
+  """(box, ahead) for reading an array whose work beside the boxes is already taken from `available`: the largest
+  chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest box."""
+  smallest = minimal_box(shape, chunk, cuttable)
+  for ahead in (True, False):
+    limit = available // (1 + ahead) - int(overhead(smallest))
+    box = aligned_box(shape, chunk, itemsize, max(limit, 0), cuttable)
+    if (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) <= available:
+      return box, ahead
+  return smallest, False
+
+
+def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, channel_axes: Sequence[int],
+          two_pass_allowed: bool, overhead: Callable[[Sequence[int]], int]) -> int:
+  """The fewest bytes (beyond what the process holds) any read plan of the array needs: a smallest box, cut into
+  slices of 1 along every axis it may cut, without read-ahead."""
+  every = tuple(range(len(shape)))
+  options = [tuple(channel_axes)] + ([every] if two_pass_allowed else [])
+  needs = []
+  for cuttable in options:
+    box = minimal_box(shape, chunk, cuttable)
+    block = tuple(1 if axis in cuttable else b for axis, b in enumerate(box))
+    needs.append(_need(box, block, itemsize, False, overhead))
+  return min(needs)
+
+
+def boxes(shape: Sequence[int], box: Sequence[int]) -> list[tuple[slice, ...]]:
+  """Index tuples of every box of the array, in C order."""
+  return list(budget.Slicing(tuple(shape), tuple(box)).slices())
+
+
+def slices_in(index: tuple[slice, ...], block: Sequence[int]) -> list[tuple[slice, ...]]:
+  """The slices (absolute index tuples) of `block` that tile the box `index`, in C order."""
+  shape = tuple(s.stop - s.start for s in index)
+  return [tuple(slice(o.start + s.start, o.start + s.stop) for o, s in zip(index, part))
+          for part in budget.Slicing(shape, tuple(min(b, d) for b, d in zip(block, shape))).slices()]
+
+
+def chunks_touched(index: tuple[slice, ...], chunk: Sequence[int] | None) -> int:
+  """How many source chunks of `chunk`'s shape the box `index` touches (each is decoded whole for it)."""
+  if not chunk:
+    return 1
+  return math.prod(-(-s.stop // c) - s.start // c for s, c in zip(index, chunk) if c)
+
+
+def covered(index: tuple[slice, ...], chunk: Sequence[int] | None, shape: Sequence[int]) -> int:
+  """Elements of the array (of `shape`) inside the chunks the box `index` touches: what reading it decodes."""
+  if not chunk:
+    return math.prod(s.stop - s.start for s in index)
+  return math.prod(min(-(-s.stop // c) * c, d) - s.start // c * c if c else s.stop - s.start
+                   for s, c, d in zip(index, chunk, shape))

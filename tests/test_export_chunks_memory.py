@@ -1,0 +1,113 @@
+"""The budget is kept on every chunking Orbax writes, in both layouts: sources saved by Orbax itself with one chunk
+per array (a default local save, like MaxText's), with chunks capped by `chunk_byte_size` (what a save to GCS
+gets: 400 MiB, scaled down here) and with small chunks. For each, a budget clearly below the floor the refusal
+names is one line, exit 2; the export at that floor (plus 16 MiB of room for slices) runs inside a memory cgroup
+of the budget plus `ALLOWANCE`, with peak RSS under the budget, each source chunk decoded at most twice, and
+writes the bytes of the unbounded export."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import memory_cgroup
+import orbax_sources
+from test_export_memory import _arrays
+
+pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
+
+MIB = 2**20
+ALLOWANCE = 32 * MIB  # the cgroup also charges the page cache of the files written (reclaimable)
+ROOM = 16 * MIB  # above the floor, so that slices are not single rows
+# Routed experts (32, 2, 256, 512) float32 = 33.5 MB each, embedding and head (32768 x 256) 33.5 MB each.
+MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
+         "vocab_size=32768", "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=32",
+         "base_num_decoder_layers=3", "first_num_dense_layers=1"]
+QUANT = ["quantization=fp8_full"]
+CHUNKINGS = {"one-chunk-per-array": None, "chunks-of-4MiB": 4 * MIB, "chunks-of-256KiB": 256 * 2**10}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+  root = tmp_path_factory.mktemp("chunkings")
+  out = {}
+  for name, cap in CHUNKINGS.items():
+    out[name] = (str(root / name / "0"), orbax_sources.write_source(str(root / name / "0"), MODEL,
+                                                                      chunk_byte_size=cap))
+  return out
+
+
+@pytest.fixture(scope="module")
+def unbounded(sources, tmp_path_factory):
+  """layout -> the export without --max-memory (the default budget) of the one-chunk source."""
+  made = {}
+
+  def get(layout: str) -> str:
+    if layout not in made:
+      dst = str(tmp_path_factory.mktemp("unbounded") / layout)
+      out, _ = _export(sources["one-chunk-per-array"][0], dst, layout, "--no-validate")
+      assert out.returncode == 0, out.stderr[-3000:]
+      made[layout] = dst
+    return made[layout]
+  return get
+
+
+def _export(source: str, dst: str, layout: str, *extra: str, cgroup=None):
+  return memory_cgroup.run_tool(["export", *MODEL, *(QUANT if layout == "orbax" else []), "--layout", layout,
+                                 "--checkpoint", source, "--output", dst, "--format", "json", *extra], cgroup,
+                                timeout=600)
+
+
+def _floor(source: str, layout: str, tmp_path) -> int:
+  """The smallest budget the refusal line names for `source` (asked with a budget far below it)."""
+  out, _ = _export(source, str(tmp_path / "probe"), layout, "--max-memory", "50MB")
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+  assert lines[0].startswith("error: --max-memory 47.7 MiB is smaller than the smallest slice of ")
+  number, unit = lines[0].rsplit("accepted: at least ", 1)[1].split()[:2]
+  assert unit == "MiB" and not (tmp_path / "probe").exists()
+  return math.ceil(float(number)) * MIB
+
+
+@pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+@pytest.mark.parametrize("layout", ["orbax", "deepseek-fp8"])
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+def test_the_floor_named_holds_in_a_memory_cgroup_on_every_chunking(chunking, layout, sources, unbounded, tmp_path):
+  source, chunks = sources[chunking]
+  floor = _floor(source, layout, tmp_path)
+  below, _ = _export(source, str(tmp_path / "below"), layout, "--max-memory", str(floor * 9 // 10))
+  assert below.returncode == 2 and len(below.stderr.strip().splitlines()) == 1, below.stderr[-2000:]
+  assert "accepted: at least " in below.stderr and not (tmp_path / "below").exists()
+
+  budget = floor + ROOM
+  with memory_cgroup.limited(budget + ALLOWANCE, f"export_{chunking}") as cgroup:
+    out, peak = _export(source, str(tmp_path / "bounded"), layout, "--max-memory", str(budget), cgroup=cgroup)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 100 * 10**6 < cgroup.charged <= budget + ALLOWANCE, cgroup.charged  # it ran inside the cgroup
+  assert peak is not None and peak <= budget, (peak, budget)
+  if layout == "deepseek-fp8":  # the release layout: every chunk decoded once, the same files
+    decoding = json.loads(out.stdout)["decoding"]
+    assert decoding["decoded_per_stored"] == 1 and decoding["bytes_stored"] > 100 * 10**6, decoding
+    names = sorted(n for n in os.listdir(unbounded(layout)) if n != "quantization_report.json")
+    assert sorted(n for n in os.listdir(tmp_path / "bounded") if n != "quantization_report.json") == names
+    assert filecmp.cmpfiles(unbounded(layout), tmp_path / "bounded", names, shallow=False)[0] == names
+    return
+  memory = json.loads(out.stdout)["memory"]
+  decoding = memory["decoding"]
+  assert decoding["most_decoded_array"]["decoded_per_stored"] <= 2, decoding
+  if CHUNKINGS[chunking] is None:  # one chunk per array: read once, cut in memory
+    assert memory["two_pass_arrays"] == 0 and decoding["decoded_per_stored"] == 1, memory
+    assert memory["slices"] > len(chunks)
+  largest_chunk = max(math.prod(c) for c in chunks.values()) * 4
+  assert memory["read_ahead_arrays"] < len(chunks) or budget > 4 * largest_chunk
+
+  a, b = _arrays(str(tmp_path / "bounded")), _arrays(unbounded(layout))
+  assert sorted(a) == sorted(b) and any(n.endswith("array.qvalue") for n in a)
+  for name in a:
+    x, y = np.asarray(a[name].read().result()), np.asarray(b[name].read().result())
+    assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name

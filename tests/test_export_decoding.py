@@ -1,0 +1,158 @@
+"""No re-decoding: on sources saved by Orbax itself (one chunk per array; chunks capped by `chunk_byte_size`, which
+straddle the axes the scales are shared over), every read is a box of whole source chunks, each chunk is decoded
+once (one pass) or at most twice (two passes), as tensorstore's own chunk-read counter confirms, and the export
+holds Qwix's values for the whole weights."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from qwix._src.core import qarray
+
+import orbax_sources
+from inspect_tool.configuration import config
+from inspect_tool.fp8_export import plan as plan_lib
+from inspect_tool.fp8_export import read
+from inspect_tool.fp8_export import report
+from inspect_tool.fp8_export import write_orbax
+
+MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
+         "vocab_size=16384", "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=8",
+         "base_num_decoder_layers=3", "first_num_dense_layers=1"]
+TOKENS = MODEL + ["quantization=fp8_full"]
+MIB = 2**20
+WI_0 = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"
+
+
+@pytest.fixture(scope="module", params=[None, MIB], ids=["one-chunk-per-array", "chunks-of-1MiB"])
+def source(request, tmp_path_factory):
+  step = tmp_path_factory.mktemp("orbax_src") / "0"
+  chunks = orbax_sources.write_source(str(step), MODEL, chunk_byte_size=request.param)
+  return str(step), chunks, request.param
+
+
+def _chunk_reads() -> int:
+  """tensorstore's count of chunks read (decoded) through its chunk cache, in this process so far."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  found = ts.experimental_collect_matching_metrics("/tensorstore/cache/chunk_cache/reads")
+  return sum(v["value"] for m in found for v in m["values"])
+
+
+class _Recording:
+  """The checkpoint source, recording every decoded read (array key, index) the writer asks for."""
+
+  def __init__(self, source):
+    self._source, self.reads, self._keys = source, [], {}
+
+  def __getattr__(self, name):
+    return getattr(self._source, name)
+
+  def open(self, key):
+    store = self._source.open(key)
+    self._keys[id(store)] = key
+    return store
+
+  def read_async(self, store, index):
+    self.reads.append((self._keys[id(store)], index))
+    return self._source.read_async(store, index)
+
+
+def _replayed(src, reads) -> tuple[int, dict]:
+  """(chunks tensorstore decodes for the recorded reads, replayed one by one; chunk -> times it is read)."""
+  before, times = _chunk_reads(), {}
+  for key, index in reads:
+    store = src.open(key)
+    store[index].read().result() if index else store.read().result()
+    chunk = src.chunk_shape(store)
+    ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(index, chunk)]
+    for cell in itertools.product(*ranges):
+      times[key, cell] = times.get((key, cell), 0) + 1
+  return _chunk_reads() - before, times
+
+
+def _export(step: str, available: int, dst):
+  """Plans within `available` bytes beside the reserve (held = 0) and writes; returns (jobs, source, the report's
+  decoding figures, tensorstore's count of the chunks the reads decode, chunk -> times read)."""
+  cfg = config.resolve_config(TOKENS)
+  plan = plan_lib.plan_export(cfg)
+  src = _Recording(read.open_source(cfg, step, plan_lib.model_leaves(cfg)))
+  jobs = write_orbax.plan_jobs(plan, src, write_orbax.RESERVE_BYTES + available, held=0)
+  dst.mkdir(parents=True)
+  writer, _ = write_orbax.write_arrays(jobs, src, str(dst))
+  writer.finalize(str(dst.parent), "items")
+  counted = report.decoding(src.decodes, {job.leaf.key: read.nbytes(job.leaf) for job in jobs})
+  measured, times = _replayed(src, src.reads)
+  return jobs, src, counted, measured, times
+
+
+def _check_aligned(jobs, src) -> None:
+  """Every box is made of whole source chunks (or whole axes); every slice divides its box."""
+  for job in jobs:
+    chunk = src.chunk_shape(src.open(job.leaf.key))
+    for box, side, c, d in zip(job.read_block, job.slicing.block, chunk, job.leaf.shape):
+      assert box % c == 0 or box == d, (job.leaf.key, job.read_block, chunk)
+      assert box % side == 0 or box == d, (job.leaf.key, job.read_block, job.slicing.block)
+
+
+def _qwix(step: str, key, wq):
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{step}/items/",
+                                         "path": ".".join(key) + "/"}}
+  whole = jnp.asarray(ts.open(spec, open=True).result().read().result()).astype(jnp.bfloat16)
+  how = qarray.HowToQuantize(qtype=jnp.float8_e4m3fn, channelwise_axes=list(wq.channel_axes), tiled_axes={},
+                             calibration_method="absmax")
+  return qarray.quantize(whole, how)
+
+
+def _check_values(step: str, dst, jobs) -> None:
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(str(dst))["params"]["params"]
+  experts = [job for job in jobs if job.quant is not None and ".".join(job.leaf.key) == WI_0]
+  for job in experts + [job for job in jobs if job.two_pass]:
+    node = restored
+    for part in job.out_key[2:]:
+      node = node[part]
+    expected = _qwix(step, job.leaf.key, job.quant)
+    assert np.asarray(node["array"]["qvalue"]).tobytes() == np.asarray(expected.qvalue).tobytes(), job.leaf.key
+    assert np.asarray(node["array"]["scale"]).tobytes() == np.asarray(expected.scale).tobytes(), job.leaf.key
+
+
+def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path):
+  step, chunks, cap = source
+  largest = max(math.prod(c) for c in chunks.values()) * 4
+  # Room for one chunk-sized box, the chunk decoded into it and small slices: no box spanning the experts' shared
+  # axes fits beside it when chunks are capped, so they are quantized in two passes.
+  jobs, src, counted, measured, times = _export(step, 2 * largest + 12 * 2**16, tmp_path / "dst" / "items")
+  _check_aligned(jobs, src)
+  assert counted["chunks_decoded"] == measured == sum(times.values())  # tensorstore's own counter agrees
+  assert max(times.values()) <= 2
+  assert counted["decoded_per_stored"] <= 2 and counted["most_decoded_array"]["decoded_per_stored"] <= 2
+  for key, (n, nbytes) in src.decodes.items():
+    assert nbytes <= 2 * math.prod(src.leaf(key).shape) * 4, key
+  wi_0 = next(job for job in jobs if ".".join(job.leaf.key) == WI_0)
+  if cap:  # chunks (8, 2, 128, 128) cut axis 2, over which the scales are shared: two passes, boxes of one chunk
+    assert chunks[WI_0] == (8, 2, 128, 128) and wi_0.two_pass and wi_0.read_block == chunks[WI_0]
+    assert 1 < src.decodes[wi_0.leaf.key][1] / (math.prod(wi_0.leaf.shape) * 4) <= 2
+  else:  # one chunk: read once, cut in memory
+    assert not wi_0.two_pass and wi_0.read_block == wi_0.leaf.shape and wi_0.slicing.count > 1
+    assert counted["decoded_per_stored"] == 1
+  _check_values(step, tmp_path / "dst" / "items", jobs)
+
+
+def test_where_one_pass_fits_every_chunk_is_decoded_once(source, tmp_path):
+  step, _, _ = source
+  jobs, src, counted, measured, times = _export(step, 48 * MIB, tmp_path / "dst" / "items")
+  _check_aligned(jobs, src)
+  assert not any(job.two_pass for job in jobs)
+  assert max(times.values()) == 1  # every chunk read once
+  assert counted["chunks_decoded"] == measured == len(times) and counted["bytes_decoded"] == counted["bytes_stored"] > 0
+  assert counted["decoded_per_stored"] == 1 and counted["most_decoded_array"]["decoded_per_stored"] == 1
+  _check_values(step, tmp_path / "dst" / "items", jobs)
