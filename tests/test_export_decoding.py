@@ -57,9 +57,14 @@ class _Recording:
     self._keys[id(store)] = key
     return store
 
-  def read_async(self, store, index):
-    self.reads.append((self._keys[id(store)], index))
-    return self._source.read_async(store, index)
+  def read_async(self, store, index, counted=True):
+    if counted:
+      self.reads.append((self._keys[id(store)], index))
+    return self._source.read_async(store, index, counted)
+
+  def cached_box(self, key, index):  # its slices decode the box's chunks once: replayed as the box
+    self.reads.append((key, index))
+    return self._source.cached_box(key, index)
 
 
 def _replayed(src, reads) -> tuple[int, dict]:
@@ -141,8 +146,9 @@ def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path):
   if cap:  # chunks (8, 2, 128, 128) cut axis 2, over which the scales are shared: two passes, boxes of one chunk
     assert chunks[WI_0] == (8, 2, 128, 128) and wi_0.two_pass and wi_0.read_block == chunks[WI_0]
     assert 1 < src.decodes[wi_0.leaf.key][1] / (math.prod(wi_0.leaf.shape) * 4) <= 2
-  else:  # one chunk: read once, cut in memory
+  else:  # one chunk: decoded once into a cache of its own, its slices read from it
     assert not wi_0.two_pass and wi_0.read_block == wi_0.leaf.shape and wi_0.slicing.count > 1
+    assert wi_0.cached and not wi_0.ahead
     assert counted["decoded_per_stored"] == 1
   _check_values(step, tmp_path / "dst" / "items", jobs)
 
