@@ -140,8 +140,8 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
       limit = limit * 3 // 4
   box = minimal_box(shape, chunk, cuttable)  # one box, cut in memory (or cached)
   for ahead, cached in ((True, False), (False, True), (False, False)):
-    if cached and stored is None:
-      continue
+    if (cached and stored is None) or (ahead and box == tuple(int(d) for d in shape)):
+      continue  # no cache; nothing to read ahead of the only box
     held = _nbytes(box, itemsize) + int(stored(box)) if cached else (1 + ahead) * (
         _nbytes(box, itemsize) + int(overhead(box)))
     room = (available - held) // budget.SLICE_FACTOR
