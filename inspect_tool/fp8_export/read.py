@@ -222,6 +222,11 @@ class ArrayView:
     self._source, self._store, self._origin = source, store, origin
     self.shape = tuple(int(d) for d in store.shape) if origin is None else tuple(s.stop - s.start for s in origin)
 
+  def cached(self, index: tuple[slice, ...]) -> "ArrayView":
+    """The chunk-aligned box `index` of this array, read through a chunk cache of its own
+    (`CheckpointSource.cached_box`)."""
+    return self._source.cached_box(self._source._names[id(self._store)], index)  # pylint: disable=protected-access
+
   @property
   def ndim(self) -> int:
     return len(self.shape)

@@ -153,16 +153,18 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
 
 
 def plan_boxes(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int,
-               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int]) -> tuple[tuple[int, ...], bool]:
-  """(box, ahead) for reading an array whose work beside the boxes is already taken from `available`: the largest
-  chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest box."""
+               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int],
+               cached: bool = False) -> tuple[tuple[int, ...], bool, bool]:
+  """(box, ahead, cached) for reading an array whose work beside the boxes is already taken from `available`: the
+  largest chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest
+  box; the smallest box read without read-ahead is read through a chunk cache (`cached`) when the source has one."""
   smallest = minimal_box(shape, chunk, cuttable)
   for ahead in (True, False):
     limit = available // (1 + ahead) - int(overhead(smallest))
     box = aligned_box(shape, chunk, itemsize, max(limit, 0), cuttable)
     if (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) <= available:
-      return box, ahead
-  return smallest, False
+      return box, ahead, cached and not ahead and box == smallest
+  return smallest, False, cached
 
 
 def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, channel_axes: Sequence[int],
