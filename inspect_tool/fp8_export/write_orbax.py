@@ -125,7 +125,8 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     align = source.chunk_shape(store)
     args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
                 overhead=lambda box, store=store: source.read_overhead(store, box),
-                stored=(lambda box, store=store: source.cached_overhead(store, box)) if align else None)
+                stored=(lambda box, store=store: source.cached_overhead(store, box))
+                if align and hasattr(source, "cached_box") else None)  # a source with cached reads
     found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
     if found is None:
       short.append((held + read_plan.floor(leaf.shape, itemsize, align, **args), key, tuple(leaf.shape),
