@@ -10,8 +10,8 @@ exactly (in value) the float32 scales of the FP8 grouped matmul. Everything, the
 under `params/params` (MaxText's params-only loaders find the bias there too).
 
 Writing: each array is read in chunk-aligned boxes and processed in slices that fit the memory budget
-(`read_plan`: a box bigger than a slice may be is read once and cut in memory, so no source chunk is decoded again
-for the next slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
+(`read_plan`: a box bigger than a slice may be is read once and cut in memory, or its slices read through a chunk
+cache holding its decoded chunks when they do not fit beside it, so no source chunk is decoded for every slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
 exactly the whole weight's scales; the slices of a two-pass weight get its absmax from a first pass) and written
 into the destination zarr3 array, chunked by a sub-block of the slice, through tensorstore. As Orbax does, each process writes into its own OCDBT database
 (`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
