@@ -15,9 +15,12 @@ from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import plan as export_plan
 
 
-def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | None = None, seed: int = 0) -> dict:
+def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | None = None, seed: int = 0,
+                 bf16_values: bool = False) -> dict:
   """Saves the float model of `tokens` (seeded normal values; norms ones, biases zeros) with Orbax at
-  `step_dir/items` (converter layout: everything under params/params). Returns {dotted key: chunk shape}."""
+  `step_dir/items` (converter layout: everything under params/params); with `bf16_values`, float32 values that are
+  bfloat16 numbers (what MaxText's converter writes from bf16 weights: zstd stores them in about half their
+  bytes). Returns {dotted key: chunk shape}."""
   import jax  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
@@ -32,6 +35,8 @@ def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | Non
       value = np.zeros(shape, np.float32)
     else:
       value = rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[0] if shape else 1))
+      if bf16_values:
+        value = (value.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     node, save = values, args
     key = tree.param_key(leaf.module_path)
     for part in key[:-1]:

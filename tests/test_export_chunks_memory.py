@@ -3,7 +3,9 @@ per array (a default local save, like MaxText's), with chunks capped by `chunk_b
 gets: 400 MiB, scaled down here) and with small chunks. For each, a budget clearly below the floor the refusal
 names is one line, exit 2; the export at that floor (plus 16 MiB of room for slices) runs inside a memory cgroup
 of the budget plus `ALLOWANCE`, with peak RSS under the budget, each source chunk decoded at most twice, and
-writes the bytes of the unbounded export."""
+writes the bytes of the unbounded export. A source whose routed experts are each one 134 MB chunk exports, in both
+layouts, within less than twice that chunk beside the process: each chunk is decoded once into a chunk cache and
+its slices read from there (`read.CheckpointSource.cached_box`), never beside a box of its size."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import filecmp
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -107,6 +110,60 @@ def test_the_floor_named_holds_in_a_memory_cgroup_on_every_chunking(chunking, la
   assert memory["read_ahead_arrays"] < len(chunks) or budget > 4 * largest_chunk
 
   a, b = _arrays(str(tmp_path / "bounded")), _arrays(unbounded(layout))
+  assert sorted(a) == sorted(b) and any(n.endswith("array.qvalue") for n in a)
+  for name in a:
+    x, y = np.asarray(a[name].read().result()), np.asarray(b[name].read().result())
+    assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+
+
+# Routed experts (64, 2, 256, 1024) float32: 134 MB, each one chunk (Orbax's local save); values of bf16 precision.
+BIG_MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
+             "vocab_size=8192", "base_moe_mlp_dim=1024", "base_mlp_dim=1024", "num_experts=64",
+             "base_num_decoder_layers=3", "first_num_dense_layers=1"]
+EXPERTS = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory):
+  step = tmp_path_factory.mktemp("one_big_chunk") / "0"
+  chunks = orbax_sources.write_source(str(step), BIG_MODEL, bf16_values=True)
+  assert chunks[EXPERTS] == (64, 2, 256, 1024)  # (experts, layers, emb, mlp): one chunk
+  return str(step)
+
+
+def _export_big(source: str, dst: str, layout: str, *extra: str, cgroup=None):
+  return memory_cgroup.run_tool(["export", *BIG_MODEL, *(QUANT if layout == "orbax" else []), "--layout", layout,
+                                 "--checkpoint", source, "--output", dst, "--format", "json", *extra], cgroup,
+                                timeout=600)
+
+
+@pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+@pytest.mark.parametrize("layout", ["orbax", "deepseek-fp8"])
+def test_one_chunk_arrays_export_within_one_chunk_beside_the_process(layout, big_source, tmp_path):
+  chunk = 256 * 2 * 64 * 1024 * 4
+  probe, _ = _export_big(big_source, str(tmp_path / "probe"), layout, "--max-memory", "50MB")
+  line = probe.stderr.strip().splitlines()[-1]
+  assert probe.returncode == 2 and "routed" not in line, probe.stderr[-2000:]
+  held, floor = (float(x) * MIB for x in re.search(r"with the ([0-9.]+) MiB the process holds.*accepted: at least "
+                                                   r"([0-9.]+) MiB", line).groups())
+  budget = math.ceil(floor / MIB) * MIB + ROOM
+  assert budget < held + 1.75 * chunk, (line, budget)  # a box beside its decoded chunk needs held + 2 chunks
+  with memory_cgroup.limited(budget + ALLOWANCE, f"export_big_{layout}") as cgroup:
+    out, peak = _export_big(big_source, str(tmp_path / "bounded"), layout, "--max-memory", str(budget),
+                            "--no-validate", cgroup=cgroup)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert peak is not None and peak <= budget and chunk < cgroup.charged <= budget + ALLOWANCE, (peak, cgroup.charged)
+  result = json.loads(out.stdout)
+  decoding = result["decoding"] if layout == "deepseek-fp8" else result["memory"]["decoding"]
+  assert decoding["decoded_per_stored"] == 1 and decoding["bytes_stored"] > 3 * chunk, decoding
+
+  whole, _ = _export_big(big_source, str(tmp_path / "unbounded"), layout, "--no-validate")
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  if layout == "deepseek-fp8":
+    names = sorted(n for n in os.listdir(tmp_path / "unbounded") if n != "quantization_report.json")
+    assert filecmp.cmpfiles(tmp_path / "unbounded", tmp_path / "bounded", names, shallow=False)[0] == names
+    return
+  a, b = _arrays(str(tmp_path / "bounded")), _arrays(str(tmp_path / "unbounded"))
   assert sorted(a) == sorted(b) and any(n.endswith("array.qvalue") for n in a)
   for name in a:
     x, y = np.asarray(a[name].read().result()), np.asarray(b[name].read().result())

@@ -57,9 +57,14 @@ class _Recording:
     self._keys[id(store)] = key
     return store
 
-  def read_async(self, store, index):
-    self.reads.append((self._keys[id(store)], index))
-    return self._source.read_async(store, index)
+  def read_async(self, store, index, counted=True):
+    if counted:
+      self.reads.append((self._keys[id(store)], index))
+    return self._source.read_async(store, index, counted)
+
+  def cached_box(self, key, index):  # its slices decode the box's chunks once: replayed as the box
+    self.reads.append((key, index))
+    return self._source.cached_box(key, index)
 
 
 def _replayed(src, reads) -> tuple[int, dict]:
@@ -141,8 +146,9 @@ def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path):
   if cap:  # chunks (8, 2, 128, 128) cut axis 2, over which the scales are shared: two passes, boxes of one chunk
     assert chunks[WI_0] == (8, 2, 128, 128) and wi_0.two_pass and wi_0.read_block == chunks[WI_0]
     assert 1 < src.decodes[wi_0.leaf.key][1] / (math.prod(wi_0.leaf.shape) * 4) <= 2
-  else:  # one chunk: read once, cut in memory
+  else:  # one chunk: decoded once into a cache of its own, its slices read from it
     assert not wi_0.two_pass and wi_0.read_block == wi_0.leaf.shape and wi_0.slicing.count > 1
+    assert wi_0.cached and not wi_0.ahead
     assert counted["decoded_per_stored"] == 1
   _check_values(step, tmp_path / "dst" / "items", jobs)
 
@@ -156,3 +162,44 @@ def test_where_one_pass_fits_every_chunk_is_decoded_once(source, tmp_path):
   assert counted["chunks_decoded"] == measured == len(times) and counted["bytes_decoded"] == counted["bytes_stored"] > 0
   assert counted["decoded_per_stored"] == 1 and counted["most_decoded_array"]["decoded_per_stored"] == 1
   _check_values(step, tmp_path / "dst" / "items", jobs)
+
+
+def _metric(name: str) -> int:
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  return sum(v.get("value", 0) for m in ts.experimental_collect_matching_metrics(name) for v in m["values"])
+
+
+def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
+  """tensorstore's own counters: reading a one-chunk box slice by slice through `cached_box` reads its stored
+  bytes from disk once and decodes it once; the same slices read without the cache decode it once each."""
+  step, chunks, cap = source
+  cfg = config.resolve_config(TOKENS)
+  src = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+  key = tuple(WI_0.split("."))
+  store = src.open(key)
+  box = tuple(slice(0, c) for c in chunks[WI_0])  # one source chunk
+  decoded, stored = src.chunk_bytes(store), src.stored_chunk_bytes(store)
+  if not cap:  # one shard, its index read: zstd of normal float32 values; else as decoded (an upper bound)
+    assert 0.8 * decoded < stored < decoded
+  assert stored <= decoded
+  whole = np.asarray(store[box].read().result())
+  slices = [(slice(i, i + 1),) + box[1:] for i in range(box[0].stop)]
+
+  def read_slices(view) -> tuple[int, int, list]:
+    disk, decoding = _metric("/tensorstore/kvstore/file/bytes_read"), _metric(
+        "/tensorstore/internal/riegeli/noncontiguous_bytes")
+    parts = [view(index) for index in slices]
+    return (_metric("/tensorstore/kvstore/file/bytes_read") - disk,
+            _metric("/tensorstore/internal/riegeli/noncontiguous_bytes") - decoding, parts)
+
+  before = dict(src.decodes)
+  view = src.cached_box(key, box)
+  disk, decoding, parts = read_slices(lambda index: view[tuple(slice(s.start, s.stop) for s in index)])
+  assert disk < decoded + 2**20 and decoded <= decoding < decoded + 2**20, (disk, decoding)
+  cached_disk = disk
+  assert np.concatenate(parts).tobytes() == whole.tobytes()
+  assert src.decodes[key][0] - before.get(key, [0])[0] == 1  # counted once, as the box
+  disk, decoding, parts = read_slices(lambda index: src.read(store, index))
+  assert decoding >= len(slices) * decoded and disk > len(slices) // 2 * cached_disk  # uncached: once per slice
+  assert np.concatenate(parts).tobytes() == whole.tobytes()

@@ -22,8 +22,15 @@ def _overhead(chunk):
   return overhead
 
 
-def _need(found, chunk) -> int:
+def _stored(chunk, ratio=0.5):
+  """Stored bytes of the chunks decoded at once, `ratio` of their decoded bytes (`CheckpointSource.cached_overhead`)."""
+  return lambda box: int(ratio * _overhead(chunk)(box))
+
+
+def _need(found, chunk, stored=None) -> int:
   nbytes = lambda block: math.prod(block) * ITEM  # pylint: disable=unnecessary-lambda-assignment
+  if found.cached:  # the box's decoded chunks in a cache, their stored bytes while decoding, the slices
+    return nbytes(found.box) + stored(found.box) + budget.SLICE_FACTOR * nbytes(found.block)
   return ((1 + found.ahead) * (nbytes(found.box) + _overhead(chunk)(found.box))
           + budget.SLICE_FACTOR * nbytes(found.block))
 
@@ -36,14 +43,17 @@ CASES = [  # shape, chunk, channel axes (one pass may cut these), absmax (two pa
 ]
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
 @pytest.mark.parametrize("shape,chunk,channels,absmax", CASES)
-def test_every_plan_is_chunk_aligned_fits_and_the_floor_is_exact(shape, chunk, channels, absmax):
-  args = dict(channel_axes=channels, two_pass_allowed=absmax, overhead=_overhead(chunk))
+def test_every_plan_is_chunk_aligned_fits_and_the_floor_is_exact(shape, chunk, channels, absmax, cached):
+  stored = _stored(chunk) if cached else None
+  args = dict(channel_axes=channels, two_pass_allowed=absmax, overhead=_overhead(chunk), stored=stored)
   floor = read_plan.floor(shape, ITEM, chunk, **args)
   assert read_plan.plan_reads(shape, ITEM, chunk, floor - 1, **args) is None
   for available in (floor, floor + 1000, int(floor * 1.5), 3 * floor, 40 * floor):
     found = read_plan.plan_reads(shape, ITEM, chunk, available, **args)
-    assert found is not None and found.need == _need(found, chunk) <= available, (available, found)
+    assert found is not None and found.need == _need(found, chunk, stored) <= available, (available, found)
+    assert not found.cached or (stored and not found.ahead and found.box != found.block), found
     for box, side, c, d in zip(found.box, found.block, chunk, shape):
       assert box % min(c, d) == 0 or box == d, found  # whole chunks: no chunk is decoded for two boxes
       assert box % side == 0 or box == d, found  # slices tile each box
@@ -74,3 +84,20 @@ def test_slices_tile_a_box_and_chunks_touched_counts_whole_chunks():
   assert read_plan.covered((slice(6, 9), slice(0, 10)), (4, 10), (10, 10)) == 6 * 10  # rows 4..10 decoded
   cells = set(itertools.product(range(4), range(2)))
   assert sum(read_plan.chunks_touched(b, (2, 5)) for b in read_plan.boxes((8, 10), (4, 10))) == len(cells)
+
+
+def test_a_one_chunk_array_is_cached_under_twice_its_chunk():
+  """One chunk of 8 MiB, stored in half that: cut in memory it needs the box and the chunk decoded beside it (16
+  MiB and slices); cached, the chunk and its stored bytes (12 MiB and slices), and that is the floor."""
+  shape = chunk = (4096, 512)
+  args = dict(channel_axes=(1,), two_pass_allowed=False, overhead=_overhead(chunk))
+  one_chunk = math.prod(chunk) * ITEM
+  slice_min = budget.SLICE_FACTOR * 4096 * ITEM
+  assert read_plan.floor(shape, ITEM, chunk, **args) == 2 * one_chunk + slice_min
+  floor = read_plan.floor(shape, ITEM, chunk, **args, stored=_stored(chunk))
+  assert floor == one_chunk + one_chunk // 2 + slice_min
+  assert read_plan.plan_reads(shape, ITEM, chunk, 2 * one_chunk, **args) is None
+  found = read_plan.plan_reads(shape, ITEM, chunk, 2 * one_chunk, **args, stored=_stored(chunk))
+  assert found.cached and not found.ahead and found.box == shape and found.block[1] < 512, found
+  roomy = read_plan.plan_reads(shape, ITEM, chunk, 40 * one_chunk, **args, stored=_stored(chunk))
+  assert not roomy.cached and roomy.box == roomy.block == shape  # read whole when it fits whole

@@ -3,7 +3,8 @@ converted by blocks of rows.
 
 A leaf from a chunked source is read in boxes of whole source chunks along its layer axis (or, without one, the
 axis its HF rows come from: rows of an embedding or norm, columns of a 2-D Linear kernel): each box is read once and
-converted in memory, so no source chunk is decoded again for the next layer or the next block of rows. Without a
+converted in memory, so no source chunk is decoded again for the next layer or the next block of rows (a smallest
+box, when no box fits beside its decoded chunks, is read by layers or rows through a chunk cache holding them). Without a
 known chunking (in-memory arrays) each layer's slice, then each block of rows, is read as it is converted.
 """
 
@@ -89,18 +90,23 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, block_bytes: int, chun
                available: int = 0, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
   """Writes every BF16 / F32 tensor of a leaf. With the source's `chunk` shape: in boxes of whole chunks along the
   layer axis (or the HF row axis), as large as `available` bytes hold with their decode `overhead(box)`, each
-  read once (`read_plan.plan_boxes`); else layer by layer."""
+  read once (`read_plan.plan_boxes`; a smallest box of a lazy source view through a chunk cache, by layer or rows:
+  `read.ArrayView.cached`); else layer by layer."""
   shape = tuple(int(d) for d in value.shape)
   if chunk is None or not shape:
     for layer, part in slices(value, entry):
       write_rows(writer, part, entry.rule, layer, cfg, block_bytes)
     return
-  axis = read_axis(entry)
-  box = shape if axis is None else read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead)[0]
+  axis, cached = read_axis(entry), False
+  if axis is not None:
+    box, _, cached = read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead,
+                                          cached=hasattr(value, "cached"))
+  else:
+    box = shape
   regions = None
   hf_shape = None if axis is None else (shape[1], shape[0]) if _rows_by_columns(shape, entry.rule) else shape
   for index in read_plan.boxes(shape, box):
-    block = np.asarray(value[index])
+    block = value.cached(index) if cached else np.asarray(value[index])
     if entry.layer_axis is None:
       regions = write_rows(writer, block, entry.rule, entry.layers[0] if entry.layers else None, cfg, block_bytes,
                            regions=regions, hf_shape=hf_shape)

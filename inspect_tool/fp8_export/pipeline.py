@@ -230,9 +230,13 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
     def read_overhead(key, box):
       return arrays.read_overhead(arrays.open(key), box) if chunk_shape(key) else 0
 
+    def cached_overhead(key, box):  # read through a chunk cache (`read.ArrayView.cached`)
+      return arrays.cached_overhead(arrays.open(key), box)
+
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
                                       held=budget.current_rss() + write_orbax.RESERVE_BYTES,
-                                      chunk_shape=chunk_shape, read_overhead=read_overhead)
+                                      chunk_shape=chunk_shape, read_overhead=read_overhead,
+                                      cached_overhead=cached_overhead if hasattr(arrays, "view") else None)
     skipped = "--no-validate"
     rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
                                         batch_options=batch_options, min_top1=min_top1)

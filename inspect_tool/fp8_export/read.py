@@ -3,7 +3,10 @@
 A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files), without a chunk cache
 and with `DECODING_CHUNKS` chunks decoded at once (`read_context`), and read one chunk-aligned box (`read_plan`)
 at a time: memory holds the box and the chunks being decoded into it (`CheckpointSource.read_overhead`), never a
-whole array. Every read is counted (`CheckpointSource.decodes`: chunks and bytes decoded per array).
+whole array. A box whose chunks are too big to sit beside it is read instead through a chunk cache of its own
+that holds its decoded chunks (`CheckpointSource.cached_box`): each chunk is decoded once, by the first slice read
+from it, and memory holds the decoded chunks and, while decoding, their stored bytes, not the box besides.
+Every read is counted (`CheckpointSource.decodes`: chunks and bytes decoded per array).
 The random init (no `--checkpoint`) builds the whole model: it is for small models.
 """
 
@@ -24,12 +27,18 @@ from inspect_tool.storage import paths
 DECODING_CHUNKS = 2
 
 
-def read_context():
-  """The tensorstore context of source reads: no chunk cache (every byte read is used once), `DECODING_CHUNKS`
-  copy threads and as many file reads in flight (no stored chunk waits in memory for a decoder)."""
+# Beside the decoded chunks of a cached box (`CheckpointSource.cached_box`), the cache pool holds the shard index and
+# OCDBT's B-tree nodes of the array (kilobytes).
+CACHE_MARGIN = 4 * 2**20
+
+
+def read_context(cache_bytes: int = 0):
+  """The tensorstore context of source reads: no chunk cache (every byte read is used once) unless `cache_bytes`
+  (then a cache pool of that many bytes, its own), `DECODING_CHUNKS` copy threads and as many file reads in flight
+  (no stored chunk waits in memory for a decoder)."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+  return ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)},
                      "data_copy_concurrency": {"limit": DECODING_CHUNKS},
                      "file_io_concurrency": {"limit": DECODING_CHUNKS}})
 
@@ -54,6 +63,7 @@ class CheckpointSource:
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
     self._context = context or read_context()
     self._names: dict[int, tuple[str, ...]] = {}  # id(store) -> model leaf key, for counting decodes
+    self._stored: dict[tuple[str, ...], int] = {}  # model leaf key -> stored bytes of its largest chunk
     self.decodes: dict[tuple[str, ...], list[int]] = {}  # model leaf key -> [chunks, bytes] decoded so far
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
@@ -63,8 +73,9 @@ class CheckpointSource:
   def keys(self):
     return list(self._pairs)
 
-  def open(self, key: tuple[str, ...]):
-    """The tensorstore handle of the array for model leaf `key` (indexing it is lazy; `np.asarray` reads)."""
+  def open(self, key: tuple[str, ...], cache_bytes: int = 0):
+    """The tensorstore handle of the array for model leaf `key` (indexing it is lazy; `np.asarray` reads); with
+    `cache_bytes`, through a chunk cache of its own that holds that many decoded bytes (dropped with the handle)."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
     pair = self._pairs[key]
@@ -72,8 +83,11 @@ class CheckpointSource:
     base = paths.kvstore_spec(self.items_dir)
     kvstore = {"driver": "ocdbt", "base": base} if self._listing.use_ocdbt else base
     spec = {"driver": "zarr3" if self._listing.use_zarr3 else "zarr", "kvstore": dict(kvstore, path=name + "/")}
+    context = self._context
+    if cache_bytes:  # cached chunks are used as they are: the source does not change while it is read
+      context, spec = read_context(cache_bytes + CACHE_MARGIN), dict(spec, recheck_cached_data="open")
     try:
-      store = ts.open(spec, open=True, read=True, context=self._context).result()
+      store = ts.open(spec, open=True, read=True, context=context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise errors.CheckpointError(f"{self.items_dir}: cannot open the data of {name} ({_first_line(e)})") from None
     self._names[id(store)] = key
@@ -94,6 +108,37 @@ class CheckpointSource:
 
     chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
     return min(DECODING_CHUNKS, chunks) * self.chunk_bytes(store)
+
+  def stored_chunk_bytes(self, store) -> int:
+    """Stored (encoded) bytes of the largest source chunk of `store`: read from the shard index when the array is
+    one zarr3 shard whose index ends it (Orbax's layout), else its decoded bytes."""
+    key = self._names.get(id(store), ())
+    if key not in self._stored:
+      self._stored[key] = _stored_chunk_bytes(store, self.stored_layout(store))
+      if self._stored[key] is None:
+        self._stored[key] = self.chunk_bytes(store)
+    return self._stored[key]
+
+  def cached_overhead(self, store, box) -> int:
+    """Bytes held beyond the decoded chunks of a box of shape `box` read through a chunk cache
+    (`cached_box`): the stored bytes of the chunks decoded at once (`DECODING_CHUNKS`)."""
+    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
+
+    chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
+    return min(DECODING_CHUNKS, chunks) * self.stored_chunk_bytes(store)
+
+  def cached_box(self, key: tuple[str, ...], index: tuple[slice, ...]) -> "ArrayView":
+    """The chunk-aligned box `index` of model leaf `key`'s array as a lazy view, read through a chunk cache of
+    its own that holds the box's decoded chunks: the first read of a chunk decodes it, later reads copy from the
+    cache (no box-sized buffer beside the decoded chunks). Its chunks are counted here, once; the cache goes
+    with the view."""
+    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
+
+    store = self.open(key)
+    shape, itemsize = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype).itemsize
+    store = self.open(key, cache_bytes=read_plan.covered(index, self.chunk_shape(store), shape) * itemsize)
+    self._count(store, index)
+    return ArrayView(self, store, origin=index)
 
   def _count(self, store, index: tuple[slice, ...]) -> None:
     from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
@@ -127,18 +172,20 @@ class CheckpointSource:
       future = e
     return PendingRead(future, self.items_dir)
 
-  def read(self, store, index: tuple[slice, ...]) -> np.ndarray:
+  def read(self, store, index: tuple[slice, ...], counted: bool = True) -> np.ndarray:
     """The slice `index` of `store` as a numpy array; a missing or corrupt chunk is one line naming the source."""
-    return self.read_async(store, index).result()
+    return self.read_async(store, index, counted).result()
 
-  def read_async(self, store, index: tuple[slice, ...]) -> "PendingRead":
-    """Starts reading the slice `index` of `store` in tensorstore's threads; `.result()` is `read`'s.
+  def read_async(self, store, index: tuple[slice, ...], counted: bool = True) -> "PendingRead":
+    """Starts reading the slice `index` of `store` in tensorstore's threads; `.result()` is `read`'s. Counted
+    as decoding the chunks it touches unless not `counted` (a read from a `cached_box`, counted there).
 
     The slice is decoded into a 64-byte aligned buffer, which JAX takes without a copy (`aligned`)."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
     out = None
-    self._count(store, index)
+    if counted:
+      self._count(store, index)
     try:
       if index:
         part = store[index]
@@ -168,11 +215,21 @@ class CheckpointSource:
 
 
 class ArrayView:
-  """A source array that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
+  """A source array, or the box `origin` of it (indices relative to the box; reads not counted: `cached_box`),
+  that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
 
-  def __init__(self, source: CheckpointSource, store):
-    self._source, self._store = source, store
-    self.shape = tuple(int(d) for d in store.shape)
+  def __init__(self, source: CheckpointSource, store, origin: tuple[slice, ...] | None = None):
+    self._source, self._store, self._origin = source, store, origin
+    self.shape = tuple(int(d) for d in store.shape) if origin is None else tuple(s.stop - s.start for s in origin)
+
+  def cached(self, index: tuple[slice, ...]) -> "ArrayView":
+    """The chunk-aligned box `index` of this array, read through a chunk cache of its own
+    (`CheckpointSource.cached_box`)."""
+    return self._source.cached_box(self._source._names[id(self._store)], index)  # pylint: disable=protected-access
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
 
   def __getitem__(self, index) -> np.ndarray:
     index = index if isinstance(index, tuple) else (index,)
@@ -188,12 +245,40 @@ class ArrayView:
         i = int(part) + (d if int(part) < 0 else 0)
         box.append(slice(i, i + 1))
         squeeze.append(axis)
-    value = self._source.read(self._store, tuple(box))
+    if self._origin is not None:
+      box = [slice(o.start + s.start, o.start + s.stop) for o, s in zip(self._origin, box)]
+    value = self._source.read(self._store, tuple(box), counted=self._origin is None)
     return value.reshape([n for axis, n in enumerate(value.shape) if axis not in squeeze]) if squeeze else value
 
   def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
-    value = self[()] if self.shape else self._source.read(self._store, ())
+    value = self[()] if self.shape else self._source.read(self._store, (), counted=self._origin is None)
     return np.asarray(value, dtype) if dtype is not None else np.asarray(value)
+
+
+def _stored_chunk_bytes(store, metadata: dict | None) -> int | None:
+  """The largest stored inner chunk of a zarr3 array that is one `sharding_indexed` shard with its index (bytes,
+  little-endian, optionally crc32c) at its end, read from that index; None when it is not such an array."""
+  codecs = (metadata or {}).get("codecs") or []
+  if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not store.shape:
+    return None
+  conf = codecs[0].get("configuration") or {}
+  index_codecs = [(c.get("name"), (c.get("configuration") or {}).get("endian", "little"))
+                  for c in conf.get("index_codecs") or []]
+  shard = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+  if (conf.get("index_location", "end") != "end" or index_codecs not in ([("bytes", "little")],
+                                                                          [("bytes", "little"), ("crc32c", "little")])
+      or any(-(-int(d) // int(s)) != 1 for d, s in zip(store.shape, shard))):
+    return None
+  count = math.prod(-(-int(s) // int(c)) for s, c in zip(shard, conf["chunk_shape"]))
+  size = 16 * count + 4 * (len(index_codecs) == 2)
+  try:
+    found = store.kvstore.read("c" + "/0" * store.rank, byte_range=slice(-size, None)).result()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if found.state != "value" or len(found.value) != size:
+    return None
+  pairs = np.frombuffer(bytes(found.value)[:16 * count], "<u8").reshape(count, 2)
+  return int(max((n for offset, n in pairs if offset != 2**64 - 1), default=0))
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to use a host buffer as is
@@ -287,10 +372,10 @@ class InitSource:
   def read_overhead(self, store, box) -> int:  # pylint: disable=unused-argument
     return 0  # nothing decoded
 
-  def read(self, store, index):
+  def read(self, store, index, counted: bool = True):  # pylint: disable=unused-argument
     return store[index] if index else store
 
-  def read_async(self, store, index) -> "PendingRead":
+  def read_async(self, store, index, counted: bool = True) -> "PendingRead":  # pylint: disable=unused-argument
     return PendingRead(None, "", value=self.read(store, index))
 
   def __getitem__(self, key):

@@ -10,7 +10,12 @@ Memory of a read plan, beside what the process holds:
   (1 + ahead) * (box bytes + the source's decode overhead of a box) + `budget.SLICE_FACTOR` * slice bytes,
 where `ahead` (the next box read while this one is processed) is taken only when the budget holds two boxes, and
 the decode overhead is what the source holds while decoding (`CheckpointSource.read_overhead`: the stored and
-the decoded bytes of the chunks it decodes at once).
+the decoded bytes of the chunks it decodes at once). A smallest box cut in memory may instead be *cached*: its slices
+are read one after another through a chunk cache that holds the box's decoded chunks (`read.cached_box`), each
+chunk decoded once, by the first slice that touches it; then memory holds
+  box bytes (its decoded chunks) + `stored(box)` (the stored bytes of the chunks decoded at once) +
+  `budget.SLICE_FACTOR` * slice bytes,
+without read-ahead: for a box of one chunk, one chunk and its stored bytes instead of the box and the chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class ReadPlan:
   two_pass: bool
   ahead: bool
   need: int  # bytes beyond what the process holds
+  cached: bool = False  # the box's slices are read through a chunk cache holding its chunks, not cut in memory
 
 
 def minimal_box(shape: Sequence[int], chunk: Sequence[int] | None, cuttable: Sequence[int]) -> tuple[int, ...]:
@@ -90,23 +96,26 @@ def _nbytes(block: Sequence[int], itemsize: int) -> int:
 
 def plan_reads(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int, *,
                channel_axes: Sequence[int], two_pass_allowed: bool,
-               overhead: Callable[[Sequence[int]], int]) -> ReadPlan | None:
+               overhead: Callable[[Sequence[int]], int],
+               stored: Callable[[Sequence[int]], int] | None = None) -> ReadPlan | None:
   """The read plan of an array within `available` bytes (None: none fits): one pass before two, then whole boxes
-  with read-ahead, whole boxes, a smallest box cut in memory with and without read-ahead.
+  with read-ahead, whole boxes, a smallest box cut in memory with read-ahead, cached (with `stored`), cut in memory
+  without read-ahead.
 
   `channel_axes`: the axes a one-pass slice may be cut along (a quantized weight's channels; every axis for a
   copy); `two_pass_allowed`: the weight may be quantized in two passes (then boxes and slices cut every axis);
-  `overhead(box)`: what the source holds beyond the box while decoding it.
+  `overhead(box)`: what the source holds beyond the box while decoding it; `stored(box)`: beyond the box's decoded
+  chunks while decoding them into a cache (None: the source has no cached reads).
   """
   every = tuple(range(len(shape)))
   modes = [(False, tuple(channel_axes))]
   if two_pass_allowed and set(channel_axes) != set(every):
     modes.append((True, every))
   for two_pass, cuttable in modes:
-    found = _fit(shape, itemsize, chunk, available, cuttable, overhead)
+    found = _fit(shape, itemsize, chunk, available, cuttable, overhead, stored)
     if found is not None:
-      box, block, ahead, need = found
-      return ReadPlan(box, block, two_pass, ahead, need)
+      box, block, ahead, need, cached = found
+      return ReadPlan(box, block, two_pass, ahead, need, cached)
   return None
 
 
@@ -114,7 +123,11 @@ def _need(box, block, itemsize: int, ahead: bool, overhead) -> int:
   return (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) + budget.SLICE_FACTOR * _nbytes(block, itemsize)
 
 
-def _fit(shape, itemsize, chunk, available, cuttable, overhead):
+def _cached_need(box, block, itemsize: int, stored) -> int:
+  return _nbytes(box, itemsize) + int(stored(box)) + budget.SLICE_FACTOR * _nbytes(block, itemsize)
+
+
+def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
   for ahead in (True, False):  # whole boxes, each read once into a slice of its own
     limit = (available - (1 + ahead) * int(overhead(minimal_box(shape, chunk, cuttable)))) // (
         1 + ahead + budget.SLICE_FACTOR)
@@ -123,34 +136,42 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead):
         break
       box = aligned_box(shape, chunk, itemsize, limit, cuttable)
       if _nbytes(box, itemsize) <= limit and _need(box, box, itemsize, ahead, overhead) <= available:
-        return box, box, ahead, _need(box, box, itemsize, ahead, overhead)
+        return box, box, ahead, _need(box, box, itemsize, ahead, overhead), False
       limit = limit * 3 // 4
-  box = minimal_box(shape, chunk, cuttable)  # one box, cut in memory
-  for ahead in (True, False):
-    room = (available - (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box)))) // budget.SLICE_FACTOR
+  box = minimal_box(shape, chunk, cuttable)  # one box, cut in memory (or cached)
+  for ahead, cached in ((True, False), (False, True), (False, False)):
+    if (cached and stored is None) or (ahead and box == tuple(int(d) for d in shape)):
+      continue  # no cache; nothing to read ahead of the only box
+    held = _nbytes(box, itemsize) + int(stored(box)) if cached else (1 + ahead) * (
+        _nbytes(box, itemsize) + int(overhead(box)))
+    room = (available - held) // budget.SLICE_FACTOR
     block = slice_block(shape, box, itemsize, room, cuttable) if room > 0 else None
     if block is not None:
-      return box, block, ahead, _need(box, block, itemsize, ahead, overhead)
+      need = _cached_need(box, block, itemsize, stored) if cached else _need(box, block, itemsize, ahead, overhead)
+      return box, block, ahead, need, cached
   return None
 
 
 def plan_boxes(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int,
-               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int]) -> tuple[tuple[int, ...], bool]:
-  """(box, ahead) for reading an array whose work beside the boxes is already taken from `available`: the largest
-  chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest box."""
+               cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int],
+               cached: bool = False) -> tuple[tuple[int, ...], bool, bool]:
+  """(box, ahead, cached) for reading an array whose work beside the boxes is already taken from `available`: the
+  largest chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest
+  box; the smallest box read without read-ahead is read through a chunk cache (`cached`) when the source has one."""
   smallest = minimal_box(shape, chunk, cuttable)
   for ahead in (True, False):
     limit = available // (1 + ahead) - int(overhead(smallest))
     box = aligned_box(shape, chunk, itemsize, max(limit, 0), cuttable)
     if (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) <= available:
-      return box, ahead
-  return smallest, False
+      return box, ahead, cached and not ahead and box == smallest
+  return smallest, False, cached
 
 
 def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, channel_axes: Sequence[int],
-          two_pass_allowed: bool, overhead: Callable[[Sequence[int]], int]) -> int:
+          two_pass_allowed: bool, overhead: Callable[[Sequence[int]], int],
+          stored: Callable[[Sequence[int]], int] | None = None) -> int:
   """The fewest bytes (beyond what the process holds) any read plan of the array needs: a smallest box, cut into
-  slices of 1 along every axis it may cut, without read-ahead."""
+  slices of 1 along every axis it may cut, without read-ahead, cut in memory or (with `stored`) cached."""
   every = tuple(range(len(shape)))
   options = [tuple(channel_axes)] + ([every] if two_pass_allowed else [])
   needs = []
@@ -158,6 +179,8 @@ def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, c
     box = minimal_box(shape, chunk, cuttable)
     block = tuple(1 if axis in cuttable else b for axis, b in enumerate(box))
     needs.append(_need(box, block, itemsize, False, overhead))
+    if stored is not None:
+      needs.append(_cached_need(box, block, itemsize, stored))
   return min(needs)
 
 

@@ -134,9 +134,11 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
   layer_axis = entry.layer_axis
   expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
   cuttable = _read_axes(entry)
-  box, ahead = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES), cuttable, overhead)
+  box, ahead, cached = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES), cuttable,
+                                            overhead, cached=hasattr(value, "cached"))
   cut = budget.Slicing(tuple(entry.shape), box)
-  for index, block in _blocks(value, cut, ahead):
+  blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(value, cut, ahead)
+  for index, block in blocks:
     for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
       for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
         at = [slice(None)] * block.ndim
@@ -184,11 +186,13 @@ def _read_axes(entry: hf_names.Entry) -> list[int]:
 def plan_memory(keys, cfg, max_memory: int, *, held: int,
                 chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                 read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
-                mtp_shared_copies: bool = True) -> int:
+                mtp_shared_copies: bool = True,
+                cached_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None) -> int:
   """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
   A leaf needs at least its smallest read (one source chunk along the axes it is read along, whole elsewhere,
-  float32) with what decoding it holds (`read_overhead(key, block)`) and `budget.SLICE_FACTOR` times its unit of
+  float32) with what decoding it holds (`read_overhead(key, block)`, or `cached_overhead(key, block)` when it is
+  read through a chunk cache: the stored bytes of the chunks being decoded) and `budget.SLICE_FACTOR` times its unit of
   work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an embedding,
   head or norm), beside `held` (what the process holds). At DeepSeek-V3's size the largest unit is a dense-layer
   MLP matrix, 18432 x 7168 float32 (528 MB).
@@ -204,6 +208,8 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
     chunk = chunk_shape(key) if chunk_shape else None
     box = read_plan.minimal_box(entry.shape, chunk, _read_axes(entry))
     decoding = int(read_overhead(key, box)) if read_overhead else 0
+    if cached_overhead is not None and chunk:  # read through a chunk cache: its stored bytes, not the box besides
+      decoding = min(decoding, int(cached_overhead(key, box)))
     need = held + 4 * math.prod(box) + decoding + budget.SLICE_FACTOR * _unit_bytes(entry)
     if need > worst[0]:
       worst = (need, key, entry.shape, decoding)

@@ -10,8 +10,8 @@ exactly (in value) the float32 scales of the FP8 grouped matmul. Everything, the
 under `params/params` (MaxText's params-only loaders find the bias there too).
 
 Writing: each array is read in chunk-aligned boxes and processed in slices that fit the memory budget
-(`read_plan`: a box bigger than a slice may be is read once and cut in memory, so no source chunk is decoded again
-for the next slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
+(`read_plan`: a box bigger than a slice may be is read once and cut in memory, or its slices read through a chunk
+cache holding its decoded chunks when they do not fit beside it, so no source chunk is decoded for every slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
 exactly the whole weight's scales; the slices of a two-pass weight get its absmax from a first pass) and written
 into the destination zarr3 array, chunked by a sub-block of the slice, through tensorstore. As Orbax does, each process writes into its own OCDBT database
 (`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
@@ -59,6 +59,7 @@ class ArrayJob:
   two_pass: bool = False  # quantized in two passes over blocks that also cut the shared axes
   box: tuple[int, ...] = ()  # what one read holds, aligned to the source's chunks (default: the slice block)
   ahead: bool = True  # the next box of the array is read while this one is processed
+  cached: bool = False  # the box's slices are read through a chunk cache of its own (`read.cached_box`)
 
   @property
   def slice_bytes(self) -> int:
@@ -123,7 +124,9 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     store = source.open(key)
     align = source.chunk_shape(store)
     args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
-                overhead=lambda box, store=store: source.read_overhead(store, box))
+                overhead=lambda box, store=store: source.read_overhead(store, box),
+                stored=(lambda box, store=store: source.cached_overhead(store, box))
+                if align and hasattr(source, "cached_box") else None)  # a source with cached reads
     found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
     if found is None:
       short.append((held + read_plan.floor(leaf.shape, itemsize, align, **args), key, tuple(leaf.shape),
@@ -136,7 +139,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
     jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored,
-                         found.two_pass, found.box, found.ahead))
+                         found.two_pass, found.box, found.ahead, found.cached))
   if short:  # name the array that needs the most: its need is the smallest budget that works for every array
     need, key, shape, chunk = max(short, key=lambda item: item[0])
     raise errors.InputError(
@@ -151,7 +154,7 @@ def _stored_layout(source, store, found: read_plan.ReadPlan) -> dict | None:
   """The source array's metadata when its stored chunks can be copied as they are: a box processed whole (no
   in-memory cut) made of whole stored chunks; else None."""
   stored = source.stored_layout(store)
-  if stored is None or found.box != found.block:
+  if stored is None or found.box != found.block or found.cached:
     return None
   chunk = stored["chunk_grid"]["configuration"]["chunk_shape"]
   shape = tuple(int(d) for d in store.shape)
@@ -186,10 +189,13 @@ def _outputs(job: ArrayJob) -> list[tuple]:
 
 
 class _Ready:
-  """A read that needs no reading: the slice is still in memory."""
+  """A read that needs no reading: the slice is still in memory (None), or a cached box's view (`value`)."""
+
+  def __init__(self, value=None):
+    self._value = value
 
   def result(self):
-    return None
+    return self._value
 
 
 class _Reads:
@@ -210,6 +216,8 @@ class _Reads:
     job, index, kind = self._work[i]
     if kind == REUSE:
       return _Ready()
+    if job.cached:  # a view whose slices decode the box's chunks once, into a cache of its own
+      return _Ready(self._source.cached_box(job.leaf.key, index))
     if job.leaf.key != self._key:
       self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
     if job.stored is not None:
