@@ -287,6 +287,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
       if dst_name == "orbax" and limit is None:
         limit = max(LIMIT_MIN, LIMIT_FACTOR * run.wall)
       if run.timed_out:
+        shutil.rmtree(dst, ignore_errors=True)  # what a killed run left is no export
         skipped.add(label)
         print(f"[{tag}] {label}: killed at {limit:.0f} s (--case-timeout), not run again")
     if round_ < repeat - 1:
@@ -299,7 +300,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
     spread = f"{min(r['wall_seconds_runs']):.1f}-{max(r['wall_seconds_runs']):.1f}"
     more = "> " if r["timed_out"] else ""
     print(f"[{tag}] {label:44s} {more}{r['wall_seconds']:7.1f} s ({spread})  CPU {r['cpu_seconds']:6.1f} s  "
-          f"peak RSS {r['peak_rss_bytes'] / 1e6:6.0f} MB  {more}{r['time_ratio_to_orbax']:.2f} x Orbax's time  "
+          f"peak RSS {r['peak_rss_bytes'] / 1e6 if r['peak_rss_bytes'] else math.nan:6.0f} MB  {more}{r['time_ratio_to_orbax']:.2f} x Orbax's time  "
           f"{logical / r['wall_seconds'] / 1e6:5.0f} MB/s")
   labels = {dst_name: label for label, dst_name, _ in cases}
   floor_s = sum(runs[labels[k]]["wall_seconds"] for k in ("read", "write") if labels[k] in runs)
@@ -314,7 +315,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
   print(f"[{tag}] decode amplification (bytes decoded / bytes stored): "
         + ", ".join(f"{labels[k]} {_amplification_text(s)}" for k, s in stats.items()))
   bounded = runs.get(labels["bounded"])
-  if bounded and not bounded["timed_out"]:
+  if all(os.path.isdir(os.path.join(root, d)) for d in ("unbounded", "bounded")):
     out["bounded_equals_unbounded"] = _same_arrays(os.path.join(root, "unbounded"), os.path.join(root, "bounded"))
     budget = _measure.UNITS["MiB"] * int(bound["orbax"][:-3])
     print(f"[{tag}] bounded export (peak RSS {bounded['peak_rss_bytes'] / 1e6:.0f} MB = "
@@ -336,6 +337,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
     print(f"[{tag}] 671B (2.68 TB float32) at the bounded {rate / 1e6:.0f} MB/s: one host {one / 3600:.1f} h, "
           f"16 hosts {one / 16 / 3600:.2f} h")
   out["runs"] = runs
+  out["by_case"] = {k: dict(runs[label], label=label) for k, label in labels.items() if label in runs}
   return out
 
 
@@ -364,6 +366,29 @@ def bench_variant(root: str, name: str, tokens: list[str], chunkings, env, *, hf
   return out
 
 
+def print_summary(results: dict) -> None:
+  """One line per source: each case's median time as a multiple of Orbax's restore + save (target <= 1.00), its
+  peak RSS, the floor of the work and the bounded export's decode amplification."""
+  print("summary: median wall time / Orbax restore+save's (peak RSS GB); '>': killed at --case-timeout")
+  names = {"unbounded": "export", "bounded": "1.5x floor", "hf": "deepseek-fp8", "hf_bounded": "fp8 1.5x floor"}
+  print(f"{'source':18s} {'Orbax s':>8s} " + " ".join(f"{n:>15s}" for n in names.values())
+        + f" {'floor s':>8s} {'decoded/stored':>15s}")
+  for model, per_model in results.items():
+    for chunking, out in per_model.items() if isinstance(per_model, dict) else ():
+      if not isinstance(out, dict) or "by_case" not in out:
+        continue
+      by_case = out["by_case"]
+      cells = []
+      for kind in names:
+        r = by_case.get(kind)
+        cells.append(f"{'>' if r['timed_out'] else ''}{r['time_ratio_to_orbax']:.2f} ({r['peak_rss_bytes'] / 1e9:.1f})"
+                     if r else "-")
+      floor = f"{out['floor_seconds']:.1f}" if "floor_seconds" in out else "n/a"
+      amp = out["decode"].get("bounded", {}).get("amplification")
+      print(f"{model + '/' + chunking:18s} {by_case['orbax']['wall_seconds']:8.1f} "
+            + " ".join(f"{c:>15s}" for c in cells) + f" {floor:>8s} {'n/a' if amp is None else f'{amp:.2f}':>15s}")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dir", default=None, help="where to write (default: system temp)")
@@ -371,7 +396,8 @@ def main() -> int:
   parser.add_argument("--chunks", help=f"comma-separated chunkings of the sources, of {sorted(CHUNKINGS)} "
                       "(default: the model's own)")
   parser.add_argument("--keep", action="store_true", help="keep the work directory (sources are removed)")
-  parser.add_argument("--repeat", type=int, default=3, help="rounds of every case, interleaved (median reported)")
+  parser.add_argument("--repeat", type=int, default=None,
+                      help="rounds of every case, interleaved (median reported; default 3, 1 with --tiny)")
   parser.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is killed")
   parser.add_argument("--tiny", action="store_true", help="smoke run: a 5.6 MB source, one round")
   parser.add_argument("--read-floor", help=argparse.SUPPRESS)
@@ -393,8 +419,9 @@ def main() -> int:
   try:
     for i, (name, (tokens, own)) in enumerate(models.items()):
       results[name] = bench_variant(root, name, tokens, chunks or own, env, hf=i == 0 and not args.tiny,
-                                    repeat=1 if args.tiny else args.repeat, limit=args.case_timeout)
+                                    repeat=args.repeat or (1 if args.tiny else 3), limit=args.case_timeout)
     print(json.dumps(results, indent=1))
+    print_summary(results)
   finally:
     if args.keep:
       print(f"kept {root}")

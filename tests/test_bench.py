@@ -37,7 +37,8 @@ RATIO_LINES = {
         rf"export {NUMBER} x, export --max-memory \d+MiB \(1\.5x floor\) {NUMBER} x it$",
         rf"^\[tiny/256KiB\] decode amplification \(bytes decoded / bytes stored\): export (n/a|{NUMBER})",
         r"^\[tiny/single\] bounded export .* equals the unbounded one byte for byte: True$",
-        r"^\[tiny/256KiB\] export equals the export of the first source byte for byte: True$"],
+        r"^\[tiny/256KiB\] export equals the export of the first source byte for byte: True$",
+        rf"^tiny/single\s+{NUMBER}\s+{NUMBER} \({NUMBER}\)\s+{NUMBER} \({NUMBER}\)\s+-\s+-\s+{NUMBER}\s+(n/a|{NUMBER})$"],
 }
 
 
