@@ -17,11 +17,12 @@ Each source's `--max-memory` floor is asked of the tool itself (its refusal line
     codecs, written to a new OCDBT database; values loaded beforehand, no compute). Their seconds are the timed
     part of their process (not its start-up), CPU seconds likewise.
 Decode amplification (bytes decoded / bytes stored, chunks decoded) is read from each export's
-`quantization_report.json` (keys `chunks_decoded`, `bytes_decoded`, `bytes_stored`, anywhere in it; "n/a" when
-absent). Every case runs `--repeat` times (default 3), interleaved round by round, each after `sync`; medians
-(range) are printed, the peak RSS is the largest. A case past `--case-timeout` (default 8x Orbax's first time,
-at least 120 s) is killed and not run again. The last line per source extrapolates a 671B export (2.68 TB
-float32) from the bounded export's throughput: one host like this one, and 16.
+`quantization_report.json` (keys `chunks_decoded`, `bytes_decoded`, `bytes_stored`, `most_decoded_array`: the
+shallowest of each in it; "n/a" when absent). Every case runs `--repeat` times (default 3), interleaved round
+by round, each after `sync`; medians (range) are printed, the peak RSS is the largest. A case past
+`--case-timeout` (default 8x Orbax's first time, at least 120 s) is killed and not run again. The last line per
+source extrapolates a 671B export (2.68 TB float32) from the bounded export's throughput: one host like this
+one, and 16; a summary table ends the run.
 
   .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--chunks single,400MiB]
                                                 [--repeat 3] [--keep]
@@ -65,7 +66,7 @@ QUANT = ["quantization=fp8_full"]
 FLOOR_FACTOR = 1.5  # the bounded cases' --max-memory, in floors
 LIMIT_FACTOR, LIMIT_MIN = 8, 120  # default --case-timeout: 8x Orbax's first time, at least 120 s
 IN_FLIGHT = 2  # chunk reads or writes the floor cases keep in flight
-DECODE_KEYS = ("chunks_decoded", "bytes_decoded", "bytes_stored")
+DECODE_KEYS = ("chunks_decoded", "bytes_decoded", "bytes_stored", "most_decoded_array")
 PARAMS_671B = 671e9
 
 _ORBAX = r"""
@@ -170,17 +171,17 @@ def _same_arrays(a: str, b: str) -> bool:
 
 
 def _find(doc, name: str):
-  """The first value of key `name` (spaces, dashes and case ignored) anywhere in a JSON document, or None."""
-  if isinstance(doc, dict):
-    for key, value in doc.items():
-      if str(key).lower().replace(" ", "_").replace("-", "_") == name:
-        return value
-    doc = list(doc.values())
-  if isinstance(doc, list):
-    for value in doc:
-      found = _find(value, name)
-      if found is not None:
-        return found
+  """The shallowest value of key `name` (spaces, dashes and case ignored) in a JSON document, or None."""
+  level = [doc]
+  while level:
+    deeper = []
+    for node in level:
+      items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+      for key, value in items:
+        if isinstance(key, str) and key.lower().replace(" ", "_").replace("-", "_") == name:
+          return value
+        deeper.append(value)
+    level = deeper
   return None
 
 
@@ -201,8 +202,11 @@ def decode_stats(dst: str) -> dict:
 def _amplification_text(stats: dict) -> str:
   if stats["amplification"] is None:
     return "n/a"
-  chunks = stats["chunks_decoded"]
-  return f"{stats['amplification']:.2f}" + (f" ({chunks} chunks)" if chunks is not None else "")
+  chunks, worst = stats["chunks_decoded"], stats["most_decoded_array"]
+  worst = (f", most {worst['decoded_per_stored']:.2f}: {'/'.join(worst['key'].split('/')[-2:])}"
+           if isinstance(worst, dict) and isinstance(worst.get("decoded_per_stored"), (int, float))
+           and isinstance(worst.get("key"), str) and "/" in worst["key"] else "")
+  return f"{stats['amplification']:.2f}" + (f" ({chunks} chunks{worst})" if chunks is not None else "")
 
 
 def _source_stats(step_dir: str) -> tuple[int, int, int, int]:
