@@ -239,6 +239,52 @@ def make_source(root: str, name: str, tokens: list[str], chunking: str, env) -> 
   return step, time.perf_counter() - start
 
 
+def _cases(root: str, tool: list[str], source: str, bound: dict, hf: bool) -> list[tuple[str, str, list[str]]]:
+  """(label, destination name, command) of every case; "DST" in a command stands for its destination."""
+  me = [sys.executable, os.path.abspath(__file__)]
+  cases = [("orbax restore+save", "orbax", [sys.executable, "-c", _ORBAX, os.path.join(source, "items"), "DST", "0"]),
+           ("export", "unbounded", tool + ["--output", "DST"]),
+           (f"export --max-memory {bound['orbax']} (1.5x floor)", "bounded",
+            tool + ["--output", "DST", "--max-memory", bound["orbax"]])]
+  if hf:
+    cases += [("export --layout deepseek-fp8", "hf", tool + ["--output", "DST", "--layout", "deepseek-fp8"]),
+              (f"deepseek-fp8 --max-memory {bound['hf']} (1.5x floor)", "hf_bounded",
+               tool + ["--output", "DST", "--layout", "deepseek-fp8", "--max-memory", bound["hf"]])]
+  unbounded = os.path.join(root, "unbounded", "0")
+  return cases + [("decode-only read of the source", "read", me + ["--read-floor", source]),
+                  ("encode-only write of the output", "write", me + ["--write-floor", unbounded, "DST"])]
+
+
+def _rounds(root: str, tag: str, cases, env, repeat: int, limit: float | None) -> dict[str, list]:
+  """Runs every case `repeat` times, interleaved, each after `sync`; the last round's destinations are kept. A case
+  killed at `limit` (default: from Orbax's first time) is not run again."""
+  samples: dict[str, list] = {label: [] for label, _, _ in cases}
+  skipped: set[str] = set()
+  for round_ in range(repeat):
+    for label, dst_name, cmd in cases:
+      dst = os.path.join(root, dst_name)
+      shutil.rmtree(dst, ignore_errors=True)
+      if label in skipped or (dst_name == "write" and not os.path.isdir(os.path.join(root, "unbounded"))):
+        continue
+      os.sync()  # no earlier run's write-back under way
+      run = _measure.timed([dst if c == "DST" else c for c in cmd], env, cwd=REPO, ok=(0, 1),
+                           limit=None if dst_name == "orbax" else limit)
+      if dst_name in ("read", "write") and not run.timed_out:  # the timed part, not the process's start-up
+        wall, cpu, _, _ = run.stdout.split("FLOOR ", 1)[1].split()
+        run = _measure.Run(float(wall), float(cpu), run.rss, run.returncode)
+      samples[label].append(run)
+      if dst_name == "orbax" and limit is None:
+        limit = max(LIMIT_MIN, LIMIT_FACTOR * run.wall)
+      if run.timed_out:
+        shutil.rmtree(dst, ignore_errors=True)  # what a killed run left is no export
+        skipped.add(label)
+        print(f"[{tag}] {label}: killed at {limit:.0f} s (--case-timeout), not run again")
+    if round_ < repeat - 1:
+      for _, dst_name, _ in cases:
+        shutil.rmtree(os.path.join(root, dst_name), ignore_errors=True)
+  return {label: got for label, got in samples.items() if got}
+
+
 def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf: bool, repeat: int,
                  limit: float | None, reference: str | None) -> dict:
   """Measures Orbax, the exports and the floor of the work on one source, `repeat` interleaved rounds."""
@@ -261,79 +307,39 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
   print(f"[{tag}] smallest --max-memory the tool accepts: " + ", ".join(
       f"{'deepseek-fp8' if k == 'hf' else 'export'} {v / 2**20:.0f} MiB" for k, v in floors.items())
         + f"; bounded cases at {FLOOR_FACTOR}x")
-  me = [sys.executable, os.path.abspath(__file__)]
-  cases = [("orbax restore+save", "orbax", [sys.executable, "-c", _ORBAX, os.path.join(source, "items"), "DST", "0"]),
-           ("export", "unbounded", tool + ["--output", "DST"]),
-           (f"export --max-memory {bound['orbax']} (1.5x floor)", "bounded",
-            tool + ["--output", "DST", "--max-memory", bound["orbax"]])]
-  if hf:
-    cases += [("export --layout deepseek-fp8", "hf", tool + ["--output", "DST", "--layout", "deepseek-fp8"]),
-              (f"deepseek-fp8 --max-memory {bound['hf']} (1.5x floor)", "hf_bounded",
-               tool + ["--output", "DST", "--layout", "deepseek-fp8", "--max-memory", bound["hf"]])]
-  cases += [("decode-only read of the source", "read", me + ["--read-floor", source]),
-            ("encode-only write of the output", "write", me + ["--write-floor", os.path.join(root, "unbounded", "0"),
-                                                                "DST"])]
-  samples: dict[str, list] = {label: [] for label, _, _ in cases}
-  skipped: set[str] = set()
-  for round_ in range(repeat):
-    for label, dst_name, cmd in cases:
-      dst = os.path.join(root, dst_name)
-      shutil.rmtree(dst, ignore_errors=True)
-      if label in skipped or (dst_name == "write" and not os.path.isdir(os.path.join(root, "unbounded"))):
-        continue
-      os.sync()  # no earlier run's write-back under way
-      run = _measure.timed([dst if c == "DST" else c for c in cmd], env, cwd=REPO, ok=(0, 1),
-                           limit=None if dst_name == "orbax" else limit)
-      if dst_name in ("read", "write") and not run.timed_out:
-        wall, cpu, _, _ = run.stdout.split("FLOOR ", 1)[1].split()
-        run = _measure.Run(float(wall), float(cpu), run.rss, run.returncode)
-      samples[label].append(run)
-      if dst_name == "orbax" and limit is None:
-        limit = max(LIMIT_MIN, LIMIT_FACTOR * run.wall)
-      if run.timed_out:
-        shutil.rmtree(dst, ignore_errors=True)  # what a killed run left is no export
-        skipped.add(label)
-        print(f"[{tag}] {label}: killed at {limit:.0f} s (--case-timeout), not run again")
-    if round_ < repeat - 1:
-      for _, dst_name, _ in cases:
-        shutil.rmtree(os.path.join(root, dst_name), ignore_errors=True)
-  runs = {label: _measure.summary(got) for label, got in samples.items() if got}
+  cases = _cases(root, tool, source, bound, hf)
+  runs = {label: _measure.summary(got) for label, got in _rounds(root, tag, cases, env, repeat, limit).items()}
   orbax_s = runs["orbax restore+save"]["wall_seconds"]
   for label, r in runs.items():
     r["time_ratio_to_orbax"] = round(r["wall_seconds"] / orbax_s, 3)
     spread = f"{min(r['wall_seconds_runs']):.1f}-{max(r['wall_seconds_runs']):.1f}"
     more = "> " if r["timed_out"] else ""
+    rss = r["peak_rss_bytes"] / 1e6 if r["peak_rss_bytes"] else math.nan
     print(f"[{tag}] {label:44s} {more}{r['wall_seconds']:7.1f} s ({spread})  CPU {r['cpu_seconds']:6.1f} s  "
-          f"peak RSS {r['peak_rss_bytes'] / 1e6 if r['peak_rss_bytes'] else math.nan:6.0f} MB  {more}{r['time_ratio_to_orbax']:.2f} x Orbax's time  "
+          f"peak RSS {rss:6.0f} MB  {more}{r['time_ratio_to_orbax']:.2f} x Orbax's time  "
           f"{logical / r['wall_seconds'] / 1e6:5.0f} MB/s")
   labels = {dst_name: label for label, dst_name, _ in cases}
-  floor_s = sum(runs[labels[k]]["wall_seconds"] for k in ("read", "write") if labels[k] in runs)
-  if all(labels[k] in runs for k in ("read", "write")) and floor_s > 0:
-    out["floor_seconds"] = floor_s
+  if all(labels[k] in runs for k in ("read", "write")):
+    out["floor_seconds"] = floor_s = sum(runs[labels[k]]["wall_seconds"] for k in ("read", "write"))
     ratios = ", ".join(f"{'Orbax' if k == 'orbax' else labels[k]} {runs[labels[k]]['wall_seconds'] / floor_s:.2f} x"
                        for k in ("orbax", "unbounded", "bounded", "hf", "hf_bounded") if labels.get(k) in runs)
     print(f"[{tag}] floor of the work (decode-only read + encode-only write): {floor_s:.1f} s; {ratios} it")
-  stats = {k: decode_stats(os.path.join(root, k)) for k in ("unbounded", "bounded", "hf", "hf_bounded")
-           if labels.get(k) in runs}
-  out["decode"] = stats
+  out["decode"] = {k: decode_stats(os.path.join(root, k)) for k in ("unbounded", "bounded", "hf", "hf_bounded")
+                   if labels.get(k) in runs}
   print(f"[{tag}] decode amplification (bytes decoded / bytes stored): "
-        + ", ".join(f"{labels[k]} {_amplification_text(s)}" for k, s in stats.items()))
-  bounded = runs.get(labels["bounded"])
+        + ", ".join(f"{labels[k]} {_amplification_text(s)}" for k, s in out["decode"].items()))
+  for k, layout in (("bounded", "orbax"), ("hf_bounded", "hf")):
+    if labels.get(k) in runs and not runs[labels[k]]["timed_out"]:
+      budget = _measure.UNITS["MiB"] * int(bound[layout][:-3])
+      print(f"[{tag}] {labels[k]}: peak RSS {runs[labels[k]]['peak_rss_bytes'] / 1e6:.0f} MB = "
+            f"{runs[labels[k]]['peak_rss_bytes'] / budget:.2f} x its --max-memory")
   if all(os.path.isdir(os.path.join(root, d)) for d in ("unbounded", "bounded")):
     out["bounded_equals_unbounded"] = _same_arrays(os.path.join(root, "unbounded"), os.path.join(root, "bounded"))
-    budget = _measure.UNITS["MiB"] * int(bound["orbax"][:-3])
-    print(f"[{tag}] bounded export (peak RSS {bounded['peak_rss_bytes'] / 1e6:.0f} MB = "
-          f"{bounded['peak_rss_bytes'] / budget:.2f} x its --max-memory) equals the unbounded one byte for byte: "
-          f"{out['bounded_equals_unbounded']}")
+    print(f"[{tag}] bounded export equals the unbounded one byte for byte: {out['bounded_equals_unbounded']}")
   if reference and os.path.isdir(os.path.join(root, "unbounded")):
     out["equals_reference"] = _same_arrays(reference, os.path.join(root, "unbounded"))
     print(f"[{tag}] export equals the export of the first source byte for byte: {out['equals_reference']}")
-  if hf:
-    for k in ("hf", "hf_bounded"):
-      if labels[k] in runs:
-        r = runs[labels[k]]
-        print(f"[{tag}] {labels[k]}: peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB; throughput "
-              f"{orbax_s / r['wall_seconds']:.2f} x Orbax restore+save's")
+  bounded = runs.get(labels["bounded"])
   if bounded and not bounded["timed_out"]:
     rate = logical / bounded["wall_seconds"]
     one = PARAMS_671B * 4 / rate

@@ -36,9 +36,12 @@ RATIO_LINES = {
         rf"^\[tiny/256KiB\] floor of the work \(decode-only read \+ encode-only write\): {NUMBER} s; Orbax {NUMBER} x, "
         rf"export {NUMBER} x, export --max-memory \d+MiB \(1\.5x floor\) {NUMBER} x it$",
         rf"^\[tiny/256KiB\] decode amplification \(bytes decoded / bytes stored\): export (n/a|{NUMBER})",
-        r"^\[tiny/single\] bounded export .* equals the unbounded one byte for byte: True$",
+        rf"^\[tiny/single\] export --max-memory \d+MiB \(1\.5x floor\): peak RSS {NUMBER} MB = {NUMBER} x its "
+        r"--max-memory$",
+        r"^\[tiny/single\] bounded export equals the unbounded one byte for byte: True$",
         r"^\[tiny/256KiB\] export equals the export of the first source byte for byte: True$",
-        rf"^tiny/single\s+{NUMBER}\s+{NUMBER} \({NUMBER}\)\s+{NUMBER} \({NUMBER}\)\s+-\s+-\s+{NUMBER}\s+(n/a|{NUMBER})$"],
+        rf"^tiny/single\s+{NUMBER}\s+{NUMBER} \({NUMBER}\)\s+{NUMBER} \({NUMBER}\)\s+-\s+-\s+{NUMBER}\s+"
+        rf"(n/a|{NUMBER})$"],
 }
 
 
