@@ -1,19 +1,22 @@
 """Benchmarks `inspect_checkpoint import` beside MaxText 0.2.5's own standalone converter, in one run.
 
 Source: a DeepSeek-V3-shaped Hugging Face directory (float16 safetensors, one shard per layer, transformers' names;
-`tests/hf_sources.py`). For each case, wall time and peak RSS (/usr/bin/time) of one process:
+`tests/hf_sources.py`). For each case, wall time, CPU time and peak RSS (/usr/bin/time) of one process:
   * `import` with the default --max-memory (half of the available memory), float32 output (MaxText's default);
   * `import ... weight_dtype=float16` (the converter's output dtype: the same bytes written);
-  * `import --max-memory M` (bounded, float32);
+  * `import --max-memory M` (bounded, float32), M = 1.5x the smallest budget the tool accepts for this directory
+    (asked of the tool: its refusal line "accepted: at least X" for a 1 MB budget);
   * with `--peer PYTHON` (a MaxText 0.2.5 venv with torch): MaxText's
     `checkpoint_conversion.standalone_scripts.convert_deepseek_family_ckpt` (default 16 simulated CPU devices,
     `--enable_mtp false`), the model's sizes registered in its MODEL_PARAMS_DICT by this script's driver. It reads
     float safetensors only (it refuses the FP8 release: "fp8 checkpoint is not supported").
-Ratios are ours / MaxText's. The last lines give throughput (parameters and source bytes per second) and extrapolate
-the import of DeepSeek-V3's FP8 release (671B + MTP, its size computed from the release's tensor list) on one host
-like this one and on 16 (each process imports 1/16 of the slices).
+Every case runs `--repeat` times (default 3; 1 with --tiny), interleaved round by round; medians are printed, the
+peak RSS is the largest. Ratios are ours / MaxText's. The last lines give throughput (parameters and source bytes
+per second) and extrapolate the import of DeepSeek-V3's FP8 release (671B + MTP, its size computed from the
+release's tensor list) on one host like this one and on 16 (each process imports 1/16 of the slices).
 
-  .venv-py3.12/bin/python bench/bench_import.py [--peer /path/to/maxtext-venv/bin/python] [--dir /tmp] [--tiny]
+  .venv-py3.12/bin/python bench/bench_import.py [--peer /path/to/maxtext-venv/bin/python] [--dir /tmp] [--repeat 3]
+                                                [--tiny]
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
+import _measure  # noqa: E402  pylint: disable=wrong-import-position
 import hf_sources  # noqa: E402  pylint: disable=wrong-import-position
 
 SIZES = {"full": (1024, 1536, 2048, 32, 3, 4096), "tiny": (128, 64, 256, 8, 3, 512)}  # emb, moe_mlp, mlp, X, L, V
-BOUNDED = {"full": "1GB", "tiny": "600MB"}
+FLOOR_FACTOR = 1.5  # the bounded case's --max-memory, in floors
+PEER = "MaxText convert_deepseek_family_ckpt"
 PEER_DRIVER = """
 import json, sys
 from maxtext.checkpoint_conversion.standalone_scripts import convert_deepseek_family_ckpt as conv
@@ -41,16 +45,6 @@ sys.argv = ["convert", "--base_model_path", sys.argv[2], "--maxtext_model_path",
             "--enable_mtp", "false"]
 conv.main()
 """
-
-
-def _timed(cmd: list[str], env) -> tuple[float, int]:
-  """Wall seconds and peak RSS (bytes) of one process, from /usr/bin/time; a failure is raised with its stderr."""
-  out = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True, env=env,
-                       cwd=REPO, check=False)
-  if out.returncode != 0:
-    raise RuntimeError(f"{' '.join(cmd[:6])} ... failed: {out.stderr[-2000:]}")
-  _, wall, rss_kb = [l for l in out.stderr.splitlines() if l.startswith("TIME ")][-1].split()
-  return float(wall), int(rss_kb) * 1024
 
 
 def release_size() -> tuple[int, int]:
@@ -79,9 +73,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--peer", help="Python of a MaxText 0.2.5 venv with torch (its standalone converter)")
   parser.add_argument("--dir", default=None, help="where the source and outputs go (default: a temporary dir)")
-  parser.add_argument("--tiny", action="store_true", help="smoke run: a 2 MB model, no bounded case")
+  parser.add_argument("--repeat", type=int, default=None, help="rounds of every case, interleaved (default 3)")
+  parser.add_argument("--tiny", action="store_true", help="smoke run: a 2 MB model, one round")
   args = parser.parse_args()
   size = "tiny" if args.tiny else "full"
+  repeat = args.repeat or (1 if args.tiny else 3)
   emb, moe_mlp, mlp, experts, layers, vocab = SIZES[size]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
       "PYTHONPATH")])))
@@ -92,27 +88,41 @@ def main() -> None:
     source_bytes = hf_sources.write_hf_dir(source, emb, moe_mlp, mlp, experts, layers, vocab)
     params = source_bytes // 2
     ours = [sys.executable, "-m", "inspect_tool", "import", "--path", source, "--quiet"]
+    floor = _measure.memory_floor(ours + ["--output", os.path.join(root, "probe")], env, cwd=REPO)
+    shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
+    bound = _measure.mib(FLOOR_FACTOR * floor)
     cases = [("import (float32)", ours + ["--output", os.path.join(root, "a")]),
-             ("import weight_dtype=float16", ours + ["weight_dtype=float16", "--output", os.path.join(root, "b")])]
-    if not args.tiny:
-      cases.append((f"import --max-memory {BOUNDED[size]}", ours + ["--max-memory", BOUNDED[size], "--output",
-                                                                    os.path.join(root, "c")]))
-    print(f"source: {source_bytes / 1e6:.1f} MB float16, {params / 1e6:.1f} M parameters ({size})")
-    results = {name: _timed(cmd, env) for name, cmd in cases}
-    peer = None
+             ("import weight_dtype=float16", ours + ["weight_dtype=float16", "--output", os.path.join(root, "b")]),
+             (f"import --max-memory {bound} (1.5x floor)", ours + ["--max-memory", bound, "--output",
+                                                                   os.path.join(root, "c")])]
     if args.peer:
       sizes = {"num_layers": layers, "first_num_dense_layers": 1, "base_num_query_heads": 4, "base_emb_dim": emb,
                "num_experts": experts, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
                "qk_rope_head_dim": 16, "v_head_dim": 32, "has_mtp": False}
-      peer = _timed([args.peer, "-c", PEER_DRIVER, json.dumps(sizes), source, os.path.join(root, "maxtext")],
-                    dict(os.environ, JAX_PLATFORMS="cpu"))
-    print(f"{'case':34s} {'wall s':>8s} {'peak MB':>8s}" + (f" {'time ratio':>10s} {'RSS ratio':>10s}" if peer else ""))
-    for name, (wall, rss) in results.items():
-      ratio = f" {wall / peer[0]:9.2f}x {rss / peer[1]:9.2f}x" if peer else ""
-      print(f"{name:34s} {wall:8.2f} {rss / 1e6:8.0f}{ratio}")
+      cases.append((PEER, [args.peer, "-c", PEER_DRIVER, json.dumps(sizes), source, os.path.join(root, "maxtext")]))
+    print(f"source: {source_bytes / 1e6:.1f} MB float16, {params / 1e6:.1f} M parameters ({size}); smallest "
+          f"--max-memory import accepts: {floor / 2**20:.0f} MiB")
+    samples = {name: [] for name, _ in cases}
+    for _ in range(repeat):
+      for name, cmd in cases:
+        shutil.rmtree(cmd[-1], ignore_errors=True)
+        peer_env = dict(os.environ, JAX_PLATFORMS="cpu")
+        samples[name].append(_measure.timed(cmd, peer_env if name == PEER else env, cwd=REPO))
+        shutil.rmtree(cmd[-1], ignore_errors=True)
+    results = {name: _measure.summary(runs) for name, runs in samples.items()}
+    peer = results.pop(PEER, None)
+    print(f"{'case':40s} {'wall s':>8s} {'CPU s':>8s} {'peak MB':>8s}"
+          + (f" {'time ratio':>10s} {'RSS ratio':>10s}" if peer else ""))
+    for name, r in results.items():
+      wall, rss = r["wall_seconds"], r["peak_rss_bytes"]
+      ratio = f" {wall / peer['wall_seconds']:9.2f}x {rss / peer['peak_rss_bytes']:9.2f}x" if peer else ""
+      print(f"{name:40s} {wall:8.2f} {r['cpu_seconds']:8.2f} {rss / 1e6:8.0f}{ratio}")
     if peer:
-      print(f"{'MaxText convert_deepseek_family_ckpt':34s} {peer[0]:8.2f} {peer[1] / 1e6:8.0f}")
-    wall = results["import (float32)"][0]
+      print(f"{PEER:40s} {peer['wall_seconds']:8.2f} {peer['cpu_seconds']:8.2f} {peer['peak_rss_bytes'] / 1e6:8.0f}")
+    bounded = results[cases[2][0]]["peak_rss_bytes"]
+    print(f"bounded import: peak RSS {bounded / 1e6:.0f} MB = {bounded / (floor * FLOOR_FACTOR):.2f} x its "
+          f"--max-memory; medians of {repeat}")
+    wall = results["import (float32)"]["wall_seconds"]
     rate = params / wall
     print(f"[{size}] import throughput: {source_bytes / wall / 1e6:.1f} MB/s of float16 source, "
           f"{rate / 1e6:.2f} M parameters/s")
@@ -122,7 +132,6 @@ def main() -> None:
           f"rate: {one:.1f} h on one host, {one / 16:.2f} h on 16")
   finally:
     shutil.rmtree(root, ignore_errors=True)
-
 
 if __name__ == "__main__":
   main()
