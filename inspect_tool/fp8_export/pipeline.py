@@ -35,6 +35,7 @@ from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_orbax
 from inspect_tool.run import limits
+from inspect_tool.storage import paths
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
 
@@ -145,7 +146,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)")
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
-      return ExportResult(os.path.abspath(dst), {}, None)
+      return ExportResult(paths.absolute(dst), {}, None)
     stop.check()
     atomic.test_point("written")
     validation = None
@@ -164,7 +165,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
-  return ExportResult(os.path.abspath(dst), report, validation)
+  return ExportResult(paths.absolute(dst), report, validation)
 
 
 @contextlib.contextmanager

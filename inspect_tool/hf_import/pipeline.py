@@ -30,6 +30,7 @@ from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
 
 REPORT_NAME = "import_report.json"
 FORMAT_VERSION = 1
@@ -69,7 +70,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   else:
     with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
-  return ImportResult(given, os.path.abspath(dst), report)
+  return ImportResult(given, paths.absolute(dst), report)
 
 
 def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):

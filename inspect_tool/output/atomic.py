@@ -103,7 +103,14 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   the temporary directory can be left behind (after a SIGKILL), and the next run on DST removes it.
   """
   from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
 
+  if paths.is_remote(dst):  # no rename on object stores: staged, then published with a commit marker
+    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
+
+    with object_store.staged_directory(dst, overwrite=overwrite) as tmp:
+      yield tmp
+    return
   dst = destination.absolute(dst)
   destination.check_replace(dst, overwrite)
   parent = os.path.dirname(dst)

@@ -147,6 +147,11 @@ def _json_producer(path: str, field: str) -> bool:
       doc = json.load(f)
   except (OSError, ValueError, RecursionError):
     return False
+  return names_producer(doc, field)
+
+
+def names_producer(doc, field: str) -> bool:
+  """True when the JSON document `doc` names this tool as producer under `field`."""
   value = doc.get(field) if isinstance(doc, dict) else None
   if isinstance(value, dict):
     value = value.get("producer", value.get("name"))
@@ -185,6 +190,9 @@ def check_output_file(path: str, overwrite: bool) -> str:
   """
   if not path or not path.strip():
     raise errors.InputError("output file path is empty; give a file name")
+  if os.fspath(path).startswith("gs://"):
+    raise errors.InputError(f"output file {path!r} is on object storage; --output_file, --html and --save-logits "
+                            "write local files only: give a local path (--output takes gs://)")
   absolute_path = absolute(path)
   try:
     mode = os.lstat(absolute_path).st_mode
@@ -296,6 +304,14 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     errors.InputError: an empty path, a DST overlapping a source or the working directory, an existing DST
       without `overwrite` (or one that is not a checkpoint), a missing parent, or another run holding DST.
   """
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
+
+  if paths.is_remote(dst):
+    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
+
+    with object_store.claim(dst, sources=sources, overwrite=overwrite) as claimed:
+      yield claimed
+    return
   path = check_clear_of_inputs(dst, sources)
   parent = os.path.dirname(path)
   if not os.path.isdir(parent):
