@@ -3,20 +3,31 @@
 `emulator()` starts one on 127.0.0.1 on a free port with an empty data directory and yields a `GcsEmulator`: its
 `env` holds the variables Google's clients honour (`STORAGE_EMULATOR_HOST`) plus what tensorstore needs from it
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
-`listing("gs://bucket/prefix")` names the objects under a prefix. The `gcs` fixture (tests/conftest.py) is one
+`listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
+meanwhile. The `gcs` fixture (tests/conftest.py) is one
 emulator per test session with the variables set in os.environ, so the tool, run in-process or as a subprocess with
 `os.environ`, reads and writes gs:// paths against it.
+
+The clients talk to a small test-side HTTP proxy in front of gcp-storage-emulator (a test double, `_Proxy`): it adds
+what Cloud Storage sends and the emulator does not — the `x-goog-generation` header on object downloads and the
+`ifGenerationNotMatch` / `ifGenerationMatch` conditions on them (tensorstore's OCDBT driver re-reads its manifest
+with such a condition; without the header it fails now and then with "Malformed StorageGeneration") — and answers
+403, as Cloud Storage does to a caller without access, for the buckets `refusing` names (the emulator has no
+permissions to refuse with).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -32,10 +43,96 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
+class _Proxy(http.server.ThreadingHTTPServer):
+  """Relays requests to the emulator at `target`, adding generation headers and conditions, refusing `denied`."""
+
+  daemon_threads = True
+
+  def __init__(self, target: str):
+    super().__init__(("127.0.0.1", 0), _Relay)
+    self.target, self.denied, self.requests = target, set(), 0
+
+  @property
+  def url(self) -> str:
+    return f"http://127.0.0.1:{self.server_address[1]}"
+
+  def handle_error(self, request, client_address):
+    """A client that hangs up before the answer is read (gcsfs cancels the losing one of two concurrent lookups)
+    is no error; anything else is printed as usual."""
+    if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+      super().handle_error(request, client_address)
+
+
+_OBJECT = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/([^?]+)")
+_BUCKET = re.compile(r"^(?:/download|/upload)?/storage/v1/b/([^/?]+)")
+
+
+class _Relay(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+
+  def log_message(self, *args):  # quiet
+    pass
+
+  def _send(self, status: int, headers: dict, payload: bytes = b"") -> None:
+    self.send_response(status)
+    for key, value in headers.items():
+      if key.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+        self.send_header(key, value)
+    self.send_header("Content-Length", str(len(payload)))
+    self.end_headers()
+    if self.command != "HEAD":
+      self.wfile.write(payload)
+
+  def _forward(self, method: str, path: str, body: bytes | None, headers: dict):
+    request = urllib.request.Request(self.server.target + path, data=body, method=method, headers=headers)
+    try:
+      with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+      return error.code, dict(error.headers), error.read()
+
+  def _relay(self):
+    self.server.requests += 1
+    body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+    bucket = _BUCKET.match(self.path)
+    if bucket and urllib.parse.unquote(bucket.group(1)) in self.server.denied:
+      message = f"caller does not have storage.objects.get access to the Google Cloud Storage bucket {bucket.group(1)}"
+      return self._send(403, {"Content-Type": "application/json"},
+                        json.dumps({"error": {"code": 403, "message": message}}).encode())
+    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+    found = _OBJECT.match(self.path)
+    extra = {}
+    if self.command == "GET" and found and query.get("alt") == ["media"]:
+      status, _, meta = self._forward("GET", f"/storage/v1/b/{found.group(1)}/o/{found.group(2)}", None, {})
+      if status == 200:
+        generation = json.loads(meta)["generation"]
+        extra = {"x-goog-generation": generation, "x-goog-metageneration": json.loads(meta)["metageneration"]}
+        if query.get("ifGenerationNotMatch") == [generation]:
+          return self._send(304, extra)
+        if "ifGenerationMatch" in query and query["ifGenerationMatch"] != [generation]:
+          return self._send(412, {"Content-Type": "application/json"},
+                            json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode())
+    status, answer_headers, payload = self._forward(self.command, self.path, body, headers)
+    self._send(status, {**answer_headers, **(extra if status in (200, 206) else {})}, payload)
+
+  do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _relay
+
+
 @dataclasses.dataclass(frozen=True)
 class GcsEmulator:
   url: str
   data_dir: Path
+  proxy: _Proxy | None = None
+
+  @contextlib.contextmanager
+  def refusing(self, bucket: str):
+    """Cloud Storage's 403 for every request naming `bucket`, meanwhile."""
+    self.proxy.denied.add(bucket)
+    try:
+      yield
+    finally:
+      self.proxy.denied.discard(bucket)
 
   @property
   def env(self) -> dict[str, str]:
@@ -108,7 +205,15 @@ def emulator(data_dir: Path):
         if proc.poll() is not None or time.monotonic() > deadline:
           raise RuntimeError(f"the GCS emulator did not start: {proc.stderr.read().decode()[-2000:]}") from error
         time.sleep(0.1)
-    yield GcsEmulator(url, data_dir)
+    proxy = _Proxy(url)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+      yield GcsEmulator(proxy.url, data_dir, proxy)
+    finally:
+      proxy.shutdown()
+      proxy.server_close()
+      thread.join(timeout=10)
   finally:
     proc.terminate()
     try:
@@ -121,3 +226,4 @@ def emulator(data_dir: Path):
 def _has_main() -> bool:
   import importlib.util  # pylint: disable=import-outside-toplevel
   return importlib.util.find_spec("gcp_storage_emulator.__main__") is not None
+

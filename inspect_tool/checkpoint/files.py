@@ -7,12 +7,15 @@ naming the file.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import stat
 from typing import Any, Callable
 
 from inspect_tool import errors
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 from quant import yaml_file
 
 MAX_DIM = 2**63 - 1
@@ -20,7 +23,10 @@ MAX_JSON_DEPTH = 200
 
 
 def kind(path: str) -> str:
-  """'file', 'dir', 'missing' or 'other' (FIFO, socket, device); permission problems raise one line."""
+  """'file', 'dir', 'missing' or 'other' (FIFO, socket, device); permission problems raise one line.
+  A gs:// path is asked of Cloud Storage (`storage.remote.kind`)."""
+  if paths.is_remote(path):
+    return remote.kind(path)
   try:
     mode = os.stat(path).st_mode
   except FileNotFoundError:
@@ -37,8 +43,19 @@ def kind(path: str) -> str:
 
 
 def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
-  """The bytes of a regular file of at most `max_bytes`; anything else is a one-line `CheckpointError`."""
+  """The bytes of a regular file (or gs:// object) of at most `max_bytes`; anything else is a one-line
+  `CheckpointError`."""
+  if paths.is_remote(path):
+    return remote.read_bytes(path, max_bytes, what)
   return yaml_file.read_regular_file(path, f"{what} {path}".strip(), errors.CheckpointError, max_bytes)
+
+
+def list_suffix(directory: str, suffix: str) -> list[str]:
+  """The entries directly in `directory` whose names end with `suffix` (dot-files left out, as `glob` does), sorted;
+  in a gs:// prefix, its objects."""
+  if paths.is_remote(directory):
+    return [p for p in remote.glob(directory, suffix) if not paths.basename(p).startswith(".")]
+  return sorted(glob.glob(os.path.join(glob.escape(directory), "*" + suffix)))
 
 
 def _no_constant(name: str) -> Any:
@@ -112,7 +129,10 @@ def dims(value: Any, bad: Callable[[str], Exception]) -> tuple[int, ...]:
 
 
 def check_tree(root: str, max_entries: int = 1_000_000) -> None:
-  """Every entry under `root` is a directory or a regular file (a FIFO would block a reader), readable."""
+  """Every entry under `root` is a directory or a regular file (a FIFO would block a reader), readable.
+  An object store holds objects only: a gs:// `root` passes."""
+  if paths.is_remote(root):
+    return
   stack, seen = [root], 0
   while stack:
     directory = stack.pop()

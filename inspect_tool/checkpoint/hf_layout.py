@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.storage import paths
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_MARKERS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -56,9 +57,12 @@ def routed_fraction(path: str) -> float | None:
 
   A config.json that is not a small regular file of strict JSON with a fraction in (0, 1] is ignored (None).
   """
-  directory = path if os.path.isdir(path) else os.path.dirname(path)
-  config_path = os.path.join(directory, "config.json")
   try:
+    if paths.is_remote(path):
+      directory = path if files.kind(path) == "dir" else paths.parent(path)
+    else:
+      directory = path if os.path.isdir(path) else os.path.dirname(path)
+    config_path = paths.join(directory, "config.json")
     if files.kind(config_path) != "file":
       return None
     config = files.parse_json(files.read_bytes(config_path, 1 << 20), errors.CheckpointError)

@@ -16,7 +16,6 @@ the layers and experts that shard holds.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import os
 from typing import Iterable
@@ -45,8 +44,7 @@ def is_hf_checkpoint(path: str | None) -> bool:
   """
   if not path or files.kind(path) != "dir":
     return False
-  found = bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
-               or glob.glob(os.path.join(glob.escape(path), "*" + safetensors_header.INDEX_SUFFIX)))
+  found = bool(files.list_suffix(path, ".safetensors") or files.list_suffix(path, safetensors_header.INDEX_SUFFIX))
   if not found:
     return False
   config = files.kind(os.path.join(path, CONFIG_NAME))

@@ -22,6 +22,8 @@ from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.run import limits
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 CONFIG_NAME = "config.json"
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -33,7 +35,7 @@ MAX_SCALE_INV = 2.0**55  # (448 × 2^55)^2 < float32's largest value: a dequanti
 
 def block_size(path: str) -> tuple[int, int]:
   """`quantization_config.weight_block_size` of `config.json` (DeepSeek's [128, 128] when absent)."""
-  raw = files.read_bytes(os.path.join(path, CONFIG_NAME), 1 << 20, "Hugging Face config")
+  raw = files.read_bytes(paths.join(path, CONFIG_NAME), 1 << 20, "Hugging Face config")
   doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{path}/{CONFIG_NAME}: {why}"))
   block = (doc.get("quantization_config") or {}).get("weight_block_size") if isinstance(doc, dict) else None
   if block is None:
@@ -50,7 +52,7 @@ class Tensors:
   def __init__(self, path: str):
     self.path = path
     self.table = safetensors_header.read_tensor_table(path)
-    self.block = block_size(path) if files.kind(os.path.join(path, CONFIG_NAME)) == "file" else hf_names.BLOCK
+    self.block = block_size(path) if files.kind(paths.join(path, CONFIG_NAME)) == "file" else hf_names.BLOCK
 
   def __contains__(self, name: str) -> bool:
     return name in self.table
@@ -66,12 +68,7 @@ class Tensors:
     dtype = np.dtype(FP8.get(entry["dtype"]) or FLOATS[entry["dtype"]])
     count = math.prod(entry["shape"])
     _check_fits(file, name, entry["shape"], count * (dtype.itemsize + 4))
-    try:
-      with open(file, "rb") as f:
-        f.seek(entry["start"])
-        data = f.read(count * dtype.itemsize)
-    except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file} (tensor {name!r}): {e.strerror or e}") from None
+    data = _read_span(file, name, entry["start"], count * dtype.itemsize)
     if len(data) != count * dtype.itemsize:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape(entry["shape"])
@@ -96,15 +93,22 @@ class Tensors:
     dtype = np.dtype(FLOATS[entry["dtype"]])
     row = math.prod(entry["shape"][1:]) * dtype.itemsize
     _check_fits(file, name, entry["shape"], (stop - start) * row // dtype.itemsize * (dtype.itemsize + 4))
-    try:
-      with open(file, "rb") as f:
-        f.seek(entry["start"] + start * row)
-        data = f.read((stop - start) * row)
-    except OSError as e:
-      raise errors.CheckpointError(f"cannot read {file} (tensor {name!r}): {e.strerror or e}") from None
+    data = _read_span(file, name, entry["start"] + start * row, (stop - start) * row)
     if len(data) != (stop - start) * row:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(entry["shape"][1:])).astype(np.float32)
+
+
+def _read_span(file: str, name: str, start: int, count: int) -> bytes:
+  """`count` bytes of `file` from offset `start` (a gs:// object: one ranged read) for tensor `name`."""
+  if paths.is_remote(file):
+    return remote.read_range(file, start, count) if count else b""
+  try:
+    with open(file, "rb") as f:
+      f.seek(start)
+      return f.read(count)
+  except OSError as e:
+    raise errors.CheckpointError(f"cannot read {file} (tensor {name!r}): {e.strerror or e}") from None
 
 
 def _check_fits(file: str, name: str, shape, needed: int) -> None:

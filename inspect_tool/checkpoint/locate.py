@@ -12,6 +12,8 @@ import os
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 TREE_METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -33,7 +35,7 @@ class ResolvedPath:
 
 def _is_tree_dir(path: str) -> bool:
   """Whether `path` holds `_METADATA`; one that is not a regular file, or unreadable, is refused here."""
-  meta = os.path.join(path, TREE_METADATA)
+  meta = paths.join(path, TREE_METADATA)
   found = files.kind(meta)
   if found == "other":
     raise errors.CheckpointError(f"{meta}: is not a regular file (FIFO, socket or device)")
@@ -41,11 +43,13 @@ def _is_tree_dir(path: str) -> bool:
 
 
 def _looks_like_orbax(path: str) -> bool:
-  return any(files.kind(os.path.join(path, name)) != "missing" for name in (TREE_METADATA, STEP_METADATA,
+  return any(files.kind(paths.join(path, name)) != "missing" for name in (TREE_METADATA, STEP_METADATA,
                                                                               OCDBT_MANIFEST))
 
 
 def _listdir(path: str) -> list[str]:
+  if paths.is_remote(path):
+    return remote.listdir(path)
   try:
     return sorted(os.listdir(path))
   except PermissionError:
@@ -55,43 +59,43 @@ def _listdir(path: str) -> list[str]:
 
 
 def _step_of(path: str) -> int | None:
-  name = os.path.basename(os.path.normpath(path))
+  name = paths.basename(path)
   return int(name) if name.isdigit() else None
 
 
 def _numeric_steps(path: str) -> list[int]:
   names = _listdir(path)
-  return sorted(int(n) for n in names if n.isdigit() and files.kind(os.path.join(path, n)) == "dir")
+  return sorted(int(n) for n in names if n.isdigit() and files.kind(paths.join(path, n)) == "dir")
 
 
 def _checkpointable_dirs(step_dir: str) -> list[str]:
   names = _listdir(step_dir)
-  dirs = [os.path.join(step_dir, n) for n in names]
+  dirs = [paths.join(step_dir, n) for n in names]
   return [n for n, d in zip(names, dirs) if files.kind(d) == "dir" and _is_tree_dir(d)]
 
 
 def _resolve_step_dir(step_dir: str, note: str) -> ResolvedPath | None:
   """The pytree directory inside a step directory, or None if the step holds none."""
   step = _step_of(step_dir)
-  if _is_tree_dir(os.path.join(step_dir, DEFAULT_ITEM)):
-    return ResolvedPath(os.path.join(step_dir, DEFAULT_ITEM), step, note)
+  if _is_tree_dir(paths.join(step_dir, DEFAULT_ITEM)):
+    return ResolvedPath(paths.join(step_dir, DEFAULT_ITEM), step, note)
   names = _checkpointable_dirs(step_dir)
   if len(names) == 1:
     extra = f"using checkpointable {names[0]!r} (no 'items')"
-    return ResolvedPath(os.path.join(step_dir, names[0]), step, f"{note}; {extra}" if note else extra)
+    return ResolvedPath(paths.join(step_dir, names[0]), step, f"{note}; {extra}" if note else extra)
   if len(names) > 1:
     raise errors.CheckpointError(
         f"{step_dir}: several checkpointables ({', '.join(names)}) and none named 'items'; "
-        f"pass the one to inspect, e.g. {os.path.join(step_dir, names[0])}")
+        f"pass the one to inspect, e.g. {paths.join(step_dir, names[0])}")
   return None
 
 
 def _incomplete_message(path: str) -> str:
-  items = os.path.join(path, DEFAULT_ITEM)
+  items = paths.join(path, DEFAULT_ITEM)
   if files.kind(items) == "dir":
     path = items
     _listdir(path)
-  if files.kind(os.path.join(path, OCDBT_MANIFEST)) == "file" or files.kind(os.path.join(path, "d")) == "dir":
+  if files.kind(paths.join(path, OCDBT_MANIFEST)) == "file" or files.kind(paths.join(path, "d")) == "dir":
     return (f"{path}: Orbax tree metadata {TREE_METADATA} is missing (array data is present); "
             "the checkpoint is incomplete or was written by an unsupported Orbax version")
   return f"{path}: Orbax step metadata found but no items/{TREE_METADATA}; the checkpoint is incomplete"
@@ -110,10 +114,10 @@ def resolve_orbax_path(path: str) -> ResolvedPath:
   if found != "dir":
     what = "a file" if found == "file" else "not a regular file"
     raise errors.CheckpointError(f"not an Orbax checkpoint ({what}, not a directory): {path}; {_EXPECTED}")
-  path = os.path.normpath(path)
+  path = paths.normalize(path)
   _listdir(path)  # an unreadable directory is "permission denied", not "incomplete"
   if _is_tree_dir(path):
-    parent = os.path.dirname(path)
+    parent = paths.parent(path)
     return ResolvedPath(path, _step_of(parent) if _looks_like_orbax(parent) else None, "")
   resolved = _resolve_step_dir(path, "")
   if resolved is not None:
@@ -121,14 +125,14 @@ def resolve_orbax_path(path: str) -> ResolvedPath:
   if _looks_like_orbax(path):
     raise errors.CheckpointError(_incomplete_message(path))
   steps = [s for s in _numeric_steps(path)
-           if _looks_like_orbax(os.path.join(path, str(s))) or _checkpointable_dirs(os.path.join(path, str(s)))]
+           if _looks_like_orbax(paths.join(path, str(s))) or _checkpointable_dirs(paths.join(path, str(s)))]
   if steps:
     step = steps[-1]
     shown = ", ".join(str(s) for s in steps[-5:])
     more = f" (of {len(steps)}: ..., {shown})" if len(steps) > 5 else f" (of {shown})"
     note = f"using latest step {step}{more}" if len(steps) > 1 else f"using step {step}"
-    resolved = _resolve_step_dir(os.path.join(path, str(step)), note)
+    resolved = _resolve_step_dir(paths.join(path, str(step)), note)
     if resolved is None:
-      raise errors.CheckpointError(_incomplete_message(os.path.join(path, str(step))))
+      raise errors.CheckpointError(_incomplete_message(paths.join(path, str(step))))
     return resolved
   raise errors.CheckpointError(f"not an Orbax checkpoint: {path}; {_EXPECTED}")

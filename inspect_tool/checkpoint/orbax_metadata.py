@@ -16,6 +16,8 @@ from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import locate
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 _SEQUENCE_KEY = 1
 _STRING_TYPE = "string"
@@ -76,7 +78,7 @@ MAX_METADATA_BYTES = 256 << 20  # generous: one entry of a few hundred bytes per
 
 def read_tree_metadata(items_dir: str) -> tuple[list[Entry], dict[str, Any]]:
   """Parses `_METADATA`: the stored leaves (empty nodes skipped) and the file's other fields."""
-  meta_path = os.path.join(items_dir, locate.TREE_METADATA)
+  meta_path = paths.join(items_dir, locate.TREE_METADATA)
   raw = files.read_bytes(meta_path, MAX_METADATA_BYTES)
   if not raw.strip():
     raise _bad_metadata(items_dir, "empty file")
@@ -120,11 +122,15 @@ def _entry(key_meta: Any, value_meta: Any) -> Entry | None:
 def open_kvstore(items_dir: str, use_ocdbt: bool):
   """The key-value store holding the arrays of `items_dir` (tensorstore `KvStore`)."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
-  base = {"driver": "file", "path": os.path.abspath(items_dir) + "/"}
+  base = paths.kvstore_spec(items_dir)
   spec = {"driver": "ocdbt", "base": base} if use_ocdbt else base
   try:
-    return ts.KvStore.open(spec).result()
+    if not paths.is_remote(items_dir):
+      return ts.KvStore.open(spec).result()
+    return ts.KvStore.open(spec, context=remote.context()).result()
   except Exception as e:  # tensorstore raises ValueError/OSError subclasses with long messages
+    if paths.is_remote(items_dir):
+      raise remote.error(items_dir, e, tensorstore=True) from None
     raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({_first_line(e)})") from None
 
 
@@ -165,6 +171,8 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
     try:
       result = future.result()
     except Exception as e:  # pylint: disable=broad-except
+      if paths.is_remote(items_dir):
+        raise remote.error(items_dir, e, tensorstore=True) from None
       raise errors.CheckpointError(
           f"{items_dir}: cannot read the array metadata of {entry.param_name} ({_first_line(e)})") from None
     if result.state != "value":
@@ -188,7 +196,7 @@ def read_listing(path: str) -> Listing:
   resolved = locate.resolve_orbax_path(path)
   items_dir = resolved.items_dir
   entries, info = read_tree_metadata(items_dir)
-  manifest = files.kind(os.path.join(items_dir, locate.OCDBT_MANIFEST))
+  manifest = files.kind(paths.join(items_dir, locate.OCDBT_MANIFEST))
   use_ocdbt = bool(info.get("use_ocdbt", manifest == "file"))
   use_zarr3 = bool(info.get("use_zarr3", False))
   files.check_tree(items_dir)  # a FIFO among the array files would block tensorstore's reads

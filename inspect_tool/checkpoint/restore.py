@@ -9,7 +9,6 @@ mis-shaped weight is a `MismatchError` before any array data is read.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Iterable, Mapping
 
@@ -18,6 +17,7 @@ from inspect_tool import progress
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.storage import paths
 from quant import errors as quant_errors
 
 _TS_STATUS = re.compile(r"\b(DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|OUT_OF_RANGE|UNKNOWN):")
@@ -118,7 +118,7 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
     sharding = shardings.get(pair.model.key) or array_sharding(shape, mesh)
     node[raw[-1]] = jax.ShapeDtypeStruct(shape, jnp.dtype(pair.checkpoint.dtype), sharding=sharding)
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  items_dir = os.path.abspath(listing.resolved.items_dir)
+  items_dir = paths.absolute(listing.resolved.items_dir)
   try:
     with ocp.PyTreeCheckpointer() as checkpointer:
       restored = checkpointer.restore(items_dir, args=ocp.args.PyTreeRestore(

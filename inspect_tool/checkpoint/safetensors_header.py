@@ -8,7 +8,6 @@ Keys are the Hugging Face names split on '.'.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import struct
@@ -16,6 +15,8 @@ import struct
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 
 # safetensors dtype tags -> numpy / ml_dtypes names.
 DTYPES = {
@@ -37,26 +38,37 @@ def _bad(path: str, why: str) -> errors.CheckpointError:
 
 
 def _read_prefix(path: str) -> tuple[int, int, bytes]:
-  """(file size, header length, header bytes) of a regular file, without reading tensor data."""
+  """(file size, header length, header bytes) of a regular file (or gs:// object), without reading tensor data."""
   found = files.kind(path)
   if found == "missing":
     raise errors.CheckpointError(f"safetensors file does not exist: {path}")
   if found != "file":
     raise errors.CheckpointError(f"{path}: is not a regular file" + (" (a directory)" if found == "dir" else ""))
+  if paths.is_remote(path):
+    return _parse_prefix(path, remote.size(path), lambda start, count: remote.read_range(path, start, count))
   try:
     with open(path, "rb") as f:
-      size = os.fstat(f.fileno()).st_size
-      prefix = f.read(8)
-      if len(prefix) < 8:
-        raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
-      (length,) = struct.unpack("<Q", prefix)
-      if length > size - 8:
-        raise _bad(path, f"header length {length} exceeds the file's {size - 8} remaining bytes (truncated file?)")
-      if length > MAX_HEADER:
-        raise _bad(path, f"header length {length} is over the {MAX_HEADER}-byte limit of safetensors headers")
-      return size, length, f.read(length)
+
+      def read(start: int, count: int) -> bytes:
+        f.seek(start)
+        return f.read(count)
+
+      return _parse_prefix(path, os.fstat(f.fileno()).st_size, read)
   except OSError as e:
     raise errors.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parse_prefix(path: str, size: int, read) -> tuple[int, int, bytes]:
+  """The header of the file `path` of `size` bytes, `read(start, count)` giving its bytes."""
+  prefix = read(0, 8) if size >= 8 else b""
+  if len(prefix) < 8:
+    raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
+  (length,) = struct.unpack("<Q", prefix)
+  if length > size - 8:
+    raise _bad(path, f"header length {length} exceeds the file's {size - 8} remaining bytes (truncated file?)")
+  if length > MAX_HEADER:
+    raise _bad(path, f"header length {length} is over the {MAX_HEADER}-byte limit of safetensors headers")
+  return size, length, read(8, length) if length else b""
 
 
 def read_header(path: str) -> dict[str, dict]:
@@ -116,7 +128,9 @@ def _shard_path(index_path: str, directory: str, shard: object) -> str:
   if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
     raise errors.CheckpointError(f"{index_path}: shard {str(shard)[:80]!r} is not a file name inside "
                                  f"{directory or '.'}; refused")
-  path = os.path.join(directory, shard)
+  path = paths.join(directory, shard)
+  if paths.is_remote(directory):  # objects, no symbolic links
+    return path
   real_dir = os.path.realpath(directory or ".")
   if os.path.commonpath([real_dir, os.path.realpath(path)]) != real_dir:
     raise errors.CheckpointError(f"{index_path}: shard {shard!r} leads outside {directory or '.'} "
@@ -130,11 +144,11 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise errors.CheckpointError(f"{index_path}: no 'weight_map' object naming tensors and their shard files")
-  directory = os.path.dirname(index_path)
+  directory = paths.parent(index_path) if paths.is_remote(index_path) else os.path.dirname(index_path)
   shards: dict[str, list[str]] = {}
   for name, shard in weight_map.items():
     shards.setdefault(_shard_path(index_path, directory, shard), []).append(name)
-  missing = sorted(os.path.relpath(s, directory or ".") for s in shards if files.kind(s) == "missing")
+  missing = sorted(_relative(s, directory) for s in shards if files.kind(s) == "missing")
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
@@ -147,6 +161,12 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
           f"{shard_path}: lacks {len(absent)} tensor(s) the index assigns to it, e.g. {absent[0]!r}")
     found.extend((n, shard_path, header[n]) for n in names)
   return found
+
+
+def _relative(path: str, directory: str) -> str:
+  if paths.is_remote(path):
+    return path[len(directory) + 1:]
+  return os.path.relpath(path, directory or ".")
 
 
 def _read_files(paths: list[str]) -> list[tuple[str, str, dict]]:
@@ -188,13 +208,13 @@ def _tensor_entries(path: str) -> list[tuple[str, str, dict]]:
     raise errors.CheckpointError(f"{path}: is not a regular file (FIFO, socket or device)")
   if found == "file":
     return _read_index(path) if path.endswith(".json") else _read_files([path])
-  indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+  indexes = files.list_suffix(path, INDEX_SUFFIX)
   if len(indexes) > 1:
-    names = ", ".join(os.path.basename(i) for i in indexes)
+    names = ", ".join(paths.basename(i) for i in indexes)
     raise errors.CheckpointError(f"{path}: several safetensors indexes ({names}); pass one of them")
   if indexes:
     return _read_index(indexes[0])
-  found_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+  found_files = files.list_suffix(path, ".safetensors")
   if not found_files:
     raise errors.CheckpointError(f"no *.safetensors files or {INDEX_SUFFIX} in {path}")
   return _read_files(found_files)

@@ -8,13 +8,13 @@ whole array. The random init (no `--checkpoint`) builds the whole model: it is f
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
 
 
 def nbytes(leaf: tree.Leaf) -> int:
@@ -35,7 +35,7 @@ class CheckpointSource:
     from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
 
     self._listing = orbax_metadata.read_listing(path)
-    self.items_dir = os.path.abspath(self._listing.resolved.items_dir)
+    self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
     self._context = context or orbax_writer.ts_context()
 
@@ -52,7 +52,7 @@ class CheckpointSource:
 
     pair = self._pairs[key]
     name = ".".join(str(k) for k in self._listing.raw_keys[pair.checkpoint.key])
-    base = {"driver": "file", "path": self.items_dir + "/"}
+    base = paths.kvstore_spec(self.items_dir)
     kvstore = {"driver": "ocdbt", "base": base} if self._listing.use_ocdbt else base
     spec = {"driver": "zarr3" if self._listing.use_zarr3 else "zarr", "kvstore": dict(kvstore, path=name + "/")}
     try:

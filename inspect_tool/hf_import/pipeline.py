@@ -61,7 +61,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   """
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
 
-  given, path = path, os.path.abspath(path)
+  given, path = path, paths.absolute(path)
   keys, cfg, max_memory = check_inputs(path, tokens, max_memory)
   max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
@@ -79,7 +79,7 @@ def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None =
   Raises:
     errors.InputError: the directory, a key or the budget is not acceptable.
   """
-  keys = keys_lib.maxtext_keys(os.path.abspath(path), list(tokens))
+  keys = keys_lib.maxtext_keys(paths.absolute(path), list(tokens))
   cfg = config_lib.resolve_config(keys)
   _check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from inspect_tool import errors
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
 
 ROW_BAND_BYTES = 64 * 2**20  # float32 bytes of the rows one read of the embedding or head holds
 COPIES = 3  # float32 buffers one HF tensor may be held in at once (raw, float32, MaxText layout)
@@ -41,7 +41,7 @@ class HfSource:
 
   def __init__(self, path: str, cfg, leaves):
     self.path = path
-    self.items_dir = os.path.abspath(path)  # named in error lines, as the export's sources do
+    self.items_dir = paths.absolute(path)  # named in error lines, as the export's sources do
     self._cfg = cfg
     self._tensors = hf_restore.Tensors(path)
     plan = hf_names.leaf_plan(cfg)

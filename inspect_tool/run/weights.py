@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from inspect_tool.storage import paths
+
 RANDOM_WARNING = ("warning: --compare on random-init weights (seed {seed}): these figures compare the quantized and "
                   "unquantized random model and say nothing about a trained model; pass --checkpoint for that")
 
@@ -25,23 +27,24 @@ def describe(cfg, checkpoint: str | None) -> str:
 
   if is_random(checkpoint):
     return f"random init, seed {cfg.init_weights_seed}"
-  path = os.path.abspath(checkpoint)
+  path = paths.absolute(checkpoint)
   if hf_restore.is_hf_checkpoint(checkpoint):
     return f"Hugging Face directory {path}{_hf_kind(checkpoint)}"
   if export_load.is_export(checkpoint):
     return f"FP8 export {os.path.dirname(export_load.find_report(checkpoint))}"
   resolved = locate.resolve_orbax_path(checkpoint)
   step = f" (step {resolved.step})" if resolved.step is not None else " (no step number)"
-  return f"Orbax checkpoint {os.path.abspath(resolved.items_dir)}{step}"
+  return f"Orbax checkpoint {paths.absolute(resolved.items_dir)}{step}"
 
 
 def _hf_kind(path: str) -> str:
   """" (fp8 block-quantized)" when config.json declares an fp8 `quantization_config`, else ""."""
   import json  # pylint: disable=import-outside-toplevel
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.checkpoint import files  # pylint: disable=import-outside-toplevel
 
   try:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-      quant = json.load(f).get("quantization_config") or {}
-  except (OSError, ValueError, AttributeError):
+    quant = json.loads(files.read_bytes(paths.join(path, "config.json"), 1 << 20)).get("quantization_config") or {}
+  except (errors.InspectError, OSError, ValueError, AttributeError):
     return ""
   return " (fp8 block-quantized)" if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else ""

@@ -67,12 +67,13 @@ def absolute(path: str) -> str:
 
 def configure() -> None:
   """Points tensorstore at `STORAGE_EMULATOR_HOST` when that is set and `TENSORSTORE_GCS_HTTP_URL` is not, and
-  quiets gcsfs's per-call warnings (they are about bucket types, not about the user's data)."""
+  quiets gcsfs's logging (per-call warnings about bucket types; tracebacks of failures that `storage.remote` turns
+  into one line of its own)."""
   host = os.environ.get(EMULATOR_ENV)
   if host and not os.environ.get(TENSORSTORE_URL_ENV):
     os.environ[TENSORSTORE_URL_ENV] = host if "://" in host else f"http://{host}"
-  for name in ("gcsfs", "gcsfs.core", "google.auth", "google.auth._default"):
-    logging.getLogger(name).setLevel(logging.ERROR)
+  for name in ("gcsfs", "gcsfs.core", "gcsfs.retry", "google.auth", "google.auth._default"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def kvstore_spec(path: str) -> dict:
