@@ -19,7 +19,9 @@ NO_OBJECT = b"\x02"  # tensorstore's storage generation of a missing key: a writ
 def _kvstore(prefix: str):
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  return ts.KvStore.open(paths.kvstore_spec(prefix)).result()
+  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
+
+  return ts.KvStore.open(paths.kvstore_spec(prefix), context=remote.context()).result()
 
 
 def filesystem():
