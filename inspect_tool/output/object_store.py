@@ -8,9 +8,10 @@ it takes DST's lock object (`remote_lock`: create-only, heartbeat) and cleans up
 2. it is uploaded to the sibling staging prefix `.<name>.inspect-tmp-<run id>/`, `STAGED` written there last;
 3. publish: the lock records "publishing"; DST's commit marker goes first, then the objects that are not in the
    new export; the staged objects are copied in (server-side), Orbax's own marker `<step>/commit_success.txt`
-   is written into each step, and `DST/commit_success.txt` last; the staging prefix and the lock are removed.
+   is written into each step and item, and `DST/commit_success.txt` last; the staging prefix and the lock are removed.
 A reader that lists DST sees nothing or the previous export until step 3; during step 3, objects without
-`DST/commit_success.txt`, which readers treat as incomplete (`committed`). A run killed before step 3 leaves only
+`DST/commit_success.txt` and with the lock beside DST, which readers refuse as incomplete
+(`storage.commit`). A run killed before step 3 leaves only
 its staging prefix, its lock and its local directory, which the next run on DST removes; one killed in step 3
 leaves the lock saying "publishing" and the complete staging prefix, and the next run completes the publication.
 """
@@ -31,14 +32,16 @@ from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import remote_lock
 from inspect_tool.output import stop
+from inspect_tool.storage import commit
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 
-MARKER = "commit_success.txt"  # Orbax's commit marker name on object stores; DST's, written last
+MARKER = commit.MARKER
 STAGED = ".inspect_checkpoint-staged"  # the last object of a complete staging prefix
 REPORTS = (("quantization_report.json", "producer"), ("import_report.json", "producer"),
            ("model.safetensors.index.json", "metadata"))
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", MARKER)
+_ORBAX_DIRS = ("/_CHECKPOINT_METADATA", "/_METADATA")  # a step, an item: Orbax wants its marker in each
 _LOCAL_PATTERN = re.compile(r"^inspect-gs-(\d+)-[A-Za-z0-9_]+$")
 _held: dict[str, tuple[remote_lock.Lock, bool]] = {}  # DST -> (its lock, overwrite) while claimed
 
@@ -104,14 +107,6 @@ def check_replace(dst: str, overwrite: bool) -> list[str]:
     raise errors.InputError(f"output {dst!r} is a prefix that is not a checkpoint; --overwrite replaces only an "
                             "earlier export or an Orbax checkpoint, so remove it yourself or choose another path")
   return names
-
-
-def committed(path: str) -> bool:
-  """Whether the gs:// checkpoint at `path` (DST, its step or items prefix) carries DST's commit marker."""
-  candidates = [paths.normalize(path)]
-  for _ in range(2):
-    candidates.append(paths.parent(candidates[-1]))
-  return any(objects.read(paths.join(c, MARKER))[0] is not None for c in candidates if paths.split(c)[1])
 
 
 @contextlib.contextmanager
@@ -181,10 +176,9 @@ def publish(staging: str, dst: str, names: Sequence[str]) -> None:
   objects.copy(staging, dst, names[:half])
   atomic.test_point("publishing")
   objects.copy(staging, dst, names[half:])
-  for step in sorted({n.split("/")[0] for n in names if n.split("/")[0].isdigit()}):
-    if f"{step}/_CHECKPOINT_METADATA" in new:  # Orbax's own marker: Orbax accepts the step as finalized
-      step_url = paths.join(dst, step)
-      objects.write(paths.join(step_url, MARKER), f"Checkpoint commit was successful to {step_url}".encode())
+  for directory in sorted({n.rpartition("/")[0] for n in names if n.endswith(_ORBAX_DIRS)} - {""}):
+    url = paths.join(dst, directory)  # Orbax's own marker in each step and item: Orbax reads them as finalized
+    objects.write(paths.join(url, MARKER), f"Checkpoint commit was successful to {url}".encode())
   objects.write(paths.join(dst, MARKER), f"inspect_checkpoint: commit was successful to {dst}\n".encode())
 
 

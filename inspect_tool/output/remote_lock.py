@@ -19,15 +19,14 @@ import threading
 import time
 
 from inspect_tool import errors
+from inspect_tool.storage import commit
 from inspect_tool.storage import objects
-from inspect_tool.storage import paths
 
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
 
 
-def lock_url(dst: str) -> str:
-  return paths.join(paths.parent(dst), f".{paths.basename(dst)}.inspect-lock")
+lock_url = commit.lock_url
 
 
 def alive(pid: int) -> bool:
