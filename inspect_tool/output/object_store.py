@@ -113,15 +113,14 @@ def check_replace(dst: str, overwrite: bool) -> list[str]:
 def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[destination.Claim]:
   """`destination.claim` for a gs:// DST: checked, locked and cleaned up after dead runs (module docstring)."""
   path = check_clear_of_inputs(dst, sources)
-  try:
-    check_replace(path, overwrite)
+  try:  # locked first: a run killed while publishing is completed (`reclaim`) before DST is judged
     lock = remote_lock.acquire(path, f"{os.getpid()}-{secrets.token_hex(4)}")
   except (OSError, ValueError, RuntimeError) as e:
     raise _failure(path, e) from None
   try:
     try:
       reclaimed = reclaim(path, lock)
-      check_replace(path, overwrite)  # again, now that no other run can change it
+      check_replace(path, overwrite)
     except (OSError, ValueError, RuntimeError) as e:
       raise _failure(path, e) from None
     _held[path] = (lock, overwrite)
