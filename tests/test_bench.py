@@ -26,6 +26,10 @@ RATIO_LINES = {
                         rf"^import \(float32\)\s+{NUMBER}\s+{NUMBER}$"],
     "bench_compile_cache.py": [rf"^forward\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s",
                                rf"^export\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s"],
+    "bench_gcs.py": [rf"^local -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+1\.00x$",
+                     rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
+                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
     "bench_export.py": [rf"^\[tiny\] export --max-memory 600MB\s+{NUMBER} s .* {NUMBER} x Orbax's time",
                         r"equals the unbounded one byte for byte: True$"],
 }
