@@ -18,7 +18,6 @@ they fit the 255-byte name limit whenever the output's own name does (`sibling_s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -31,8 +30,7 @@ from typing import Iterator, Sequence
 
 from inspect_tool import errors
 
-TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
-PRODUCER = "inspect_checkpoint"
+from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 
 
@@ -150,14 +148,6 @@ def _json_producer(path: str, field: str) -> bool:
   return names_producer(doc, field)
 
 
-def names_producer(doc, field: str) -> bool:
-  """True when the JSON document `doc` names this tool as producer under `field`."""
-  value = doc.get(field) if isinstance(doc, dict) else None
-  if isinstance(value, dict):
-    value = value.get("producer", value.get("name"))
-    if isinstance(value, dict):
-      value = value.get("name")
-  return isinstance(value, str) and value.startswith(PRODUCER)
 
 
 def check_replace(dst: str, overwrite: bool) -> None:
@@ -210,17 +200,6 @@ def check_output_file(path: str, overwrite: bool) -> str:
   return absolute_path
 
 
-@dataclasses.dataclass
-class Claim:
-  """A locked destination: `path` (absolute), `parent`; `reclaimed` lists the stale temporaries removed."""
-
-  path: str
-  overwrite: bool
-  reclaimed: list
-
-  @property
-  def parent(self) -> str:
-    return os.path.dirname(self.path)
 
 
 def _lock(path: str, dst: str) -> int:

@@ -28,10 +28,10 @@ import tempfile
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
-from inspect_tool.output import atomic
-from inspect_tool.output import destination
+from inspect_tool.output import ours
 from inspect_tool.output import remote_lock
 from inspect_tool.output import stop
+from inspect_tool.output import hooks
 from inspect_tool.storage import commit
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
@@ -81,7 +81,7 @@ def replaceable(dst: str, names: Sequence[str]) -> str | None:
     if name in present:
       data, _ = objects.read(paths.join(dst, name))
       try:
-        if data is not None and len(data) < 16 << 20 and destination.names_producer(json.loads(data), field):
+        if data is not None and len(data) < 16 << 20 and ours.names_producer(json.loads(data), field):
           return "inspect_checkpoint export"
       except (ValueError, RecursionError):
         pass
@@ -110,7 +110,7 @@ def check_replace(dst: str, overwrite: bool) -> list[str]:
 
 
 @contextlib.contextmanager
-def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[destination.Claim]:
+def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[ours.Claim]:
   """`destination.claim` for a gs:// DST: checked, locked and cleaned up after dead runs (module docstring)."""
   path = check_clear_of_inputs(dst, sources)
   try:  # locked first: a run killed while publishing is completed (`reclaim`) before DST is judged
@@ -124,7 +124,7 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     except (OSError, ValueError, RuntimeError) as e:
       raise _failure(path, e) from None
     _held[path] = (lock, overwrite)
-    yield destination.Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
+    yield ours.Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
   finally:
     _held.pop(path, None)
     lock.release()
@@ -157,7 +157,7 @@ def _reclaim_local() -> list[str]:
       match = _LOCAL_PATTERN.match(name)
       path = os.path.join(root, name)
       if (match and int(match.group(1)) != os.getpid() and not remote_lock.alive(int(match.group(1)))
-          and os.path.isfile(os.path.join(path, destination.TMP_MARKER))):
+          and os.path.isfile(os.path.join(path, ours.TMP_MARKER))):
         shutil.rmtree(path, ignore_errors=True)
         done.append(path)
   return done
@@ -173,7 +173,7 @@ def publish(staging: str, dst: str, names: Sequence[str]) -> None:
   names = sorted(names)
   half = len(names) // 2
   objects.copy(staging, dst, names[:half])
-  atomic.test_point("publishing")
+  hooks.test_point("publishing")
   objects.copy(staging, dst, names[half:])
   for directory in sorted({n.rpartition("/")[0] for n in names if n.endswith(_ORBAX_DIRS)} - {""}):
     url = paths.join(dst, directory)  # Orbax's own marker in each step and item: Orbax reads them as finalized
@@ -191,7 +191,7 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   lock, _ = _held[dst]
   try:
     tmp = tempfile.mkdtemp(prefix=f"inspect-gs-{os.getpid()}-")
-    with open(os.path.join(tmp, destination.TMP_MARKER), "w", encoding="utf-8") as f:
+    with open(os.path.join(tmp, ours.TMP_MARKER), "w", encoding="utf-8") as f:
       f.write(f"{os.getpid()}\n")
   except OSError as e:
     raise errors.InputError(f"cannot stage {dst!r} in {tempfile.gettempdir()!r}: {e.strerror or e}") from None
@@ -201,16 +201,16 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   try:
     yield tmp
     stop.check()
-    atomic.test_point("upload")
-    names = objects.upload(tmp, staging, skip={destination.TMP_MARKER})
+    hooks.test_point("upload")
+    names = objects.upload(tmp, staging, skip={ours.TMP_MARKER})
     objects.write(paths.join(staging, STAGED), f"{dst}\n".encode())
-    atomic.test_point("staged")
+    hooks.test_point("staged")
     stop.check()
     check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
     lock.set_state("publishing")
     publishing = True
     publish(staging, dst, names)
-    atomic.test_point("published")
+    hooks.test_point("published")
     objects.delete_all(staging)
   except (OSError, ValueError, RuntimeError) as e:
     _abandon(staging, lock if publishing else None)
