@@ -142,8 +142,10 @@ def reclaim(dst: str, lock: remote_lock.Lock) -> list[str]:
   previous = lock.previous or {}
   for head, names in sorted(staged.items()):
     prefix = paths.join(parent, head)
-    if (previous.get("state") == "publishing" and head == start + str(previous.get("id")) and STAGED in names):
+    if previous.get("state") == "publishing" and head == start + str(previous.get("staging")) and STAGED in names:
+      lock.set_state("publishing", staging=previous["staging"])  # a kill now leaves the same task to the next run
       publish(prefix, dst, [n for n in names if n != STAGED])
+      lock.set_state("writing", staging=None)
       done.append(f"{dst} (published from {prefix})")
     objects.delete_all(prefix, names)
     done.append(prefix)
@@ -207,7 +209,7 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     hooks.test_point("staged")
     stop.check()
     check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
-    lock.set_state("publishing")
+    lock.set_state("publishing", staging=lock.content["id"])
     publishing = True
     publish(staging, dst, names)
     hooks.test_point("published")

@@ -3,7 +3,8 @@
 `.<name>.inspect-lock` (beside DST) is created by a conditional write (GCS `ifGenerationMatch=0` through
 tensorstore): of two runs, exactly one creates it. It holds JSON: the run's `id` (its staging prefix), `host`,
 `pid`, `heartbeat` (seconds since the epoch, rewritten every `HEARTBEAT_S` by a thread, conditional on the
-generation it wrote last) and `state` ("writing", then "publishing" while DST is being replaced). A lock is
+generation it wrote last) and `state` ("writing", then "publishing" while DST is being replaced, with `staging`: the
+id of the staging prefix being published). A lock is
 stale when its process is gone (same host) or its heartbeat is older than `STALE_S` (another host); the next run
 takes a stale lock over and hands its content to the caller, which cleans up after (or completes) that run.
 """
@@ -81,9 +82,10 @@ class Lock:
       with contextlib.suppress(Exception):
         self._write()
 
-  def set_state(self, state: str) -> None:
-    """Records the run's state ("publishing": DST is being replaced) before it acts on it."""
-    self._write(state=state)
+  def set_state(self, state: str, **fields) -> None:
+    """Records the run's state before it acts on it: "publishing" (DST is being replaced) with `staging`, the id
+    of the staging prefix being published; "writing" again after completing a dead run's publication."""
+    self._write(state=state, **fields)
 
   def keep(self) -> None:
     """Leaves the lock object in place at `release` (a half-published DST: the next run completes it)."""
