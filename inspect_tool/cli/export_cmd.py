@@ -84,7 +84,9 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
-              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes)
+              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes,
+              batch_options=[*(["--tokens", tokens_file] if tokens_file else []),
+                             *(["--targets", targets_file] if targets_file else [])])
   if layout in ("deepseek-fp8", "deepseek-bf16"):
     if distributed.process_count() > 1:  # a job JAX's cluster detection found
       raise errors.InputError(f"--layout {layout} is written by one process; this job has "

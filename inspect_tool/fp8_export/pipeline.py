@@ -54,7 +54,7 @@ class ExportResult:
 def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False, data=None,
            tokens_file: str | None = None, min_top1: float = validate_lib.DEFAULT_MIN_TOP1,
            run_validation: bool = True, mesh=None, command: str | None = None,
-           max_memory: int | None = None) -> ExportResult:
+           max_memory: int | None = None, batch_options: Sequence[str] = ()) -> ExportResult:
   """Exports the quantization-applied model of `tokens` (key=value) from `source` (None: seeded init) to `dst`.
 
   Args:
@@ -69,6 +69,8 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     mesh: `jax.sharding.Mesh` for validation (default: all devices on one axis).
     command: the command line (recorded in the report).
     max_memory: the peak resident memory to stay under, in bytes (default `budget.default_max_memory()`).
+    batch_options: the --tokens/--targets options `data` came from (repeated in the command that validates
+      elsewhere when validation cannot run here).
 
   Under `jax.distributed` with several processes, every process calls this with the same arguments: process 0
   claims DST, each process writes the slices it owns, process 0 completes the checkpoint, validates and reports.
@@ -80,7 +82,8 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   _check_source(cfg, source)
   max_memory = job_plan.agree_on_inputs(tokens, source, dst, overwrite, budget.resolve_max_memory(max_memory))
   args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
-              run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory)
+              run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory,
+              batch_options=batch_options)
   if distributed.process_index() != 0:
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
@@ -110,8 +113,13 @@ def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
   return None
 
 
+def _validation_memory(leaves) -> int:
+  """The --max-memory under which validation of an export of `leaves` runs: its need beside what is held now."""
+  return validate_lib.memory_needed(sum(read.nbytes(leaf) for leaf in leaves)) + budget.current_rss()
+
+
 def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
-            max_memory) -> ExportResult:
+            max_memory, batch_options) -> ExportResult:
   """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
   from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
@@ -130,11 +138,11 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   stop.check()
   source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
   skipped = None
+  rerun = report_lib.run_elsewhere(tokens, dst, batch_options)
   if run_validation:
     skipped = _validation_skip(source_bytes, max_memory)
     if skipped and distributed.process_index() == 0:
-      progress.note(f"validation skipped: {skipped}; run it where the model fits: inspect_checkpoint forward "
-                    f"{' '.join(tokens)} --checkpoint {dst} --compare")
+      progress.note(f"validation skipped: {skipped}; run it where the model fits: {rerun}")
     if not skipped and data is None:
       data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
   else:
@@ -160,7 +168,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
                                      mesh_devices=int(mesh.size), validation=validation,
-                                     validation_skipped=skipped, memory=memory, dst=dst)
+                                     validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
     atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
@@ -184,7 +192,8 @@ def temporary_directory(dst: str, overwrite: bool):
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
                         mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
                         min_top1: float = validate_lib.DEFAULT_MIN_TOP1, run_validation: bool = True,
-                        command: str | None = None, fp8: bool = True) -> ExportResult:
+                        command: str | None = None, fp8: bool = True,
+                        batch_options: Sequence[str] = ()) -> ExportResult:
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales); with
   `fp8=False`, `--layout deepseek-bf16`: the same names and files in bfloat16, unquantized (the way back to
   Hugging Face after `import`).
@@ -213,11 +222,12 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         arrays.keys(), cfg, max_memory, held=budget.current_rss() + write_orbax.RESERVE_BYTES,
         chunk_bytes=lambda key: arrays.chunk_bytes(arrays.open(key)) * write_orbax.DECODING_CHUNKS)
     skipped = "--no-validate"
+    rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
+                                        batch_options=batch_options, min_top1=min_top1)
     if run_validation:
       skipped = _validation_skip(sum(read.nbytes(leaf) for leaf in leaves), max_memory)
       if skipped:
-        progress.note(f"validation skipped: {skipped}; run it where the models fit: "
-                      + report_lib.run_elsewhere_hf(tokens, source, claimed.path))
+        progress.note(f"validation skipped: {skipped}; run it where the models fit: {rerun}")
       elif data is None:
         data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
@@ -236,6 +246,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       summary = dict(summary, dst=claimed.path, max_memory=max_memory)
       summary.pop("config", None)
       report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
-                                          validation=validation, validation_skipped=skipped, fp8=fp8)
+                                          validation=validation, validation_skipped=skipped, fp8=fp8,
+                                          rerun=rerun)
       atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)

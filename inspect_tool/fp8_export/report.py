@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 from typing import Sequence
 
 from inspect_tool.paramtree import tree
@@ -48,7 +49,7 @@ def _coverage_summary(report) -> dict:
 def build_report(plan, *, tokens: Sequence[str], source: str | None, command: str | None,
                  copied: Sequence[tree.Leaf], source_bytes: int, written_bytes: int, mesh_devices: int,
                  validation, validation_skipped: str | None = None, memory: dict | None = None,
-                 dst: str | None = None) -> dict:
+                 dst: str | None = None, rerun: str = "") -> dict:
   """`quantization_report.json`: what was exported, how, from what, and what validation found (or why not)."""
   from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
 
@@ -71,12 +72,12 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
       "bytes": {"source": source_bytes, "written": written_bytes},
       "mesh": {"devices": mesh_devices},
       "memory": memory or {},
-      "validation": _validation_record(validation, validation_skipped, run_elsewhere(tokens, dst)),
+      "validation": _validation_record(validation, validation_skipped, rerun),
   }
 
 
 def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | None, command: str | None,
-                    validation, validation_skipped: str | None = None, fp8: bool = True) -> dict:
+                    validation, validation_skipped: str | None = None, fp8: bool = True, rerun: str = "") -> dict:
   """`quantization_report.json` of a `--layout deepseek-fp8` (or, `fp8=False`, `deepseek-bf16`) export: what was
   written (`written`: the writer's summary), from what, and what validation found (or why not)."""
   layout = ({"layout": "deepseek-fp8",
@@ -91,8 +92,7 @@ def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | 
       "config": {"overrides": list(tokens), "model_name": cfg.model_name, "quantization": cfg.quantization,
                  "scan_layers": cfg.scan_layers},
       **written,
-      "validation": _validation_record(validation, validation_skipped,
-                                       run_elsewhere_hf(tokens, source, written.get("dst"))),
+      "validation": _validation_record(validation, validation_skipped, rerun),
   }
 
 
@@ -105,17 +105,22 @@ def _validation_record(validation, skipped: str | None, run_elsewhere: str) -> d
   return record
 
 
-def run_elsewhere(tokens: Sequence[str], dst: str | None) -> str:
-  """The command that validates an Orbax export where the model fits."""
-  return f"inspect_checkpoint forward {' '.join(tokens)} --checkpoint {dst} --compare"
+def run_elsewhere(tokens: Sequence[str], dst: str | None, batch_options: Sequence[str] = ()) -> str:
+  """The command that validates an Orbax export where the model fits (`batch_options`: the user's --tokens and
+  --targets)."""
+  return shlex.join(["inspect_checkpoint", "forward", *tokens, "--checkpoint", str(dst), *batch_options,
+                     "--compare"])
 
 
-def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None) -> str:
-  """A deepseek-fp8 export is validated by exporting it again where the models fit (`forward --compare` would
-  compare the read-back export with itself)."""
-  src = f" --checkpoint {source}" if source else ""
-  return (f"inspect_checkpoint export {' '.join(tokens)}{src} --output {dst} --layout deepseek-fp8 --overwrite "
-          "--max-memory <more>")
+def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None, *, fp8: bool, max_memory: int,
+                     batch_options: Sequence[str] = (), min_top1: float | None = None) -> str:
+  """A deepseek-fp8 (or -bf16) export is validated by exporting it again where the models fit (`forward --compare`
+  would compare the read-back export with itself): the same export with `max_memory` bytes (rounded up to whole
+  GB), the user's --tokens/--targets (`batch_options`) and --min-top1."""
+  return shlex.join(["inspect_checkpoint", "export", *tokens, *(["--checkpoint", source] if source else []),
+                     "--output", str(dst), "--layout", "deepseek-fp8" if fp8 else "deepseek-bf16",
+                     *batch_options, *(["--min-top1", f"{min_top1:g}"] if min_top1 is not None else []),
+                     "--overwrite", "--max-memory", f"{max(1, -(-max_memory // 10**9))}GB"])
 
 
 def format_text(result) -> str:

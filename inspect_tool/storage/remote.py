@@ -1,8 +1,8 @@
 """Reading gs:// objects with bounded waits, and Cloud Storage failures as one line naming the path.
 
 Directory questions (what is at a path, what is under a prefix) and small objects go through gcsfs (fsspec), each
-call bounded to `timeout_s()` seconds (`INSPECT_GCS_TIMEOUT`, default 60): gcsfs's own retry loop backs off for
-about a minute before it gives up on a closed port. Byte ranges (safetensors headers and tensors) and array stores
+call bounded to `timeout_s()` seconds (`INSPECT_GCS_TIMEOUT`, default 60), inside which gcsfs makes its own 6 tries
+(about 35 s against a closed port). Byte ranges (safetensors headers and tensors) and array stores
 go through tensorstore's `gcs` kvstore, with `context()` bounding its retries to `RETRIES` tries (its default is 32,
 backing off up to a minute each: minutes of silence). Failures become `errors.CheckpointError` lines: no such
 bucket, permission denied (HTTP 401/403), storage unreachable (after how many tries or seconds), anything else
@@ -71,7 +71,8 @@ def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.C
   if isinstance(e, PermissionError) or _DENIED.search(text):
     return errors.CheckpointError(f"{path}: permission denied by Cloud Storage ({text})")
   if _UNREACHABLE.search(text) or isinstance(e, ConnectionError):
-    after = f"; gave up after {tries.group(1)} tries" if tries else ""
+    count = tries.group(1) if tries else None if tensorstore else getattr(_fs(), "retries", None)  # gcsfs: 6
+    after = f"; gave up after {count} tries" if count else ""
     return errors.CheckpointError(f"{path}: cannot reach Cloud Storage at {endpoint(tensorstore)}{after} "
                                   f"({text})")
   return errors.CheckpointError(f"{path}: cannot be read from Cloud Storage ({text})")
