@@ -194,3 +194,14 @@ def test_a_lock_is_stale_when_its_process_is_gone_or_its_heartbeat_is_old():
   proc.wait()
   assert remote_lock.stale({"host": socket.gethostname(), "pid": proc.pid, "heartbeat": now}, now)
   assert not remote_lock.stale({"host": socket.gethostname(), "pid": os.getppid(), "heartbeat": now}, now)
+
+
+def test_a_refused_bucket_is_one_line_and_nothing_is_written(gcs, capsys):
+  denied = "denied-bucket"
+  gcs.create_bucket(denied)
+  with gcs.refusing(denied):  # the emulator's test-side proxy answers 403 for that bucket
+    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{denied}/fp8", "--no-validate"])
+  err = capsys.readouterr().err
+  assert code == 2 and _one_line(err) and f"cannot write 'gs://{denied}/fp8': PERMISSION_DENIED" in err, err
+  assert "http_response" not in err
+  assert gcs.listing(f"gs://{denied}") == []

@@ -37,7 +37,8 @@ from inspect_tool.fp8_export import write_orbax
 from inspect_tool.run import limits
 from inspect_tool.storage import paths
 
-KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
+KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside",
+               "upload", "staged", "publishing", "published")  # the last four: gs:// outputs (object_store)
 
 
 @dataclasses.dataclass(frozen=True)

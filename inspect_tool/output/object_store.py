@@ -10,10 +10,10 @@ it takes DST's lock object (`remote_lock`: create-only, heartbeat) and cleans up
    new export; the staged objects are copied in (server-side), Orbax's own marker `<step>/commit_success.txt`
    is written into each step and item, and `DST/commit_success.txt` last; the staging prefix and the lock are removed.
 A reader that lists DST sees nothing or the previous export until step 3; during step 3, objects without
-`DST/commit_success.txt` and with the lock beside DST, which readers refuse as incomplete
-(`storage.commit`). A run killed before step 3 leaves only
-its staging prefix, its lock and its local directory, which the next run on DST removes; one killed in step 3
-leaves the lock saying "publishing" and the complete staging prefix, and the next run completes the publication.
+`DST/commit_success.txt` and with the lock beside DST, which readers refuse as incomplete (`storage.commit`). A run
+killed before step 3 leaves only its staging prefix, its lock and its local directory, which the next run on DST
+removes; one killed in step 3 leaves the lock saying "publishing" and the complete staging prefix, and the next run
+completes the publication.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def staging_prefix(dst: str) -> str:
 
 
 def _failure(dst: str, e: BaseException) -> errors.InputError:
-  reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+  reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  reason = re.split(r" \[(?:http_response|source locations)", reason)[0][:300]  # tensorstore's details
   return errors.InputError(f"cannot write {dst!r}: {reason}")
 
 
@@ -199,9 +200,22 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     raise errors.InputError(f"cannot stage {dst!r} in {tempfile.gettempdir()!r}: {e.strerror or e}") from None
   cleanup = stop.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))
   staging = paths.join(paths.parent(dst), staging_prefix(dst) + lock.content["id"])
+  try:
+    try:
+      yield tmp
+    except BaseException:  # the run's own failure, reported as it is
+      _abandon(staging, None)
+      raise
+    _publish_staged(tmp, staging, dst, lock, overwrite)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+    stop.remove_cleanup(cleanup)
+
+
+def _publish_staged(tmp: str, staging: str, dst: str, lock: remote_lock.Lock, overwrite: bool) -> None:
+  """Steps 2 and 3 of the module docstring for the finished local work directory `tmp`."""
   publishing = False
   try:
-    yield tmp
     stop.check()
     hooks.test_point("upload")
     names = objects.upload(tmp, staging, skip={ours.TMP_MARKER})
@@ -220,9 +234,6 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   except BaseException:
     _abandon(staging, lock if publishing else None)
     raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-    stop.remove_cleanup(cleanup)
 
 
 def _abandon(staging: str, publishing: remote_lock.Lock | None) -> None:
