@@ -31,13 +31,13 @@ def find_report(path: str | None) -> str | None:
   """The `quantization_report.json` of the export `path` points into (DST, DST/0 or DST/0/items), or None."""
   if not path:
     return None
-  from inspect_tool.checkpoint import files  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
 
   path = paths.absolute(os.fspath(path))
   candidates = [path, paths.parent(path), paths.parent(paths.parent(path))]
   for directory in candidates:
     report = paths.join(directory, REPORT_NAME)
-    if files.kind(report) == "file":
+    if objects.exists(report) if paths.is_remote(report) else os.path.isfile(report):
       return report
   return None
 

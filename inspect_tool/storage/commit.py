@@ -20,19 +20,9 @@ def lock_url(dst: str) -> str:
 
 
 def _exists(url: str) -> bool:
-  """Whether the object `url` exists: asked now (no listing cache: the answer changes during a publication),
-  within `remote.timeout_s()`, a failure in one line (`remote.error`)."""
   from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
-  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
 
-  try:
-    return objects.filesystem().info(url[len(paths.GS):], timeout=remote.timeout_s())["type"] == "file"
-  except FileNotFoundError:
-    return False
-  except errors.InspectError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    raise remote.error(url, e) from None
+  return objects.exists(url)
 
 
 def _candidates(path: str) -> list[str]:

@@ -52,6 +52,22 @@ def names_from(prefix: str, start: str) -> list[str]:
   return sorted(path[len(root):] for path in found if path.startswith(root + start))
 
 
+def exists(url: str) -> bool:
+  """Whether the object `url` exists, asked now (no listing cache: the answer may change while a process runs),
+  within `remote.timeout_s()`; a failure is `remote.error`'s one line."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
+
+  try:
+    return filesystem().info(_fs_path(url), timeout=remote.timeout_s())["type"] == "file"
+  except FileNotFoundError:
+    return False
+  except errors.InspectError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise remote.error(url, e) from None
+
+
 def read(url: str) -> tuple[bytes | None, bytes]:
   """(The object's bytes or None when it does not exist, its generation: `NO_OBJECT` when missing)."""
   result = _kvstore(paths.parent(url)).read(paths.basename(url)).result()
