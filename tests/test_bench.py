@@ -28,6 +28,10 @@ RATIO_LINES = {
                         rf"^bounded import: peak RSS {NUMBER} MB = {NUMBER} x its --max-memory; medians of 1$"],
     "bench_compile_cache.py": [rf"^forward\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s",
                                rf"^export\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s"],
+    "bench_gcs.py": [rf"^local -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+1\.00x$",
+                     rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
+                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
     "bench_export.py": [
         rf"^\[tiny/{chunks}\] {case}\s+{NUMBER} s .* {NUMBER} x Orbax's time" for chunks in ("single", "256KiB")
         for case in (r"orbax restore\+save", "export", r"export --max-memory \d+MiB \(1\.5x floor\)",

@@ -12,6 +12,7 @@ import os
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
+from inspect_tool.storage import commit
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 
@@ -115,6 +116,7 @@ def resolve_orbax_path(path: str) -> ResolvedPath:
     what = "a file" if found == "file" else "not a regular file"
     raise errors.CheckpointError(f"not an Orbax checkpoint ({what}, not a directory): {path}; {_EXPECTED}")
   path = paths.normalize(path)
+  commit.check_published(path)  # gs://: a DST this tool is publishing is not read half written
   _listdir(path)  # an unreadable directory is "permission denied", not "incomplete"
   if _is_tree_dir(path):
     parent = paths.parent(path)

@@ -15,6 +15,7 @@ import struct
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.storage import commit
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 
@@ -208,6 +209,7 @@ def _tensor_entries(path: str) -> list[tuple[str, str, dict]]:
     raise errors.CheckpointError(f"{path}: is not a regular file (FIFO, socket or device)")
   if found == "file":
     return _read_index(path) if path.endswith(".json") else _read_files([path])
+  commit.check_published(path)  # gs://: a DST this tool is publishing is not read half written
   indexes = files.list_suffix(path, INDEX_SUFFIX)
   if len(indexes) > 1:
     names = ", ".join(paths.basename(i) for i in indexes)

@@ -23,7 +23,8 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
               help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
                    "not of a model.")
 @click.option("--output", "dst", required=True, type=click.Path(),
-              help="Output directory; it appears only when complete (with quantization_report.json).")
+              help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (with "
+                   "quantization_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
               help="Replace an existing --output (kept intact if the export fails) and --output_file.")
 @click.option("--tokens", "tokens_file", type=click.Path(),

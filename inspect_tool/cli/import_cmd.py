@@ -15,7 +15,8 @@ from inspect_tool.cli import options as cli_options
 @click.option("--path", "path", required=True, type=click.Path(file_okay=False),
               help="Hugging Face DeepSeek directory: config.json and safetensors (FP8 release layout or float).")
 @click.option("--output", "dst", required=True, type=click.Path(),
-              help="Output directory; it appears only when complete (DST/0/items, with import_report.json).")
+              help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (DST/0/items, with "
+                   "import_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
               help="Replace an earlier import or export at --output (kept intact if this one fails), and "
               "--output_file.")

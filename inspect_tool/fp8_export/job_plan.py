@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Sequence
 
 from inspect_tool import errors
@@ -36,8 +35,10 @@ def agree_on_inputs(tokens: Sequence[str], source: str | None, dst: str, overwri
 
   if distributed.process_count() == 1:
     return max_memory
-  inputs = {"keys": list(tokens), "--checkpoint": os.path.abspath(source) if source else None,
-            "--output": os.path.abspath(dst), "--overwrite": bool(overwrite)}
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
+
+  inputs = {"keys": list(tokens), "--checkpoint": paths.absolute(source) if source else None,
+            "--output": paths.absolute(dst), "--overwrite": bool(overwrite)}
   texts = distributed.gather_text(json.dumps({"inputs": inputs, "max_memory": int(max_memory)}, sort_keys=True))
   given = [json.loads(text) for text in texts]
   for name in inputs:

@@ -21,6 +21,7 @@ import os
 
 from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
+from inspect_tool.storage import paths
 
 REPORT_NAME = "quantization_report.json"
 MARK = "fp8_export"  # attribute set on a loaded model: the checkpoint it came from
@@ -30,11 +31,13 @@ def find_report(path: str | None) -> str | None:
   """The `quantization_report.json` of the export `path` points into (DST, DST/0 or DST/0/items), or None."""
   if not path:
     return None
-  path = os.path.abspath(os.fspath(path))
-  candidates = [path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))]
+  from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
+
+  path = paths.absolute(os.fspath(path))
+  candidates = [path, paths.parent(path), paths.parent(paths.parent(path))]
   for directory in candidates:
-    report = os.path.join(directory, REPORT_NAME)
-    if os.path.isfile(report):
+    report = paths.join(directory, REPORT_NAME)
+    if objects.exists(report) if paths.is_remote(report) else os.path.isfile(report):
       return report
   return None
 
@@ -48,10 +51,11 @@ def read_report(path: str) -> dict:
   report = find_report(path)
   if report is None:
     return {}
+  from inspect_tool.checkpoint import files  # pylint: disable=import-outside-toplevel
+
   try:
-    with open(report, encoding="utf-8") as f:
-      data = json.load(f)
-  except (OSError, ValueError):
+    data = json.loads(files.read_bytes(report, 16 << 20))
+  except (OSError, ValueError, errors.InspectError):
     return {}
   return data if isinstance(data, dict) else {}
 
@@ -148,6 +152,6 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
     hint = export_keys_hint(path)
     raise errors.MismatchError(f"{e}; the export was made with: {hint}" if hint else str(e)) from None
   params.assign_arrays(model, restore.restore_pairs(listing, pairs, mesh=mesh))
-  setattr(model, MARK, os.path.abspath(path))
+  setattr(model, MARK, paths.absolute(path))
   return model
 

@@ -35,8 +35,10 @@ from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_orbax
 from inspect_tool.run import limits
+from inspect_tool.storage import paths
 
-KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside")
+KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside",
+               "upload", "staged", "publishing", "published")  # the last four: gs:// outputs (object_store)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +155,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)")
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
-      return ExportResult(os.path.abspath(dst), {}, None)
+      return ExportResult(paths.absolute(dst), {}, None)
     stop.check()
     atomic.test_point("written")
     validation = None
@@ -175,7 +177,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
-  return ExportResult(os.path.abspath(dst), report, validation)
+  return ExportResult(paths.absolute(dst), report, validation)
 
 
 @contextlib.contextmanager

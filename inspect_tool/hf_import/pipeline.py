@@ -70,7 +70,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   else:
     with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
-  return ImportResult(given, os.path.abspath(dst), report)
+  return ImportResult(given, paths.absolute(dst), report)
 
 
 def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):

@@ -6,13 +6,12 @@ import contextlib
 import errno
 import os
 import shutil
-import signal
 import tempfile
-import time
 from typing import Iterator
 
 from inspect_tool import errors
 from inspect_tool.output import stop
+from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
 
 
 def _os_error_message(path: str, e: OSError) -> str:
@@ -103,7 +102,14 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   the temporary directory can be left behind (after a SIGKILL), and the next run on DST removes it.
   """
   from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
 
+  if paths.is_remote(dst):  # no rename on object stores: staged, then published with a commit marker
+    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
+
+    with object_store.staged_directory(dst, overwrite=overwrite) as tmp:
+      yield tmp
+    return
   dst = destination.absolute(dst)
   destination.check_replace(dst, overwrite)
   parent = os.path.dirname(dst)
@@ -154,24 +160,8 @@ def _io_error_message(dst: str, tmp: str, e: OSError) -> str:
   return f"cannot read {name!r}: {e.strerror or type(e).__name__}"
 
 
-KILL_ENV = "INSPECT_EXPORT_KILL_AT"  # tests: SIGKILL the process at the named point
-PAUSE_ENV = "INSPECT_EXPORT_PAUSE_AT"  # tests: "<point>:<file>": create <file> at the point, wait until it is gone
 FALLBACK_ENV = "INSPECT_ATOMIC_NO_RENAMEAT2"  # tests: use the two-rename fallback instead of renameat2
 
-
-def test_point(name: str, before=None) -> None:
-  """Test hooks at the named point of a run: SIGKILL ($INSPECT_EXPORT_KILL_AT) or pause ($INSPECT_EXPORT_PAUSE_AT)."""
-  pause = os.environ.get(PAUSE_ENV, "")
-  if pause.partition(":")[0] == name:
-    flag = pause.partition(":")[2]
-    with open(flag, "w", encoding="utf-8") as f:
-      f.write(f"{os.getpid()}\n")
-    while os.path.exists(flag):
-      time.sleep(0.02)
-  if os.environ.get(KILL_ENV) == name:
-    if before is not None:
-      before()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2

@@ -18,7 +18,6 @@ they fit the 255-byte name limit whenever the output's own name does (`sibling_s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -31,8 +30,7 @@ from typing import Iterator, Sequence
 
 from inspect_tool import errors
 
-TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
-PRODUCER = "inspect_checkpoint"
+from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 
 
@@ -147,12 +145,9 @@ def _json_producer(path: str, field: str) -> bool:
       doc = json.load(f)
   except (OSError, ValueError, RecursionError):
     return False
-  value = doc.get(field) if isinstance(doc, dict) else None
-  if isinstance(value, dict):
-    value = value.get("producer", value.get("name"))
-    if isinstance(value, dict):
-      value = value.get("name")
-  return isinstance(value, str) and value.startswith(PRODUCER)
+  return names_producer(doc, field)
+
+
 
 
 def check_replace(dst: str, overwrite: bool) -> None:
@@ -185,6 +180,9 @@ def check_output_file(path: str, overwrite: bool) -> str:
   """
   if not path or not path.strip():
     raise errors.InputError("output file path is empty; give a file name")
+  if os.fspath(path).startswith("gs://"):
+    raise errors.InputError(f"output file {path!r} is on object storage; --output_file, --html and --save-logits "
+                            "write local files only: give a local path (--output takes gs://)")
   absolute_path = absolute(path)
   try:
     mode = os.lstat(absolute_path).st_mode
@@ -202,17 +200,6 @@ def check_output_file(path: str, overwrite: bool) -> str:
   return absolute_path
 
 
-@dataclasses.dataclass
-class Claim:
-  """A locked destination: `path` (absolute), `parent`; `reclaimed` lists the stale temporaries removed."""
-
-  path: str
-  overwrite: bool
-  reclaimed: list
-
-  @property
-  def parent(self) -> str:
-    return os.path.dirname(self.path)
 
 
 def _lock(path: str, dst: str) -> int:
@@ -296,6 +283,14 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     errors.InputError: an empty path, a DST overlapping a source or the working directory, an existing DST
       without `overwrite` (or one that is not a checkpoint), a missing parent, or another run holding DST.
   """
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
+
+  if paths.is_remote(dst):
+    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
+
+    with object_store.claim(dst, sources=sources, overwrite=overwrite) as claimed:
+      yield claimed
+    return
   path = check_clear_of_inputs(dst, sources)
   parent = os.path.dirname(path)
   if not os.path.isdir(parent):

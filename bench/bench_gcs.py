@@ -1,0 +1,128 @@
+"""Benchmarks `inspect_checkpoint export` to and from gs:// (a local GCS emulator) beside local -> local, in one run.
+
+Source: a float32 MaxText-layout checkpoint (`tests/export_sources.py`, 16 MB chunks), written locally and uploaded
+to the emulator (`tests/gcs_emulator.py`, started here on 127.0.0.1). Four cases, each `export --no-validate` in one
+process, wall time and peak RSS from /usr/bin/time:
+  * local -> local;
+  * local -> gs:// (written in a local work directory, uploaded to a staging prefix, published by server-side copies
+    with the commit marker last: `inspect_tool/output/object_store.py`);
+  * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver).
+Throughput is source bytes per wall second; the ratios are each case's wall time over local -> local's. The emulator
+is a Python server on the same machine: the figures say what the protocol costs beside the local path here, not
+what Cloud Storage's bandwidth would give.
+
+  .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny]
+
+`--tiny` (a smoke run): the 5.6 MB 4-layer deepseek3-tiny checkpoint of tests/data, one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import gcs_emulator  # noqa: E402  pylint: disable=wrong-import-position
+
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+        "first_num_dense_layers=1", "vocab_size=1024"]
+FULL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_emb_dim=512",
+        "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=64", "first_num_dense_layers=1",
+        "base_num_decoder_layers=4"]  # 1.36 GB float32 (bench_export.py's `scanned`)
+QUANT = ["quantization=fp8_full"]
+CASES = ("local -> local", "local -> gs", "gs -> local", "gs -> gs")
+
+
+def _timed(cmd: list[str], env) -> tuple[float, int]:
+  """Wall seconds and peak RSS (bytes) of one process, from /usr/bin/time; a failure is raised with its stderr."""
+  out = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True, env=env,
+                       cwd=REPO, check=False)
+  if out.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd[3:8])} ... failed: {out.stderr[-2000:]}")
+  _, wall, rss_kb = [l for l in out.stderr.splitlines() if l.startswith("TIME ")][-1].split()
+  return float(wall), int(rss_kb) * 1024
+
+
+def _source(root: str, tiny: bool) -> tuple[list[str], str, int]:
+  """(model keys, local source step directory, its bytes)."""
+  if tiny:
+    src = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
+  else:
+    import export_sources  # pylint: disable=import-outside-toplevel
+    src = os.path.join(root, "source")
+    export_sources.write_source(os.path.join(src, "0"), FULL)
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(src) for f in files)
+  return (TINY if tiny else FULL), src, size
+
+
+def _remove(dst: str) -> None:
+  """The previous round's output (each round writes a fresh DST)."""
+  if dst.startswith("gs://"):
+    from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
+    objects.delete_all(dst)
+  else:
+    shutil.rmtree(dst, ignore_errors=True)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("--dir", default=None, help="where the local source, outputs and emulator data go")
+  parser.add_argument("--repeat", type=int, default=3)
+  parser.add_argument("--tiny", action="store_true", help="smoke run: the 5.6 MB tests/data source, one round")
+  args = parser.parse_args()
+  repeat = 1 if args.tiny else args.repeat
+  root = tempfile.mkdtemp(prefix="bench-gcs-", dir=args.dir)
+  try:
+    with gcs_emulator.emulator(Path(root) / "emulator") as gcs:
+      os.environ.update(gcs.env)
+      env = dict(os.environ, JAX_PLATFORMS="cpu")
+      tokens, local_src, size = _source(root, args.tiny)
+      remote_src = gcs.upload(local_src, f"gs://{gcs_emulator.BUCKET}/source")
+      sources = {"local": local_src, "gs": remote_src}
+      outputs = {"local": os.path.join(root, "out"), "gs": f"gs://{gcs_emulator.BUCKET}/out"}
+      times: dict[str, list[float]] = {case: [] for case in CASES}
+      rss: dict[str, int] = {case: 0 for case in CASES}
+      failed: dict[str, str] = {}
+      for _ in range(repeat):
+        for case in CASES:
+          src, dst = (part.strip() for part in case.split("->"))
+          if case in failed:
+            continue
+          cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", sources[src],
+                 "--output", outputs[dst], "--no-validate", "--quiet", "--overwrite"]
+          try:
+            wall, peak = _timed(cmd, env)
+          except RuntimeError as e:
+            failed[case] = str(e).strip().splitlines()[-1][:160]
+            continue
+          times[case].append(wall)
+          rss[case] = max(rss[case], peak)
+          _remove(outputs[dst])
+      base = statistics.median(times[CASES[0]])
+      label = "tiny" if args.tiny else "scanned"
+      print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
+            "GCS = the local emulator")
+      print(f"{'case':<16}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
+      for case in CASES:
+        if case in failed or not times[case]:
+          reason = failed.get(case, "no run")
+          if case.startswith("gs") and "does not exist" in reason:
+            reason = "reading gs:// not available"
+          print(f"{case:<16}  n/a ({reason})")
+          continue
+        wall = statistics.median(times[case])
+        print(f"{case:<16}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,34 @@
+"""What marks an output as this tool's: the partial marker of its work directories, the producer name its reports
+carry, and the record of a claimed destination (`destination.claim`, `object_store.claim`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
+PRODUCER = "inspect_checkpoint"
+
+
+def names_producer(doc, field: str) -> bool:
+  """True when the JSON document `doc` names this tool as producer under `field`."""
+  value = doc.get(field) if isinstance(doc, dict) else None
+  if isinstance(value, dict):
+    value = value.get("producer", value.get("name"))
+    if isinstance(value, dict):
+      value = value.get("name")
+  return isinstance(value, str) and value.startswith(PRODUCER)
+
+
+@dataclasses.dataclass
+class Claim:
+  """A locked destination: `path` (absolute), `parent`; `reclaimed` lists the stale temporaries removed."""
+
+  path: str
+  overwrite: bool
+  reclaimed: list
+
+  @property
+  def parent(self) -> str:
+    from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
+
+    return paths.parent(self.path)

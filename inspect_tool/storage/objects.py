@@ -1,0 +1,119 @@
+"""Objects under a gs:// prefix: list, read, write (create-only too), upload a local tree, copy, delete.
+
+Reads and writes go through tensorstore's `gcs` kvstore (`paths.kvstore_spec`; a create-only write is a write
+conditional on "no object", GCS's `ifGenerationMatch=0`); listings (by prefix), uploads, server-side copies (GCS
+`rewrite`) and deletions through gcsfs, the file system under Orbax's `epath`. No HTTP client of our own. Names are relative to
+the prefix they are listed or written under.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from inspect_tool.storage import paths
+
+NO_OBJECT = b"\x02"  # tensorstore's storage generation of a missing key: a write `if_equal` to it creates only
+
+
+def _kvstore(prefix: str):
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
+
+  return ts.KvStore.open(paths.kvstore_spec(prefix), context=remote.context()).result()
+
+
+def filesystem():
+  """gcsfs's file system, without listing caches (another process's writes must show at once)."""
+  import fsspec  # pylint: disable=import-outside-toplevel
+
+  paths.configure()
+  return fsspec.filesystem("gs", use_listings_cache=False, skip_instance_cache=True)
+
+
+def _fs_path(url: str) -> str:
+  return url[len(paths.GS):]
+
+
+def names(prefix: str) -> list[str]:
+  """The names of the objects under `prefix/` (relative to it), sorted; [] when there are none."""
+  return names_from(prefix, "")
+
+
+def names_from(prefix: str, start: str) -> list[str]:
+  """The names under `prefix/` that begin with `start` (a prefix listing, through gcsfs), sorted."""
+  bucket, name = paths.split(paths.normalize(prefix))
+  root = f"{bucket}/{name}/" if name else f"{bucket}/"
+  try:
+    found = filesystem().find(root, prefix=start)
+  except FileNotFoundError:
+    return []
+  return sorted(path[len(root):] for path in found if path.startswith(root + start))
+
+
+def exists(url: str) -> bool:
+  """Whether the object `url` exists, asked now (no listing cache: the answer may change while a process runs),
+  within `remote.timeout_s()`; a failure is `remote.error`'s one line."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
+
+  try:
+    return filesystem().info(_fs_path(url), timeout=remote.timeout_s())["type"] == "file"
+  except FileNotFoundError:
+    return False
+  except errors.InspectError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise remote.error(url, e) from None
+
+
+def read(url: str) -> tuple[bytes | None, bytes]:
+  """(The object's bytes or None when it does not exist, its generation: `NO_OBJECT` when missing)."""
+  result = _kvstore(paths.parent(url)).read(paths.basename(url)).result()
+  if result.state != "value":
+    return None, NO_OBJECT
+  return result.value, result.stamp.generation
+
+
+def write(url: str, data: bytes, *, if_generation: bytes | None = None) -> bytes | None:
+  """Writes the object `url`; with `if_generation`, only if it is still at that generation (`NO_OBJECT`: only
+  if it does not exist). Returns its new generation, or None when the condition failed and nothing was written."""
+  result = _kvstore(paths.parent(url)).write(paths.basename(url), data, if_equal=if_generation).result()
+  if if_generation is not None and not result.generation:
+    return None
+  return result.generation
+
+
+def delete(url: str, *, if_generation: bytes | None = None) -> None:
+  _kvstore(paths.parent(url)).write(paths.basename(url), None, if_equal=if_generation).result()
+
+
+def delete_all(prefix: str, names_: Iterable[str] | None = None) -> None:
+  """Deletes `names_` under `prefix` (default: every object under it)."""
+  names_ = names(prefix) if names_ is None else list(names_)
+  if names_:
+    filesystem().rm([_fs_path(paths.join(prefix, n)) for n in names_])
+
+
+def upload(local_dir: str, prefix: str, *, skip: Iterable[str] = ()) -> list[str]:
+  """Uploads every file under `local_dir` to `prefix/<relative name>` (streamed, in parallel), except the names in
+  `skip`; returns the names uploaded."""
+  skip, files = set(skip), []
+  for directory, _, found in os.walk(local_dir):
+    for name in found:
+      relative = os.path.relpath(os.path.join(directory, name), local_dir).replace(os.sep, "/")
+      if relative not in skip:
+        files.append(relative)
+  files.sort()
+  if files:
+    filesystem().put([os.path.join(local_dir, n) for n in files], [_fs_path(paths.join(prefix, n)) for n in files])
+  return files
+
+
+def copy(src_prefix: str, dst_prefix: str, names_: Iterable[str]) -> None:
+  """Server-side copies (GCS rewrite: no bytes through this machine) of `names_` from one prefix to another."""
+  names_ = list(names_)
+  if names_:
+    filesystem().copy([_fs_path(paths.join(src_prefix, n)) for n in names_],
+                      [_fs_path(paths.join(dst_prefix, n)) for n in names_])

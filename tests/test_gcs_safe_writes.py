@@ -1,0 +1,207 @@
+"""Safe writes to gs:// (inspect_tool/output/object_store.py) against the local emulator: what may be replaced, what a
+reader listing DST sees while an export runs, is paused, killed or stopped, and what the next run cleans up.
+
+The export is slowed and killed with the local hooks (`atomic.PAUSE_ENV`, `atomic.KILL_ENV`) at the points of the
+gs:// protocol: `arrays` (writing the local work directory), `staged` (uploaded to the staging prefix, DST not yet
+touched), `publishing` (DST's marker and old objects removed, half the new ones copied)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from gcs_emulator import BUCKET
+from inspect_tool import cli
+from inspect_tool.output import atomic
+from inspect_tool.output import remote_lock
+from inspect_tool.storage import commit
+from test_export_kill import CKPT, REPO, TOKENS, _argv, _env, _wait_for
+
+_COUNT = iter(range(1_000_000))
+
+
+def _dst(name: str) -> str:
+  """A fresh prefix for each test (one emulator serves the session)."""
+  return f"gs://{BUCKET}/safe-{next(_COUNT)}/{name}"
+
+
+def _previous(gcs, tmp_path, dst: str) -> list[str]:
+  """A previous, committed export at `dst` (what --overwrite may replace); its listing."""
+  root = tmp_path / "previous"
+  (root / "0").mkdir(parents=True)
+  (root / "quantization_report.json").write_text(json.dumps({"producer": {"name": "inspect_checkpoint"}}))
+  (root / "0" / "data").write_bytes(b"\1\2\3")
+  (root / commit.MARKER).write_text("committed\n")
+  gcs.upload(root, dst)
+  return gcs.listing(dst)
+
+
+def _siblings(gcs, dst: str) -> list[str]:
+  """The names beside DST (its parent's listing, DST's own objects left out)."""
+  parent, name = dst.rsplit("/", 1)
+  return [n for n in gcs.listing(parent) if not n.startswith(name + "/")]
+
+
+def _is_new_export(gcs, dst: str) -> bool:
+  names = gcs.listing(dst)
+  return names[-2:] == [commit.MARKER, "quantization_report.json"] and "0/items/_METADATA" in names
+
+
+def _env_tmp(tmp_path, **extra):
+  local = tmp_path / "tmp"
+  local.mkdir(exist_ok=True)
+  return _env(TMPDIR=str(local), **extra)
+
+
+def _local_leftovers(tmp_path) -> list[str]:
+  return [n for n in os.listdir(tmp_path / "tmp") if n.startswith("inspect-gs-")]
+
+
+def _export(dst, tmp_path, *extra, **env):
+  return subprocess.run(_argv(dst, *extra), capture_output=True, text=True, env=_env_tmp(tmp_path, **env), cwd=REPO,
+                        check=False, timeout=300)
+
+
+def _one_line(err: str) -> bool:
+  """The tool's one stderr line (tensorstore logs one INFO line of its own when it uses the emulator's test token:
+  not the tool's, not printed against real Cloud Storage)."""
+  return len([l for l in err.strip().splitlines() if "google_auth_provider.cc" not in l]) == 1
+
+
+def test_what_an_export_to_gs_may_replace(gcs, tmp_path, capsys):
+  dst = _dst("fp8")
+  before = _previous(gcs, tmp_path, dst)
+
+  def run(out, *extra):
+    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", out, "--no-validate", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and _one_line(err), err
+    return err
+
+  assert f"output '{dst}' already exists; pass --overwrite to replace it" in run(dst)
+  foreign = _dst("notes")
+  gcs.put(foreign + "/a.txt", b"mine")
+  assert "is a prefix that is not a checkpoint; --overwrite replaces only an earlier export or an Orbax " \
+         "checkpoint" in run(foreign, "--overwrite")
+  single = _dst("file")
+  gcs.put(single, b"an object")
+  assert "is an object (a file); --overwrite replaces only a checkpoint directory" in run(single, "--overwrite")
+  assert "is a whole bucket; give a prefix inside it" in run(f"gs://{BUCKET}", "--overwrite")
+  assert gcs.listing(dst) == before and gcs.listing(foreign) == ["a.txt"]  # nothing touched
+  assert _siblings(gcs, dst) == [] and _siblings(gcs, foreign) == []  # not even a lock left
+
+
+@pytest.mark.parametrize("point", ["arrays", "staged"])
+def test_a_reader_listing_dst_mid_export_sees_the_previous_export(gcs, tmp_path, point):
+  dst, flag = _dst("fp8"), tmp_path / "paused"
+  before = _previous(gcs, tmp_path, dst)
+  proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"{point}:{flag}"}), cwd=REPO)
+  try:
+    _wait_for(flag, proc)
+    assert gcs.listing(dst) == before and commit.committed(dst)
+    beside = _siblings(gcs, dst)
+    assert ".fp8.inspect-lock" in beside  # the run's lock; at `staged`, its complete staging prefix too
+    staged = [n for n in beside if n.startswith(".fp8.inspect-tmp-")]
+    assert (point == "staged") == any(n.endswith("/.inspect_checkpoint-staged") for n in staged)
+    flag.unlink()
+    _, err = proc.communicate(timeout=240)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, err[-2000:]
+  assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
+
+
+def test_a_reader_refuses_dst_while_it_is_being_published(gcs, tmp_path, capsys):
+  dst, flag = _dst("fp8"), tmp_path / "paused"
+  _previous(gcs, tmp_path, dst)
+  proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"publishing:{flag}"}), cwd=REPO)
+  try:
+    _wait_for(flag, proc)
+    names = gcs.listing(dst)
+    assert commit.MARKER not in names and "0/data" not in names and not commit.committed(dst)  # old objects gone
+    code = cli.main(["orbax", "--path", dst])
+    err = capsys.readouterr().err
+    assert code == 2 and _one_line(err) and f"{dst}: incomplete: an inspect_checkpoint export is publishing" in err
+    flag.unlink()
+    _, err = proc.communicate(timeout=240)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, err[-2000:]
+  assert _is_new_export(gcs, dst) and cli.main(["orbax", "--path", dst]) == 0
+
+
+@pytest.mark.parametrize("point", ["arrays", "staged"])
+def test_a_killed_export_leaves_the_previous_one_and_the_next_run_cleans_up(gcs, tmp_path, point):
+  dst = _dst("fp8")
+  before = _previous(gcs, tmp_path, dst)
+  killed = _export(dst, tmp_path, "--overwrite", **{atomic.KILL_ENV: point})
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert gcs.listing(dst) == before and commit.committed(dst)
+  left = _siblings(gcs, dst)
+  assert ".fp8.inspect-lock" in left and all(n.startswith(".fp8.inspect-") for n in left)  # nothing like a checkpoint
+  assert (point == "staged") == any(n.startswith(".fp8.inspect-tmp-") for n in left)
+  assert _local_leftovers(tmp_path)  # the killed run's local work directory
+  again = _export(dst, tmp_path, "--overwrite")
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
+
+
+def test_an_export_killed_while_publishing_is_completed_by_the_next_run(gcs, tmp_path, capsys):
+  dst = _dst("fp8")
+  _previous(gcs, tmp_path, dst)
+  killed = _export(dst, tmp_path, "--overwrite", **{atomic.KILL_ENV: "publishing"})
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert commit.MARKER not in gcs.listing(dst)
+  assert cli.main(["orbax", "--path", dst]) == 2 and "incomplete" in capsys.readouterr().err
+  again = _export(dst, tmp_path)  # without --overwrite: completes the killed run's publication, then refuses
+  assert again.returncode == 2 and _one_line(again.stderr) and "already exists" in again.stderr
+  assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
+  assert cli.main(["orbax", "--path", dst]) == 0
+
+
+def test_a_second_export_to_a_locked_dst_is_refused_and_a_stop_cleans_up(gcs, tmp_path):
+  dst, flag = _dst("fp8"), tmp_path / "paused"
+  before = _previous(gcs, tmp_path, dst)
+  first = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"staged:{flag}"}), cwd=REPO)
+  try:
+    _wait_for(flag, first)
+    second = _export(dst, tmp_path, "--overwrite")
+    assert second.returncode == 2 and _one_line(second.stderr)
+    assert "is being written by another inspect_checkpoint run" in second.stderr
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+  finally:
+    first.kill()
+  assert first.returncode == 128 + signal.SIGTERM and _one_line(err) and "interrupted by SIGTERM" in err
+  assert gcs.listing(dst) == before and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
+
+
+def test_a_lock_is_stale_when_its_process_is_gone_or_its_heartbeat_is_old():
+  now = time.time()
+  live = {"host": "elsewhere", "pid": 1, "heartbeat": now - remote_lock.STALE_S / 2}
+  assert not remote_lock.stale(live, now)
+  assert remote_lock.stale(dict(live, heartbeat=now - remote_lock.STALE_S - 1), now)
+  proc = subprocess.Popen(["true"])  # a process of this host that has ended
+  proc.wait()
+  assert remote_lock.stale({"host": socket.gethostname(), "pid": proc.pid, "heartbeat": now}, now)
+  assert not remote_lock.stale({"host": socket.gethostname(), "pid": os.getppid(), "heartbeat": now}, now)
+
+
+def test_a_refused_bucket_is_one_line_and_nothing_is_written(gcs, capsys):
+  denied = "denied-bucket"
+  gcs.create_bucket(denied)
+  with gcs.refusing(denied):  # the emulator's test-side proxy answers 403 for that bucket
+    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{denied}/fp8", "--no-validate"])
+  err = capsys.readouterr().err
+  assert code == 2 and _one_line(err) and f"cannot write 'gs://{denied}/fp8': PERMISSION_DENIED" in err, err
+  assert "http_response" not in err
+  assert gcs.listing(f"gs://{denied}") == []
