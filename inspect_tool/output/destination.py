@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 
 from inspect_tool import errors
 
+from inspect_tool.output import ours
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 
@@ -234,16 +235,6 @@ def _lock(path: str, dst: str) -> int:
     os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def reclaim_stale_temporaries(dst: str) -> list[str]:
   """Cleans up after earlier runs on `dst` that were killed: their process is gone, their directories remain.
 
@@ -260,7 +251,7 @@ def reclaim_stale_temporaries(dst: str) -> list[str]:
   for name in names:
     match = pattern.match(name)
     path = os.path.join(parent, name)
-    if not match or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+    if not match or int(match.group(1)) == os.getpid() or ours.alive(int(match.group(1))):
       continue
     if os.path.islink(path) or not os.path.isdir(path):
       continue

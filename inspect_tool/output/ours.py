@@ -1,9 +1,11 @@
 """What marks an output as this tool's: the partial marker of its work directories, the producer name its reports
-carry, and the record of a claimed destination (`destination.claim`, `object_store.claim`)."""
+carry, the record of a claimed destination (`destination.claim`, `object_store.claim`), and whether the process
+that left a temporary or a lock is still alive."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
 PRODUCER = "inspect_checkpoint"
@@ -32,3 +34,14 @@ class Claim:
     from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
 
     return paths.parent(self.path)
+
+
+def alive(pid: int) -> bool:
+  """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True

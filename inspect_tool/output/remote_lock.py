@@ -20,6 +20,7 @@ import threading
 import time
 
 from inspect_tool import errors
+from inspect_tool.output.ours import alive
 from inspect_tool.storage import commit
 from inspect_tool.storage import objects
 
@@ -28,16 +29,6 @@ STALE_S = 120.0
 
 
 lock_url = commit.lock_url
-
-
-def alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
 
 
 def stale(content: dict, now: float | None = None) -> bool:
