@@ -259,8 +259,8 @@ def reclaim_stale_temporaries(dst: str) -> list[str]:
       os.rename(path, dst)
       done.append(path)
       continue
-    ours = os.path.exists(os.path.join(path, TMP_MARKER)) or not os.listdir(path) or replaceable(path)
-    if ours:  # anything else is not a directory this tool made: never ours to delete
+    made_here = os.path.exists(os.path.join(path, TMP_MARKER)) or not os.listdir(path) or replaceable(path)
+    if made_here:  # anything else is not a directory this tool made: never ours to delete
       shutil.rmtree(path, ignore_errors=True)
       done.append(path)
   return done
