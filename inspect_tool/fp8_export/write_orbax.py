@@ -24,7 +24,6 @@ keeps the source's metadata and chunks: their stored bytes are copied, not decod
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any, Callable, Sequence
 
@@ -32,6 +31,7 @@ import numpy as np
 
 from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
+from inspect_tool.fp8_export import box_reads
 from inspect_tool.fp8_export import budget as budget_lib
 from inspect_tool.fp8_export import orbax_writer
 from inspect_tool.fp8_export import read as read_lib
@@ -58,8 +58,9 @@ class ArrayJob:
   stored: dict | None = None  # a copy whose slices are whole source chunks: their stored bytes are copied as is
   two_pass: bool = False  # quantized in two passes over blocks that also cut the shared axes
   box: tuple[int, ...] = ()  # what one read holds, aligned to the source's chunks (default: the slice block)
-  ahead: bool = True  # the next box of the array is read while this one is processed
+  ahead: bool = True  # the budget holds two boxes: the next box is read while this one is processed
   cached: bool = False  # the box's slices are read through a chunk cache of its own (`read.cached_box`)
+  read_bytes: int = 0  # what reading one box holds: the box and the chunks being decoded into it
 
   @property
   def slice_bytes(self) -> int:
@@ -138,8 +139,9 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, every_axis if found.two_pass else channels)
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
+    read_bytes = math.prod(found.box) * itemsize + int(source.read_overhead(store, found.box))
     jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored,
-                         found.two_pass, found.box, found.ahead, found.cached))
+                         found.two_pass, found.box, found.ahead, found.cached, read_bytes))
   if short:  # name the array that needs the most: its need is the smallest budget that works for every array
     need, key, shape, chunk = max(short, key=lambda item: item[0])
     raise errors.InputError(
@@ -163,12 +165,6 @@ def _stored_layout(source, store, found: read_plan.ReadPlan) -> dict | None:
   return stored
 
 
-def _chunk_keys(index: tuple[slice, ...], chunk: Sequence[int]) -> list[str]:
-  """The zarr3 keys (default encoding) of the chunks that the block `index` covers."""
-  ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(index, chunk)]
-  return ["c" + "".join(f"/{i}" for i in grid) for grid in itertools.product(*ranges)]
-
-
 def _scale_index(index: tuple[slice, ...], wq) -> tuple[slice, ...]:
   """The part of the scale array that the weight slice `index` determines."""
   return tuple(s if axis in wq.channel_axes else slice(0, 1) for axis, s in enumerate(index))
@@ -188,77 +184,13 @@ def _outputs(job: ArrayJob) -> list[tuple]:
           (wq.scale_key, wq.scale_shape, wq.compute_dtype, _scale_chunk(block, wq))]
 
 
-class _Ready:
-  """A read that needs no reading: the slice is still in memory (None), or a cached box's view (`value`)."""
-
-  def __init__(self, value=None):
-    self._value = value
-
-  def result(self):
-    return self._value
-
-
-class _Reads:
-  """The boxes to read, in order; the next box of the same array is read in the background while one is processed
-  when its job reads ahead (`ArrayJob.ahead`: the budget holds two boxes), else only when it is taken.
-
-  `work` holds (job, index, kind) items; a `REUSE` item reads nothing (its value is the last one taken).
-  """
-
-  def __init__(self, source, work: list[tuple[ArrayJob, tuple[slice, ...], str]]):
-    self._source, self._work, self._next = source, work, 0
-    self._key = self._store = None  # the source array being read
-    self._pending = self._start(0)
-
-  def _start(self, i: int):
-    if i >= len(self._work):
-      return None
-    job, index, kind = self._work[i]
-    if kind == REUSE:
-      return _Ready()
-    if job.cached:  # a view whose slices decode the box's chunks once, into a cache of its own
-      return _Ready(self._source.cached_box(job.leaf.key, index))
-    if job.leaf.key != self._key:
-      self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
-    if job.stored is not None:
-      return self._source.read_stored_async(self._store, _chunk_keys(index, job.chunk))
-    return self._source.read_async(self._store, index)
-
-  def read_again(self, index: tuple[slice, ...]):
-    """The decoded values of a slice of the array being read (a slice whose chunks are not all stored)."""
-    return self._source.read(self._store, index)
-
-  def take(self):
-    """The next box's values (the caller holds no other box); starts reading the one after it when allowed."""
-    if self._pending is None:
-      self._pending = self._start(self._next)
-    pending, job, self._next = self._pending, self._work[self._next][0], self._next + 1
-    self._pending = None
-    value = pending.result()
-    if job.ahead and self._next < len(self._work) and self._work[self._next][0] is job:
-      self._pending = self._start(self._next)
-    return value
-
-  def close(self) -> None:
-    """Waits for the read in flight, ignoring its outcome."""
-    pending, self._pending = self._pending, None
-    try:
-      if pending is not None:
-        pending.result()
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-
-SLICE, ABSMAX, REUSE = "slice", "absmax", "reuse"  # read and write; read for pass 1; pass 2 of the last one read
-
-
 def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, tuple[slice, ...], str]]:
   """The reads of one unit of `job`: its box; or, two-pass, every box for the absmax, then every box again in
   reverse order for quantizing, the first of them (the last read) kept from pass 1."""
   if not job.two_pass:
-    return [(job, index, SLICE) for index in unit]
-  return ([(job, index, ABSMAX) for index in unit]
-          + [(job, index, REUSE if i == 0 else SLICE) for i, index in enumerate(reversed(unit))])
+    return [(job, index, box_reads.SLICE) for index in unit]
+  return ([(job, index, box_reads.ABSMAX) for index in unit]
+          + [(job, index, box_reads.REUSE if i == 0 else box_reads.SLICE) for i, index in enumerate(reversed(unit))])
 
 
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
@@ -300,7 +232,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   try:
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
     outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
-    reads = _Reads(source, [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)])
+    reads = box_reads.BoxReads(source, [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)])
     source_bytes = 0
     for number, (job, units) in enumerate(zip(jobs, owned)):
       for unit in units:
@@ -328,7 +260,7 @@ def _relative(index: tuple[slice, ...], box: tuple[slice, ...]) -> tuple[slice, 
   return tuple(slice(s.start - b.start, s.stop - b.start) for s, b in zip(index, box))
 
 
-def _one_slice(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
+def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
                progress) -> int:
   """Reads the one box of `unit` and quantizes (or copies) and writes it slice by slice (cut in memory); returns
   its source bytes."""
@@ -356,7 +288,7 @@ def _one_slice(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_wri
   return _slice_bytes(job, box)
 
 
-def _two_pass(job: ArrayJob, unit, reads: _Reads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
+def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
               progress) -> int:
   """Quantizes one group of boxes that share channels in two passes (the absmax of every slice, gathered per
   channels; then each slice quantized with it); writes every slice's qvalue and, once per channels, the scale.
