@@ -178,21 +178,26 @@ def test_no_validate_is_recorded_and_the_export_reads_back_unchanged(tmp_path, c
 def test_validation_that_does_not_fit_is_skipped_with_a_command_that_runs_it_as_printed(tmp_path, capsys,
                                                                                          monkeypatch, batch_files):
   import shlex  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import validate  # pylint: disable=import-outside-toplevel
 
-  monkeypatch.setattr(validate, "memory_needed", lambda source_bytes: 3 * 10**9)  # more than 2GB leaves
+  monkeypatch.setattr(validate, "memory_needed", lambda source_bytes: 3 * 10**9)  # more than the budget leaves
+  held = budget.current_rss()  # this process's memory grows with the tests run before this one
+  small = f"{(held + 15 * 10**8) // 10**6}MB"
   dst = tmp_path / "fp8"
   batch = ["--tokens", batch_files[0], "--targets", batch_files[1]]
   code, _, err = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
-                     *batch, "--min-top1", "0.5", "--max-memory", "2GB", "--format", "json")
+                     *batch, "--min-top1", "0.5", "--max-memory", small, "--format", "json")
   assert code == 0, err
   record = json.loads((dst / "quantization_report.json").read_text())["validation"]
   assert record["skipped"] and record["reason"].startswith("validation needs about 2.8 GiB")
   assert "validation skipped" in err and record["run_elsewhere"] in err
   printed = shlex.split(record["run_elsewhere"])
-  assert printed[:2] == ["inspect_checkpoint", "export"] and printed[-3:] == ["--overwrite", "--max-memory", "4GB"]
+  assert printed[:2] == ["inspect_checkpoint", "export"] and printed[-3:-1] == ["--overwrite", "--max-memory"]
   assert printed[2:-3] == [*L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8", *batch,
                            "--min-top1", "0.5"]
+  suggested = int(printed[-1].removesuffix("GB")) * 10**9  # the need beside what the process holds, rounded up
+  assert 3 * 10**9 < suggested < 3 * 10**9 + budget.current_rss() + 10**9 + 2**28, printed[-1]
   code, out, err = run(capsys, *printed[1:], "--format", "json")  # the suggestion, as printed: validation runs
   assert code == 0, out[-3000:] + err
   record = json.loads((dst / "quantization_report.json").read_text())["validation"]
