@@ -197,7 +197,7 @@ def test_a_lock_is_stale_when_its_process_is_gone_or_its_heartbeat_is_old():
 
 
 def test_a_refused_bucket_is_one_line_and_nothing_is_written(gcs, capsys):
-  denied = "denied-bucket"
+  denied = "denied-write-bucket"  # its own: test_gcs_read uploads into "denied-bucket" (one emulator per session)
   gcs.create_bucket(denied)
   with gcs.refusing(denied):  # the emulator's test-side proxy answers 403 for that bucket
     code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{denied}/fp8", "--no-validate"])
