@@ -11,9 +11,11 @@ under `params/params` (MaxText's params-only loaders find the bias there too).
 
 Writing: each array is read in chunk-aligned boxes and processed in slices that fit the memory budget
 (`read_plan`: a box bigger than a slice may be is read once and cut in memory, or its slices read through a chunk
-cache holding its decoded chunks when they do not fit beside it, so no source chunk is decoded for every slice); a slice is quantized (`quantize`'s compiled quantizers: a slice along channel axes gets
-exactly the whole weight's scales; the slices of a two-pass weight get its absmax from a first pass) and written
-into the destination zarr3 array, chunked by a sub-block of the slice, through tensorstore. As Orbax does, each process writes into its own OCDBT database
+cache holding its decoded chunks when they do not fit beside it, so no source chunk is decoded for every slice;
+`box_reads`: the next box read ahead when the budget holds it); a slice is quantized (`quantize`'s compiled
+quantizers: a slice along channel axes gets exactly the whole weight's scales; the slices of a two-pass weight get
+their absmax from a first pass) and written into the destination zarr3 array, chunked by a sub-block of the slice,
+through tensorstore. As Orbax does, each process writes into its own OCDBT database
 (`items/ocdbt.process_<i>/`), and process 0 merges them into the checkpoint's root database and writes `_METADATA`
 (the pytree: Orbax's format, `use_ocdbt`, `use_zarr3`) and the step's `_CHECKPOINT_METADATA`. With several
 processes (`jax.distributed`), process `i` handles every unit of work (a slice; a two-pass group of blocks) whose
@@ -232,7 +234,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   try:
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
     outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
-    reads = box_reads.BoxReads(source, [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)])
+    work = [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)]
+    reads = box_reads.BoxReads(source, work)
     source_bytes = 0
     for number, (job, units) in enumerate(zip(jobs, owned)):
       for unit in units:
@@ -260,8 +263,8 @@ def _relative(index: tuple[slice, ...], box: tuple[slice, ...]) -> tuple[slice, 
   return tuple(slice(s.start - b.start, s.stop - b.start) for s, b in zip(index, box))
 
 
-def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
-               progress) -> int:
+def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter,
+               outputs: list, progress) -> int:
   """Reads the one box of `unit` and quantizes (or copies) and writes it slice by slice (cut in memory); returns
   its source bytes."""
   box = unit[0]
@@ -288,8 +291,8 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
   return _slice_bytes(job, box)
 
 
-def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter, outputs: list,
-              progress) -> int:
+def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter,
+              outputs: list, progress) -> int:
   """Quantizes one group of boxes that share channels in two passes (the absmax of every slice, gathered per
   channels; then each slice quantized with it); writes every slice's qvalue and, once per channels, the scale.
   The last box of pass 1 stays in memory for pass 2. Returns the source bytes of the group."""
