@@ -236,7 +236,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       return arrays.cached_overhead(arrays.open(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
-                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES,
+                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES,
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
                                       cached_overhead=cached_overhead if hasattr(arrays, "view") else None)
     skipped = "--no-validate"
