@@ -4,7 +4,7 @@
 `env` holds the variables Google's clients honour (`STORAGE_EMULATOR_HOST`) plus what tensorstore needs from it
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
 `listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
-meanwhile. The `gcs` fixture (tests/conftest.py) is one
+meanwhile, `altering(bucket)` makes it store small uploads to a bucket with their last byte changed. The `gcs` fixture (tests/conftest.py) is one
 emulator per test session with the variables set in os.environ, so the tool, run in-process or as a subprocess with
 `os.environ`, reads and writes gs:// paths against it.
 
@@ -13,11 +13,13 @@ what Cloud Storage sends and the emulator does not — the `x-goog-generation` h
 `ifGenerationNotMatch` / `ifGenerationMatch` conditions on them (tensorstore's OCDBT driver re-reads its manifest
 with such a condition; without the header it fails now and then with "Malformed StorageGeneration") — and answers
 403, as Cloud Storage does to a caller without access, for the buckets `refusing` names (the emulator has no
-permissions to refuse with).
+permissions to refuse with); and it base64-encodes the data of multipart uploads, which the emulator would otherwise
+cut short by a byte when it ends in a CR (`_base64_media`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import http.server
@@ -44,13 +46,14 @@ def _free_port() -> int:
 
 
 class _Proxy(http.server.ThreadingHTTPServer):
-  """Relays requests to the emulator at `target`, adding generation headers and conditions, refusing `denied`."""
+  """Relays requests to the emulator at `target`, adding generation headers and conditions, refusing `denied`,
+  changing uploads to `altered`."""
 
   daemon_threads = True
 
   def __init__(self, target: str):
     super().__init__(("127.0.0.1", 0), _Relay)
-    self.target, self.denied, self.requests = target, set(), 0
+    self.target, self.denied, self.altered, self.requests = target, set(), set(), 0
 
   @property
   def url(self) -> str:
@@ -90,6 +93,9 @@ class _Relay(http.server.BaseHTTPRequestHandler):
         return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as error:
       return error.code, dict(error.headers), error.read()
+    except urllib.error.URLError:  # the emulator has stopped (a request a client gave up on, relayed at teardown)
+      return 503, {"Content-Type": "application/json"}, b'{"error": {"code": 503, "message": "emulator stopped"}}'
+
 
   def _relay(self):
     self.server.requests += 1
@@ -113,10 +119,45 @@ class _Relay(http.server.BaseHTTPRequestHandler):
         if "ifGenerationMatch" in query and query["ifGenerationMatch"] != [generation]:
           return self._send(412, {"Content-Type": "application/json"},
                             json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode())
+    if self.command == "POST" and query.get("uploadType") == ["multipart"] and body:
+      altered = bucket is not None and urllib.parse.unquote(bucket.group(1)) in self.server.altered
+      body = _base64_media(body, self.headers.get("Content-Type", ""), alter=altered)
     status, answer_headers, payload = self._forward(self.command, self.path, body, headers)
     self._send(status, {**answer_headers, **(extra if status in (200, 206) else {})}, payload)
 
   do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _relay
+
+
+def _base64_media(body: bytes, content_type: str, alter: bool = False) -> bytes:
+  """The multipart upload `body` with its media part base64-encoded (and said so): the emulator parses the body
+  with Python's email parser, which takes a CR ending the data for part of the line break before the closing
+  boundary and drops it (one upload in 256 of random bytes lost its last byte). Cloud Storage keeps every byte.
+  With `alter`, the last byte of the data is changed first (a store that keeps other bytes than it was sent)."""
+  boundary = re.search(r'boundary="?([^";]+)"?', content_type)
+  if not boundary:
+    return body
+  opening = b"--" + boundary.group(1).encode()
+  eol = b"\r\n" if body.startswith(opening + b"\r\n") else b"\n"  # gcsfs writes LF line breaks
+  closing = eol + opening + b"--"
+  media_start = body.find(eol + opening + eol) + len(eol + opening + eol)
+  header_end = body.find(eol + eol, media_start)
+  media_end = body.rfind(closing)
+  if media_start < len(eol + opening + eol) or header_end < 0 or media_end < header_end:
+    return body
+  media = body[header_end + 2 * len(eol):media_end]
+  if alter and media:
+    media = media[:-1] + bytes([media[-1] ^ 1])
+  return (body[:header_end] + eol + b"Content-Transfer-Encoding: base64" + eol + eol
+          + base64.encodebytes(media).replace(b"\n", eol) + closing + eol)
+
+
+@contextlib.contextmanager
+def _meanwhile(buckets: set, bucket: str):
+  buckets.add(bucket)
+  try:
+    yield
+  finally:
+    buckets.discard(bucket)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +166,13 @@ class GcsEmulator:
   data_dir: Path
   proxy: _Proxy | None = None
 
-  @contextlib.contextmanager
   def refusing(self, bucket: str):
-    """Cloud Storage's 403 for every request naming `bucket`, meanwhile."""
-    self.proxy.denied.add(bucket)
-    try:
-      yield
-    finally:
-      self.proxy.denied.discard(bucket)
+    """Cloud Storage's 403 for every request naming `bucket`, meanwhile (a context manager)."""
+    return _meanwhile(self.proxy.denied, bucket)
+
+  def altering(self, bucket: str):
+    """Meanwhile (a context manager), the last byte of each small (multipart) upload to `bucket` is stored changed."""
+    return _meanwhile(self.proxy.altered, bucket)
 
   @property
   def env(self) -> dict[str, str]:

@@ -51,3 +51,11 @@ def run_tool(args: list[str], cgroup: Cgroup | None = None, timeout: int = 900):
   peak = [int(line.split()[1]) * 1024 for line in lines if line.startswith("PEAK_RSS_KB")]
   out.stderr = "\n".join(l for l in lines if not l.startswith(("PEAK_RSS_KB", "Command exited with non-zero")))
   return out, (peak or [None])[-1]
+
+
+def accepted_floor(out) -> int:
+  """The smallest `--max-memory` a refused run names (its one line ends "accepted: at least N MiB"), in bytes; asserts
+  the run was refused with exit 2 and said so."""
+  assert out.returncode == 2 and "accepted: at least " in out.stderr, out.stderr[-2000:]
+  number, unit = out.stderr.rsplit("accepted: at least ", 1)[1].split()[:2]
+  return int(float(number) * {"GiB": 2**30, "MiB": 2**20}[unit])

@@ -97,12 +97,17 @@ def test_what_an_export_to_gs_may_replace(gcs, tmp_path, capsys):
   assert _siblings(gcs, dst) == [] and _siblings(gcs, foreign) == []  # not even a lock left
 
 
+def _paused_export(dst: str, tmp_path, point: str, flag) -> subprocess.Popen:
+  """An `--overwrite` export to `dst` that pauses at `point` until `flag` (which it creates then) is removed."""
+  return subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"{point}:{flag}"}), cwd=REPO)
+
+
 @pytest.mark.parametrize("point", ["arrays", "staged"])
 def test_a_reader_listing_dst_mid_export_sees_the_previous_export(gcs, tmp_path, point):
   dst, flag = _dst("fp8"), tmp_path / "paused"
   before = _previous(gcs, tmp_path, dst)
-  proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"{point}:{flag}"}), cwd=REPO)
+  proc = _paused_export(dst, tmp_path, point, flag)
   try:
     _wait_for(flag, proc)
     assert gcs.listing(dst) == before and commit.committed(dst)
@@ -121,8 +126,7 @@ def test_a_reader_listing_dst_mid_export_sees_the_previous_export(gcs, tmp_path,
 def test_a_reader_refuses_dst_while_it_is_being_published(gcs, tmp_path, capsys):
   dst, flag = _dst("fp8"), tmp_path / "paused"
   _previous(gcs, tmp_path, dst)
-  proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"publishing:{flag}"}), cwd=REPO)
+  proc = _paused_export(dst, tmp_path, "publishing", flag)
   try:
     _wait_for(flag, proc)
     names = gcs.listing(dst)
@@ -170,8 +174,7 @@ def test_an_export_killed_while_publishing_is_completed_by_the_next_run(gcs, tmp
 def test_a_second_export_to_a_locked_dst_is_refused_and_a_stop_cleans_up(gcs, tmp_path):
   dst, flag = _dst("fp8"), tmp_path / "paused"
   before = _previous(gcs, tmp_path, dst)
-  first = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=_env_tmp(tmp_path, **{atomic.PAUSE_ENV: f"staged:{flag}"}), cwd=REPO)
+  first = _paused_export(dst, tmp_path, "staged", flag)
   try:
     _wait_for(flag, first)
     second = _export(dst, tmp_path, "--overwrite")
@@ -205,3 +208,17 @@ def test_a_refused_bucket_is_one_line_and_nothing_is_written(gcs, capsys):
   assert code == 2 and _one_line(err) and f"cannot write 'gs://{denied}/fp8': PERMISSION_DENIED" in err, err
   assert "http_response" not in err
   assert gcs.listing(f"gs://{denied}") == []
+
+
+def test_an_upload_stored_with_other_bytes_fails_the_export_and_publishes_nothing(gcs, capsys):
+  """Each upload's MD5 is checked against the one the store computed: a store keeping other bytes than were sent
+  (the emulator's proxy changes the last byte of small uploads to this bucket) ends the export with one line."""
+  altered = "altered-write-bucket"
+  gcs.create_bucket(altered)
+  with gcs.altering(altered):
+    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{altered}/fp8", "--no-validate"])
+  err = capsys.readouterr().err
+  assert code == 2 and _one_line(err), err
+  assert f"cannot write 'gs://{altered}/fp8': " in err and "stored with other bytes than were sent (MD5 differs)" in err
+  left = gcs.listing(f"gs://{altered}")  # uploads cancelled by the failure may still land in the staging prefix
+  assert not [n for n in left if not n.startswith(".fp8.inspect-tmp-")], left

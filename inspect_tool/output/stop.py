@@ -2,8 +2,9 @@
 
 `install_handlers` makes each of them raise `errors.Interrupted` in the main thread (called at start-up and again
 after JAX's distributed runtime, whose preemption notifier would take SIGTERM). The signal is also remembered:
-- where Python would swallow the exception (a gc callback such as JAX's `_xla_gc_callback`, a `__del__`), the
-  handler raises nothing and runs again 50 ms later;
+- where Python swallows the exception (a gc callback such as JAX's `_xla_gc_callback`, a `__del__`, a weakref
+  callback run by the collector: all reach `sys.unraisablehook`), the hook installed here drops it silently and
+  the signal is delivered again 50 ms later;
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
 - the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
   a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -31,30 +33,37 @@ _reported: list[bool] = []  # whether the one line was printed
 _watchdog: list[threading.Thread] = []
 
 
-def _handler(signum, frame):
+def _handler(signum, frame):  # pylint: disable=unused-argument
   if not _received:
     _received.append(signum)
-  if _swallowing(frame):
-    import _thread  # pylint: disable=import-outside-toplevel
-
-    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
-    timer.daemon = True
-    timer.start()
-    return
   _raised.append(True)
   raise errors.Interrupted(signum)
 
 
-def _swallowing(frame) -> bool:
-  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
-  import gc  # pylint: disable=import-outside-toplevel
+def _again_later(signum: int) -> None:
+  """Delivers `signum` to the main thread again in 50 ms (its first exception was swallowed)."""
+  import _thread  # pylint: disable=import-outside-toplevel
 
-  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-  while frame is not None:
-    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-      return True
-    frame = frame.f_back
-  return False
+  _raised.clear()
+  timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
+  timer.daemon = True
+  timer.start()
+
+
+def _install_unraisable_hook() -> None:
+  """Wraps `sys.unraisablehook` (once) so that an `Interrupted` Python would drop is delivered again instead."""
+  previous = sys.unraisablehook
+  if getattr(previous, "redelivers_stops", False):
+    return
+
+  def hook(unraisable):
+    if isinstance(unraisable.exc_value, errors.Interrupted):
+      _again_later(unraisable.exc_value.signum)
+    else:
+      previous(unraisable)
+
+  hook.redelivers_stops = True
+  sys.unraisablehook = hook
 
 
 def install_handlers() -> None:
@@ -63,6 +72,7 @@ def install_handlers() -> None:
     return
   for name in NAMES:
     signal.signal(getattr(signal, name), _handler)
+  _install_unraisable_hook()
   if not _watchdog:
     read, write = os.pipe()
     os.set_blocking(write, False)

@@ -107,7 +107,13 @@ def upload(local_dir: str, prefix: str, *, skip: Iterable[str] = ()) -> list[str
         files.append(relative)
   files.sort()
   if files:
-    filesystem().put([os.path.join(local_dir, n) for n in files], [_fs_path(paths.join(prefix, n)) for n in files])
+    from gcsfs import retry  # pylint: disable=import-outside-toplevel
+
+    try:  # each upload's MD5 checked against the one the store computed of what it keeps
+      filesystem().put([os.path.join(local_dir, n) for n in files], [_fs_path(paths.join(prefix, n)) for n in files],
+                       consistency="md5")
+    except retry.ChecksumError:
+      raise OSError(f"an upload to {prefix} was stored with other bytes than were sent (MD5 differs)") from None
   return files
 
 
