@@ -1,10 +1,16 @@
-"""The boxes of an export read in order, the next one read in the background while one is processed when the
-budget holds it (`write_orbax.ArrayJob.ahead`, `read_bytes`): within an array, and across arrays."""
+"""The boxes of an export read in order, up to `MAX_AHEAD` of the next ones read in the background while one is
+processed, as far as the memory its plan had room for holds them (`write_orbax.ArrayJob.room`): within an array
+and across arrays."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Sequence
+
+from inspect_tool.fp8_export import budget
+
+MAX_AHEAD = 2  # reads in flight beside the box being processed (tensorstore decodes them in parallel)
 
 
 def chunk_keys(index: tuple[slice, ...], chunk: Sequence[int]) -> list[str]:
@@ -24,64 +30,81 @@ class _Ready:
 
 
 class BoxReads:
-  """The boxes to read, in order; the next box is read in the background while one is processed when the job
-  being processed reads ahead (`ArrayJob.ahead`: the budget holds two of its boxes) and the next box is its own,
-  or the next array's whose read holds no more than one of its boxes (`_may_follow`); else only when it is taken.
+  """The boxes to read, in order. Once a box is taken, the following ones are started in the background while
+  `_may_start` allows: at most `MAX_AHEAD` in flight, none for or during a cached box (its view decodes as it is
+  read) or past a copy of stored chunks (which may read its source again), and only while the box being
+  processed, the reads in flight and the new one, plus `budget.SLICE_FACTOR` times the largest of their slices,
+  fit in the room the plan had (`ArrayJob.room`; each plan already counts the process itself).
 
   `work` holds (job, index, kind) items; a `REUSE` item reads nothing (its value is the last one taken).
   """
 
   def __init__(self, source, work: list[tuple]):
-    self._source, self._work, self._next = source, work, 0
-    self._key = self._store = None  # the source array being read
-    self._pending = self._start(0)
+    self._source, self._work = source, work
+    self._opened = (None, None)  # (key, tensorstore handle) of the array last opened
+    self._store = None  # the handle of the array whose box was taken last
+    self._queue: collections.deque = collections.deque()  # (item number, pending read, handle), in order
+    self._next = 0  # the item `take` returns next
+    self._started = 0  # items started so far
+    self._begin()
+
+  def _begin(self) -> None:
+    if self._started < len(self._work):
+      self._queue.append((self._started, *self._start(self._started)))
+      self._started += 1
 
   def _start(self, i: int):
-    if i >= len(self._work):
-      return None
     job, index, kind = self._work[i]
     if kind == REUSE:
-      return _Ready()
+      return _Ready(), None
     if job.cached:  # a view whose slices decode the box's chunks once, into a cache of its own
-      return _Ready(self._source.cached_box(job.leaf.key, index))
-    if job.leaf.key != self._key:
-      self._key, self._store = job.leaf.key, self._source.open(job.leaf.key)
+      return _Ready(self._source.cached_box(job.leaf.key, index)), None
+    if job.leaf.key != self._opened[0]:
+      self._opened = (job.leaf.key, self._source.open(job.leaf.key))
+    store = self._opened[1]
     if job.stored is not None:
-      return self._source.read_stored_async(self._store, chunk_keys(index, job.chunk))
-    return self._source.read_async(self._store, index)
+      return self._source.read_stored_async(store, chunk_keys(index, job.chunk)), store
+    return self._source.read_async(store, index), store
 
   def read_again(self, index: tuple[slice, ...]):
-    """The decoded values of a slice of the array being read (a slice whose chunks are not all stored)."""
+    """The decoded values of a slice of the array whose box was taken last (a slice whose chunks are not all
+    stored)."""
     return self._source.read(self._store, index)
 
   def take(self):
-    """The next box's values (the caller holds no other box); starts reading the one after it when allowed."""
-    if self._pending is None:
-      self._pending = self._start(self._next)
-    pending, job, self._next = self._pending, self._work[self._next][0], self._next + 1
-    self._pending = None
+    """The next box's values (the caller holds no other box); starts reading the following ones when allowed."""
+    if not self._queue:
+      self._begin()
+    number, pending, store = self._queue.popleft()
+    assert number == self._next, (number, self._next)
+    self._next += 1
+    self._store = store if store is not None else self._store
     value = pending.result()
-    if job.ahead and self._next < len(self._work) and _may_follow(job, self._work[self._next][0]):
-      self._pending = self._start(self._next)
+    while self._started < len(self._work) and self._may_start(number, self._started):
+      self._queue.append((self._started, *self._start(self._started)))
+      self._started += 1
     return value
 
+  def _may_start(self, current: int, candidate: int) -> bool:
+    """Whether the read of item `candidate` may start while item `current` is processed (see the class)."""
+    job, following = self._work[current][0], self._work[candidate][0]
+    if len(self._queue) >= MAX_AHEAD or job.cached or following.cached:
+      return False
+    if job.stored is not None:  # its own next box only, as its plan allows (`read_again` reads this array)
+      return following is job and job.ahead and not self._queue
+    items = [current, *(n for n, _, _ in self._queue), candidate]  # the current box is held whatever its kind
+    held = job.read_bytes + sum(self._work[i][0].read_bytes for i in items[1:] if self._work[i][2] != REUSE)
+    slices = budget.SLICE_FACTOR * max(self._work[i][0].slice_bytes for i in items)
+    return held + slices <= job.room
+
   def close(self) -> None:
-    """Waits for the read in flight, ignoring its outcome."""
-    pending, self._pending = self._pending, None
-    try:
-      if pending is not None:
+    """Waits for the reads in flight, ignoring their outcome."""
+    queue, self._queue = self._queue, collections.deque()
+    for _, pending, _ in queue:
+      try:
         pending.result()
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-
-def _may_follow(job, following) -> bool:
-  """Whether `following`'s next box may be read while `job` (which reads ahead) is processed: its own next box, or
-  the next array's first when that read holds no more than one box of `job` does (so the two-box budget of `job`
-  covers it), is not cached, and `job` does not read its source again (a copy of stored chunks)."""
-  if following is job:
-    return True
-  return (job.stored is None and not following.cached and 0 < following.read_bytes <= job.read_bytes)
+      except Exception:  # pylint: disable=broad-except
+        pass
 
 
 SLICE, ABSMAX, REUSE = "slice", "absmax", "reuse"  # read and write; read for pass 1; pass 2 of the last one read

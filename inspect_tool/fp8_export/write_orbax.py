@@ -60,9 +60,10 @@ class ArrayJob:
   stored: dict | None = None  # a copy whose slices are whole source chunks: their stored bytes are copied as is
   two_pass: bool = False  # quantized in two passes over blocks that also cut the shared axes
   box: tuple[int, ...] = ()  # what one read holds, aligned to the source's chunks (default: the slice block)
-  ahead: bool = True  # the budget holds two boxes: the next box is read while this one is processed
+  ahead: bool = True  # its plan holds two of its boxes: its next box can be read while this one is processed
   cached: bool = False  # the box's slices are read through a chunk cache of its own (`read.cached_box`)
   read_bytes: int = 0  # what reading one box holds: the box and the chunks being decoded into it
+  room: int = 0  # the bytes its plan had beside the process: what boxes read ahead may fill (`box_reads`)
 
   @property
   def slice_bytes(self) -> int:
@@ -143,7 +144,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
     read_bytes = math.prod(found.box) * itemsize + int(source.read_overhead(store, found.box))
     jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored,
-                         found.two_pass, found.box, found.ahead, found.cached, read_bytes))
+                         found.two_pass, found.box, found.ahead, found.cached, read_bytes, max_memory - held))
   if short:  # name the array that needs the most: its need is the smallest budget that works for every array
     need, key, shape, chunk = max(short, key=lambda item: item[0])
     raise errors.InputError(
@@ -199,8 +200,9 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
-  Three stages overlap: the next box is read (tensorstore threads; only with `ArrayJob.ahead`) while the slices
-  of this one are quantized, and the last slice's outputs are encoded and written meanwhile (`read_plan`).
+  Three stages overlap: the next boxes are read (tensorstore threads; as far as `ArrayJob.room` holds them,
+  `box_reads`) while the slices of this one are quantized, and the last slice's outputs are encoded and written
+  meanwhile (`read_plan`).
   A two-pass job (`ArrayJob.two_pass`) reads each group of boxes that share channels twice: their absmax first,
   then the boxes again to quantize them; the scale of each channel range is written with its first slice.
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
