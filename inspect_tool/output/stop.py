@@ -2,9 +2,10 @@
 
 `install_handlers` makes each of them raise `errors.Interrupted` in the main thread (called at start-up and again
 after JAX's distributed runtime, whose preemption notifier would take SIGTERM). The signal is also remembered:
-- where Python swallows the exception (a gc callback such as JAX's `_xla_gc_callback`, a `__del__`, a weakref
-  callback run by the collector: all reach `sys.unraisablehook`), the hook installed here drops it silently and
-  the signal is delivered again 50 ms later;
+- where Python would drop the exception: inside a gc callback (JAX's `_xla_gc_callback`) or a `__del__` the
+  handler raises nothing and the signal is delivered again 50 ms later; anywhere else Python drops it (a weakref
+  callback run by the collector), the `sys.unraisablehook` installed here (again if something replaced it) takes
+  the dropped `Interrupted` silently and does the same;
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
 - the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
   a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
@@ -33,11 +34,26 @@ _reported: list[bool] = []  # whether the one line was printed
 _watchdog: list[threading.Thread] = []
 
 
-def _handler(signum, frame):  # pylint: disable=unused-argument
+def _handler(signum, frame):
   if not _received:
     _received.append(signum)
+  if _swallowing(frame):  # raised here, it would reach only `sys.unraisablehook` (if that is still ours)
+    _again_later(signum)
+    return
   _raised.append(True)
   raise errors.Interrupted(signum)
+
+
+def _swallowing(frame) -> bool:
+  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
+  import gc  # pylint: disable=import-outside-toplevel
+
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
 
 
 def _again_later(signum: int) -> None:
@@ -51,7 +67,8 @@ def _again_later(signum: int) -> None:
 
 
 def _install_unraisable_hook() -> None:
-  """Wraps `sys.unraisablehook` (once) so that an `Interrupted` Python would drop is delivered again instead."""
+  """Wraps `sys.unraisablehook` (unless it is ours already) so that an `Interrupted` Python would drop is
+  delivered again instead."""
   previous = sys.unraisablehook
   if getattr(previous, "redelivers_stops", False):
     return
