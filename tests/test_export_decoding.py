@@ -189,7 +189,8 @@ def _quiet_metrics() -> tuple[int, int]:
 
 def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
   """tensorstore's own counters: reading a one-chunk box slice by slice through `cached_box` reads its stored
-  bytes from disk once and decodes it once; the same slices read without the cache decode it once each."""
+  bytes from disk once and decodes it once; the same slices read each through a handle of its own decode it once
+  each."""
   step, chunks, cap = source
   cfg = config.resolve_config(TOKENS)
   src = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
@@ -209,13 +210,26 @@ def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
     return (_metric("/tensorstore/kvstore/file/bytes_read") - disk,
             _metric("/tensorstore/internal/riegeli/noncontiguous_bytes") - decoding, parts)
 
-  before = dict(src.decodes)
-  view = src.cached_box(key, box)
-  disk, decoding, parts = read_slices(lambda index: view[tuple(slice(s.start, s.stop) for s in index)])
-  assert disk < decoded + 2**20 and decoded <= decoding < decoded + 2**20, (disk, decoding)
+  tries = []
+  for _ in range(3):  # the counters are the process's: another thread's reads can only add to a try
+    before = dict(src.decodes)
+    view = src.cached_box(key, box)
+    disk, decoding, parts = read_slices(lambda index, view=view: view[tuple(slice(s.start, s.stop) for s in index)])
+    assert np.concatenate(parts).tobytes() == whole.tobytes()
+    assert src.decodes[key][0] - before.get(key, [0])[0] == 1  # counted once, as the box
+    tries.append((disk, decoding))
+    if disk < decoded + 2**20 and decoding < decoded + 2**20:
+      break
+  disk, decoding = min(tries)
+  assert disk < decoded + 2**20 and decoded <= decoding < decoded + 2**20, tries
   cached_disk = disk
-  assert np.concatenate(parts).tobytes() == whole.tobytes()
-  assert src.decodes[key][0] - before.get(key, [0])[0] == 1  # counted once, as the box
-  disk, decoding, parts = read_slices(lambda index: src.read(store, index))
-  assert decoding >= len(slices) * decoded and disk > len(slices) // 2 * cached_disk  # uncached: once per slice
+  # The counters can tell: each slice read through a handle of its own (a fresh context, so nothing is kept between
+  # reads) reads and decodes the whole chunk again. (Through one handle tensorstore sometimes keeps a decoded
+  # chunk between reads by itself, so that is no baseline.)
+  def fresh(index):
+    other = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+    return other.read(other.open(key), index)
+
+  disk, decoding, parts = read_slices(fresh)
+  assert decoding >= len(slices) * decoded and disk >= len(slices) * cached_disk - 2**16, (disk, decoding)
   assert np.concatenate(parts).tobytes() == whole.tobytes()
