@@ -46,12 +46,12 @@ class BoxReads:
     self._queue: collections.deque = collections.deque()  # (item number, pending read, handle), in order
     self._next = 0  # the item `take` returns next
     self._started = 0  # items started so far
-    self._begin()
+    if work:
+      self._start_next()
 
-  def _begin(self) -> None:
-    if self._started < len(self._work):
-      self._queue.append((self._started, *self._start(self._started)))
-      self._started += 1
+  def _start_next(self) -> None:
+    self._queue.append((self._started, *self._start(self._started)))
+    self._started += 1
 
   def _start(self, i: int):
     job, index, kind = self._work[i]
@@ -74,15 +74,14 @@ class BoxReads:
   def take(self):
     """The next box's values (the caller holds no other box); starts reading the following ones when allowed."""
     if not self._queue:
-      self._begin()
+      self._start_next()
     number, pending, store = self._queue.popleft()
     assert number == self._next, (number, self._next)
     self._next += 1
     self._store = store if store is not None else self._store
     value = pending.result()
     while self._started < len(self._work) and self._may_start(number, self._started):
-      self._queue.append((self._started, *self._start(self._started)))
-      self._started += 1
+      self._start_next()
     return value
 
   def _may_start(self, current: int, candidate: int) -> bool:
