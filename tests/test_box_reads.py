@@ -33,7 +33,7 @@ class _Source:
 
 
 def _job(name, read_bytes, room=ROOMY, ahead=True, cached=False, stored=None, slice_bytes=None):
-  return SimpleNamespace(leaf=SimpleNamespace(key=(name,)), read_bytes=read_bytes, ahead=ahead, cached=cached,
+  return SimpleNamespace(leaf=SimpleNamespace(key=(name,)), read_bytes=read_bytes, ahead=ahead, cached=cached, streamed=False,
                          stored=stored, chunk=(), room=room,
                          slice_bytes=read_bytes if slice_bytes is None else slice_bytes)
 

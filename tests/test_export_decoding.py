@@ -1,4 +1,5 @@
-"""No re-decoding: on sources saved by Orbax itself (one chunk per array; chunks capped by `chunk_byte_size`, which
+"""No re-decoding: on sources saved by Orbax itself (one chunk per array, streamed when no whole chunk fits; chunks
+capped by `chunk_byte_size`, which
 straddle the axes the scales are shared over), every read is a box of whole source chunks, each chunk is decoded
 once (one pass) or at most twice (two passes), as tensorstore's own chunk-read counter confirms, and the export
 holds Qwix's values for the whole weights."""
@@ -17,6 +18,7 @@ import orbax_sources
 from inspect_tool.configuration import config
 from inspect_tool.fp8_export import plan as plan_lib
 from inspect_tool.fp8_export import read
+from inspect_tool.fp8_export import read_plan
 from inspect_tool.fp8_export import report
 from inspect_tool.fp8_export import write_orbax
 
@@ -44,10 +46,11 @@ def _chunk_reads() -> int:
 
 
 class _Recording:
-  """The checkpoint source, recording every decoded read (array key, index) the writer asks for."""
+  """The checkpoint source, recording every decoded read (array key, index) the writer asks for, and the boxes it
+  streams (`streamed`)."""
 
   def __init__(self, source):
-    self._source, self.reads, self._keys = source, [], {}
+    self._source, self.reads, self._keys, self.streamed = source, [], {}, []
 
   def __getattr__(self, name):
     return getattr(self._source, name)
@@ -66,6 +69,35 @@ class _Recording:
     self.reads.append((key, index))
     return self._source.cached_box(key, index)
 
+  def read_streamed_async(self, key, index):
+    self.streamed.append((key, index))
+    return self._source.read_streamed_async(key, index)
+
+
+class _Inflated:
+  """The bytes every zstd decoder the process starts has put out (zstandard's stream readers, counted at
+  `readinto`): what streamed reads decoded, measured at the decoder."""
+
+  def __init__(self, monkeypatch):
+    import zstandard  # pylint: disable=import-outside-toplevel
+
+    self.total, original, counter = 0, zstandard.ZstdDecompressor.stream_reader, self
+
+    class Reader:
+      def __init__(self, inner):
+        self._inner = inner
+
+      def readinto(self, view):
+        n = self._inner.readinto(view)
+        counter.total += n
+        return n
+
+      def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    monkeypatch.setattr(zstandard.ZstdDecompressor, "stream_reader",
+                        lambda decompressor, *a, **k: Reader(original(decompressor, *a, **k)))
+
 
 def _replayed(src, reads) -> tuple[int, dict]:
   """(chunks tensorstore decodes for the recorded reads, replayed one by one; chunk -> times it is read)."""
@@ -82,7 +114,7 @@ def _replayed(src, reads) -> tuple[int, dict]:
 
 def _export(step: str, available: int, dst):
   """Plans within `available` bytes beside the reserve (held = 0) and writes; returns (jobs, source, the report's
-  decoding figures, tensorstore's count of the chunks the reads decode, chunk -> times read)."""
+  decoding figures, tensorstore's count of the chunks the (not streamed) reads decode, chunk -> times read)."""
   cfg = config.resolve_config(TOKENS)
   plan = plan_lib.plan_export(cfg)
   src = _Recording(read.open_source(cfg, step, plan_lib.model_leaves(cfg)))
@@ -96,8 +128,15 @@ def _export(step: str, available: int, dst):
 
 
 def _check_aligned(jobs, src) -> None:
-  """Every box is made of whole source chunks (or whole axes); every slice divides its box."""
+  """Every box is made of whole source chunks (or whole axes), or is one run of the array in C order when it is
+  streamed; every slice divides its box."""
   for job in jobs:
+    if job.streamed:
+      numbers = np.arange(math.prod(job.leaf.shape)).reshape(job.leaf.shape)
+      for index in read_plan.boxes(job.leaf.shape, job.read_block):
+        run = numbers[index].reshape(-1)
+        assert (np.diff(run) == 1).all(), (job.leaf.key, index)
+      continue
     chunk = src.chunk_shape(src.open(job.leaf.key))
     for box, side, c, d in zip(job.read_block, job.slicing.block, chunk, job.leaf.shape):
       assert box % c == 0 or box == d, (job.leaf.key, job.read_block, chunk)
@@ -130,14 +169,29 @@ def _check_values(step: str, dst, jobs) -> None:
     assert np.asarray(node["array"]["scale"]).tobytes() == np.asarray(expected.scale).tobytes(), job.leaf.key
 
 
-def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path):
+def _check_streamed(jobs, src, counted, measured: int, inflated) -> dict:
+  """The zstd decoders put out each streamed array once (one pass) or twice (two passes), as the report counts it;
+  the other chunks the report counts are those tensorstore decoded (`measured`). Returns key -> bytes of each
+  streamed array."""
+  streamed = {job.leaf.key: job for job in jobs if job.streamed}
+  arrays = {key: math.prod(job.leaf.shape) * np.dtype(job.leaf.dtype).itemsize for key, job in streamed.items()}
+  assert inflated.total == sum((1 + job.two_pass) * arrays[key] for key, job in streamed.items())
+  for key, job in streamed.items():
+    assert src.decodes[key] == [1 + job.two_pass, (1 + job.two_pass) * arrays[key]], key
+  assert counted["chunks_decoded"] - sum(src.decodes[key][0] for key in streamed) == measured
+  return arrays
+
+
+def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path, monkeypatch):
   step, chunks, cap = source
   largest = max(math.prod(c) for c in chunks.values()) * 4
   # Room for one chunk-sized box, the chunk decoded into it and small slices: no box spanning the experts' shared
   # axes fits beside it when chunks are capped, so they are quantized in two passes.
+  inflated = _Inflated(monkeypatch)
   jobs, src, counted, measured, times = _export(step, 2 * largest + 12 * 2**16, tmp_path / "dst" / "items")
   _check_aligned(jobs, src)
-  assert counted["chunks_decoded"] == measured == sum(times.values())  # tensorstore's own counter agrees
+  arrays = _check_streamed(jobs, src, counted, measured, inflated)
+  assert measured == sum(times.values())  # tensorstore's own counter agrees
   assert max(times.values()) <= 2
   assert counted["decoded_per_stored"] <= 2 and counted["most_decoded_array"]["decoded_per_stored"] <= 2
   for key, (n, nbytes) in src.decodes.items():
@@ -148,18 +202,42 @@ def test_a_tight_budget_decodes_each_chunk_at_most_twice(source, tmp_path):
     assert 1 < src.decodes[wi_0.leaf.key][1] / (math.prod(wi_0.leaf.shape) * 4) <= 2
   else:  # one chunk: decoded once into a cache of its own, its slices read from it
     assert not wi_0.two_pass and wi_0.read_block == wi_0.leaf.shape and wi_0.slicing.count > 1
-    assert wi_0.cached and not wi_0.ahead
+    assert wi_0.cached and not wi_0.ahead and wi_0.leaf.key not in arrays  # a cached chunk before a streamed cut
     assert counted["decoded_per_stored"] == 1
   _check_values(step, tmp_path / "dst" / "items", jobs)
 
 
-def test_where_one_pass_fits_every_chunk_is_decoded_once(source, tmp_path):
+def test_a_budget_under_one_chunk_streams_the_chunk_in_boxes_once(source, tmp_path, monkeypatch):
+  """One chunk per array, a budget under the largest chunk (16 MiB, the output head) beside the reserve: the largest
+  arrays are decoded from their stored chunk front to back into boxes smaller than the array (one run of it each),
+  each chunk once (twice in two passes), with Qwix's values. Chunks of 1 MiB: the same budget reads boxes of whole
+  chunks."""
+  step, chunks, cap = source
+  largest = max(math.prod(c) for c in chunks.values()) * 4
+  inflated = _Inflated(monkeypatch)
+  jobs, src, counted, measured, times = _export(step, 12 * MIB, tmp_path / "dst" / "items")
+  _check_aligned(jobs, src)
+  wi_0 = next(job for job in jobs if ".".join(job.leaf.key) == WI_0)
+  _check_streamed(jobs, src, counted, measured, inflated)
+  assert measured == sum(times.values()) and max(times.values(), default=0) <= 2
+  if cap:
+    assert not any(job.streamed for job in jobs) and inflated.total == 0
+  else:
+    assert largest == 16 * MIB and wi_0.streamed and math.prod(wi_0.read_block) < math.prod(wi_0.leaf.shape), wi_0
+    assert inflated.total > 0 and counted["decoded_per_stored"] <= 2
+  _check_values(step, tmp_path / "dst" / "items", jobs)
+  _check_values(step, tmp_path / "dst" / "items", jobs)
+
+
+def test_where_one_pass_fits_every_chunk_is_decoded_once(source, tmp_path, monkeypatch):
   step, _, _ = source
+  inflated = _Inflated(monkeypatch)
   jobs, src, counted, measured, times = _export(step, 48 * MIB, tmp_path / "dst" / "items")
   _check_aligned(jobs, src)
   assert not any(job.two_pass for job in jobs)
+  _check_streamed(jobs, src, counted, measured, inflated)
   assert max(times.values()) == 1  # every chunk read once
-  assert counted["chunks_decoded"] == measured == len(times) and counted["bytes_decoded"] == counted["bytes_stored"] > 0
+  assert measured == len(times) and counted["bytes_decoded"] == counted["bytes_stored"] > 0
   assert counted["decoded_per_stored"] == 1 and counted["most_decoded_array"]["decoded_per_stored"] == 1
   _check_values(step, tmp_path / "dst" / "items", jobs)
 
@@ -233,3 +311,44 @@ def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
   disk, decoding, parts = read_slices(fresh)
   assert decoding >= len(slices) * decoded and disk >= len(slices) * cached_disk - 2**16, (disk, decoding)
   assert np.concatenate(parts).tobytes() == whole.tobytes()
+
+
+def test_the_hf_layout_streams_one_chunk_arrays_in_boxes_of_many_rows(source, tmp_path, monkeypatch):
+  """The deepseek-fp8 writer within 24 MiB of work: the arrays stored as one chunk too large to read whole beside its
+  decoded copy (the 16 MiB embedding and head) are streamed, each decoded once, in boxes of many rows (not row by
+  row), and the files are those of the writer with the default work memory. Chunks of 1 MiB: nothing is streamed."""
+  from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  step, chunks, cap = source
+  cfg = config.resolve_config(MODEL)
+  boxes, read_async = [], chunk_stream.ChunkStream.read_async
+  monkeypatch.setattr(chunk_stream.ChunkStream, "read_async",
+                      lambda stream, index, out: boxes.append((stream.shape, out.nbytes)) or read_async(stream, index, out))
+
+  def write(dst, work_bytes):
+    src = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+    views = {key: src.view(key) for key in src.keys()}
+    dst.mkdir()
+    write_hf.write_deepseek_fp8(views, cfg, str(dst), work_bytes=work_bytes,
+                                chunk_shape=lambda key: src.chunk_shape(src.open(key)),
+                                read_overhead=lambda key, box: src.read_overhead(src.open(key), box))
+    src.close_stream()
+    return src
+
+  src = write(tmp_path / "bounded", 24 * MIB)
+  streamed = {shape for shape, _ in boxes}
+  if cap:
+    assert not boxes
+  else:
+    assert streamed == {(16384, 256), (256, 16384)}, streamed
+    for shape in streamed:
+      key = next(key for key in src.keys() if tuple(src.leaf(key).shape) == shape)
+      assert src.decodes[key][0] == 1, key  # decoded once, front to back
+      sizes = [nbytes for s, nbytes in boxes if s == shape]
+      assert len(sizes) <= 16 and sum(sizes) == math.prod(shape) * 4, (shape, sizes)
+  write(tmp_path / "unbounded", write_hf.DEFAULT_WORK_BYTES)
+  names = sorted(p.name for p in (tmp_path / "unbounded").iterdir())
+  assert names == sorted(p.name for p in (tmp_path / "bounded").iterdir())
+  for name in names:
+    assert (tmp_path / "bounded" / name).read_bytes() == (tmp_path / "unbounded" / name).read_bytes(), name

@@ -59,6 +59,8 @@ class BoxReads:
       return _Ready(), None
     if job.cached:  # a view whose slices decode the box's chunks once, into a cache of its own
       return _Ready(self._source.cached_box(job.leaf.key, index)), None
+    if job.streamed:  # decoded front to back from the array's one stored chunk, in the order asked for
+      return self._source.read_streamed_async(job.leaf.key, index), None
     if job.leaf.key != self._opened[0]:
       self._opened = (job.leaf.key, self._source.open(job.leaf.key))
     store = self._opened[1]

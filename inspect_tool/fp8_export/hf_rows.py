@@ -90,23 +90,25 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, block_bytes: int, chun
                available: int = 0, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
   """Writes every BF16 / F32 tensor of a leaf. With the source's `chunk` shape: in boxes of whole chunks along the
   layer axis (or the HF row axis), as large as `available` bytes hold with their decode `overhead(box)`, each
-  read once (`read_plan.plan_boxes`; a smallest box of a lazy source view through a chunk cache, by layer or rows:
-  `read.ArrayView.cached`); else layer by layer."""
+  read once (`read_plan.plan_boxes`; where no whole chunk fits, streamed from a one-chunk array, or a smallest box
+  of a lazy source view read through a chunk cache, by layer or rows: `read.ArrayView.stream`, `.cached`); else
+  layer by layer."""
   shape = tuple(int(d) for d in value.shape)
   if chunk is None or not shape:
     for layer, part in slices(value, entry):
       write_rows(writer, part, entry.rule, layer, cfg, block_bytes)
     return
-  axis, cached = read_axis(entry), False
+  axis, cached, streamed = read_axis(entry), False, False
   if axis is not None:
-    box, _, cached = read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead,
-                                          cached=hasattr(value, "cached"))
+    box, _, cached, streamed = read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead,
+                                                    cached=hasattr(value, "cached"),
+                                                    stream=getattr(value, "stream_overhead", None))
   else:
     box = shape
   regions = None
   hf_shape = None if axis is None else (shape[1], shape[0]) if _rows_by_columns(shape, entry.rule) else shape
   for index in read_plan.boxes(shape, box):
-    block = value.cached(index) if cached else np.asarray(value[index])
+    block = value.stream(index) if streamed else value.cached(index) if cached else np.asarray(value[index])
     if entry.layer_axis is None:
       regions = write_rows(writer, block, entry.rule, entry.layers[0] if entry.layers else None, cfg, block_bytes,
                            regions=regions, hf_shape=hf_shape)

@@ -167,6 +167,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0), "processes": count,
               "two_pass_arrays": sum(job.two_pass for job in jobs),
               "read_ahead_arrays": sum(job.ahead for job in jobs),
+              "streamed_arrays": sum(job.streamed for job in jobs),
               "decoding": report_lib.decoding(getattr(src, "decodes", {}),
                                               {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
@@ -222,23 +223,30 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = plan_lib.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
-    shapes = {}  # key -> source chunk shape, each array opened once here
+    stores, shapes = {}, {}  # key -> the source array's handle and chunk shape, each array opened once here
+
+    def store(key):
+      if key not in stores:
+        stores[key] = arrays.open(key)
+      return stores[key]
 
     def chunk_shape(key):
       if key not in shapes:
-        shapes[key] = arrays.chunk_shape(arrays.open(key))
+        shapes[key] = arrays.chunk_shape(store(key))
       return shapes[key]
 
     def read_overhead(key, box):
-      return arrays.read_overhead(arrays.open(key), box) if chunk_shape(key) else 0
+      return arrays.read_overhead(store(key), box) if chunk_shape(key) else 0
 
     def cached_overhead(key, box):  # read through a chunk cache (`read.ArrayView.cached`)
-      return arrays.cached_overhead(arrays.open(key), box)
+      return arrays.cached_overhead(store(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
                                       held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES,
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
-                                      cached_overhead=cached_overhead if hasattr(arrays, "view") else None)
+                                      cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
+                                      stream_overhead=(lambda key: arrays.stream_overhead(store(key)))
+                                      if hasattr(arrays, "stream_overhead") else None)
     skipped = "--no-validate"
     rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
                                         batch_options=batch_options, min_top1=min_top1)
@@ -255,9 +263,13 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                                 chunk_shape=chunk_shape, read_overhead=read_overhead)
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
+        finally:
+          if hasattr(arrays, "close_stream"):
+            arrays.close_stream()
       decoding = report_lib.decoding(getattr(arrays, "decodes", {}),
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
+      stores.clear()
       validation = None
       if not skipped:
         validation = validate_lib.validate_hf(cfg, source, tmp, data, min_top1=min_top1,

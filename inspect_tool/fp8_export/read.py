@@ -65,6 +65,9 @@ class CheckpointSource:
     self._names: dict[int, tuple[str, ...]] = {}  # id(store) -> model leaf key, for counting decodes
     self._stored: dict[tuple[str, ...], int] = {}  # model leaf key -> stored bytes of its largest chunk
     self.decodes: dict[tuple[str, ...], list[int]] = {}  # model leaf key -> [chunks, bytes] decoded so far
+    self._chunks: dict[tuple[str, ...], Any] = {}  # model leaf key -> its one stored chunk (`stream_overhead`)
+    self._stream = None  # (model leaf key, chunk_stream.ChunkStream) of the array streamed last
+    self._finishing: list = []  # the streams before it, their last reads running
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
     """The checkpoint's leaf (shape, stored dtype) for a model leaf key."""
@@ -112,9 +115,11 @@ class CheckpointSource:
   def stored_chunk_bytes(self, store) -> int:
     """Stored (encoded) bytes of the largest source chunk of `store`: read from the shard index when the array is
     one zarr3 shard whose index ends it (Orbax's layout), else its decoded bytes."""
+    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+
     key = self._names.get(id(store), ())
     if key not in self._stored:
-      self._stored[key] = _stored_chunk_bytes(store, self.stored_layout(store))
+      self._stored[key] = chunk_stream.largest_stored_chunk(store.kvstore, self.stored_layout(store), store.shape)
       if self._stored[key] is None:
         self._stored[key] = self.chunk_bytes(store)
     return self._stored[key]
@@ -126,6 +131,49 @@ class CheckpointSource:
 
     chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
     return min(DECODING_CHUNKS, chunks) * self.stored_chunk_bytes(store)
+
+  def stream_overhead(self, store) -> int | None:
+    """Bytes a streamed read of `store` holds beside its box (`chunk_stream.StoredChunk.held`), or None when the
+    array is not stored as one chunk that can be streamed."""
+    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+
+    key = self._names.get(id(store), ())
+    if key not in self._chunks:
+      layout = self.stored_layout(store)
+      self._chunks[key] = layout and chunk_stream.stored_chunk(store.kvstore, layout, store.shape)
+    found = self._chunks[key]
+    return found.held if found else None
+
+  def read_streamed_async(self, key: tuple[str, ...], index: tuple[slice, ...]) -> "PendingRead":
+    """Starts decoding the box `index` (contiguous in C order) of model leaf `key`'s one-chunk array from its
+    stored chunk, front to back (`chunk_stream.ChunkStream`: one stream per array, the earlier ones finishing);
+    counted as decoding the chunk each time its decoding starts over."""
+    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+
+    if self._stream is None or self._stream[0] != key:
+      if self._stream is not None:  # its reads go on (a read ahead of this array's may overlap them)
+        self._stream[1].finish()
+        self._finishing.append(self._stream[1])
+      store = self.open(key)
+      if self.stream_overhead(store) is None:
+        raise errors.CheckpointError(f"{self.items_dir}: the data of {'/'.join(key)} is not one stored chunk")
+      shape = tuple(int(d) for d in store.shape)
+      self._stream = (key, chunk_stream.ChunkStream(store.kvstore, self._chunks[key], shape,
+                                                    store.dtype.numpy_dtype, lambda: self._count(store, ())))
+    stream = self._stream[1]
+    out = aligned_empty([s.stop - s.start for s in index], stream.dtype)
+    try:
+      future = stream.read_async(index, out)
+    except Exception as e:  # pylint: disable=broad-except
+      future = e
+    return PendingRead(future, self.items_dir, value=out)
+
+  def close_stream(self) -> None:
+    """Ends the streams (`read_streamed_async`), waiting for their reads."""
+    streams, self._finishing = self._finishing + ([self._stream[1]] if self._stream else []), []
+    self._stream = None
+    for stream in streams:
+      stream.close()
 
   def cached_box(self, key: tuple[str, ...], index: tuple[slice, ...]) -> "ArrayView":
     """The chunk-aligned box `index` of model leaf `key`'s array as a lazy view, read through a chunk cache of
@@ -228,6 +276,18 @@ class ArrayView:
     return self._source.cached_box(self._source._names[id(self._store)], index)  # pylint: disable=protected-access
 
   @property
+  def stream_overhead(self) -> int | None:
+    """What a streamed read of this array holds beside its box (`CheckpointSource.stream_overhead`); None when
+    it cannot be streamed."""
+    return None if self._origin is not None else self._source.stream_overhead(self._store)
+
+  def stream(self, index: tuple[slice, ...]) -> np.ndarray:
+    """The box `index` (one run of the array in C order), decoded from the array's one stored chunk by its stream
+    (`CheckpointSource.read_streamed_async`): boxes are best asked for front to back."""
+    key = self._source._names[id(self._store)]  # pylint: disable=protected-access
+    return self._source.read_streamed_async(key, index).result()
+
+  @property
   def ndim(self) -> int:
     return len(self.shape)
 
@@ -253,32 +313,6 @@ class ArrayView:
   def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
     value = self[()] if self.shape else self._source.read(self._store, (), counted=self._origin is None)
     return np.asarray(value, dtype) if dtype is not None else np.asarray(value)
-
-
-def _stored_chunk_bytes(store, metadata: dict | None) -> int | None:
-  """The largest stored inner chunk of a zarr3 array that is one `sharding_indexed` shard with its index (bytes,
-  little-endian, optionally crc32c) at its end, read from that index; None when it is not such an array."""
-  codecs = (metadata or {}).get("codecs") or []
-  if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not store.shape:
-    return None
-  conf = codecs[0].get("configuration") or {}
-  index_codecs = [(c.get("name"), (c.get("configuration") or {}).get("endian", "little"))
-                  for c in conf.get("index_codecs") or []]
-  shard = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-  if (conf.get("index_location", "end") != "end" or index_codecs not in ([("bytes", "little")],
-                                                                          [("bytes", "little"), ("crc32c", "little")])
-      or any(-(-int(d) // int(s)) != 1 for d, s in zip(store.shape, shard))):
-    return None
-  count = math.prod(-(-int(s) // int(c)) for s, c in zip(shard, conf["chunk_shape"]))
-  size = 16 * count + 4 * (len(index_codecs) == 2)
-  try:
-    found = store.kvstore.read("c" + "/0" * store.rank, byte_range=slice(-size, None)).result()
-  except Exception:  # pylint: disable=broad-except
-    return None
-  if found.state != "value" or len(found.value) != size:
-    return None
-  pairs = np.frombuffer(bytes(found.value)[:16 * count], "<u8").reshape(count, 2)
-  return int(max((n for offset, n in pairs if offset != 2**64 - 1), default=0))
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to use a host buffer as is

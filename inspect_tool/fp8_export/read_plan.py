@@ -16,6 +16,11 @@ chunk decoded once, by the first slice that touches it; then memory holds
   box bytes (its decoded chunks) + `stored(box)` (the stored bytes of the chunks decoded at once) +
   `budget.SLICE_FACTOR` * slice bytes,
 without read-ahead: for a box of one chunk, one chunk and its stored bytes instead of the box and the chunk.
+An array stored as one chunk (Orbax's layout below its chunk cap) may instead be *streamed*
+(`chunk_stream.ChunkStream`): its stored bytes decoded front to back into boxes of any size along the leading
+axes it may be cut along (each box one run of the array in C order), read in order, the chunk decoded once per
+pass; memory holds the boxes as above with the stream's windows (`stream`) as their decode overhead. Streamed
+whole boxes are planned after whole boxes of chunks, a streamed box cut in memory last (`plan_reads`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class ReadPlan:
   ahead: bool
   need: int  # bytes beyond what the process holds
   cached: bool = False  # the box's slices are read through a chunk cache holding its chunks, not cut in memory
+  streamed: bool = False  # the array's one chunk is decoded front to back into boxes contiguous in C order
 
 
 def minimal_box(shape: Sequence[int], chunk: Sequence[int] | None, cuttable: Sequence[int]) -> tuple[int, ...]:
@@ -97,26 +103,40 @@ def _nbytes(block: Sequence[int], itemsize: int) -> int:
 def plan_reads(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int, *,
                channel_axes: Sequence[int], two_pass_allowed: bool,
                overhead: Callable[[Sequence[int]], int],
-               stored: Callable[[Sequence[int]], int] | None = None) -> ReadPlan | None:
+               stored: Callable[[Sequence[int]], int] | None = None, stream: int | None = None) -> ReadPlan | None:
   """The read plan of an array within `available` bytes (None: none fits): one pass before two, then whole boxes
-  with read-ahead, whole boxes, a smallest box cut in memory with read-ahead, cached (with `stored`), cut in memory
-  without read-ahead.
+  (with read-ahead, then without), streamed whole boxes (with `stream`), a smallest box cut in memory with
+  read-ahead, cached (with `stored`), cut in memory without read-ahead, and a streamed box cut in memory. (A box
+  cut in memory reads its slices faster from a cached chunk than from a streamed box: measured on
+  `bench/bench_export.py`'s one-chunk source.)
 
   `channel_axes`: the axes a one-pass slice may be cut along (a quantized weight's channels; every axis for a
   copy); `two_pass_allowed`: the weight may be quantized in two passes (then boxes and slices cut every axis);
   `overhead(box)`: what the source holds beyond the box while decoding it; `stored(box)`: beyond the box's decoded
-  chunks while decoding them into a cache (None: the source has no cached reads).
+  chunks while decoding them into a cache (None: the source has no cached reads); `stream`: what a streamed read
+  holds beside its box (None: the array is not one chunk that can be streamed, `read.CheckpointSource.stream_overhead`).
   """
   every = tuple(range(len(shape)))
   modes = [(False, tuple(channel_axes))]
   if two_pass_allowed and set(channel_axes) != set(every):
     modes.append((True, every))
   for two_pass, cuttable in modes:
-    found = _fit(shape, itemsize, chunk, available, cuttable, overhead, stored)
+    found = _fit(shape, itemsize, chunk, available, cuttable, overhead, stored, _streamed(shape, cuttable, stream))
     if found is not None:
-      box, block, ahead, need, cached = found
-      return ReadPlan(box, block, two_pass, ahead, need, cached)
+      box, block, ahead, need, cached, streamed = found
+      return ReadPlan(box, block, two_pass, ahead, need, cached, streamed)
   return None
+
+
+def _streamed(shape: Sequence[int], cuttable: Sequence[int], stream: int | None):
+  """(chunk, cuttable axes, overhead) of streamed reads: boxes of any side along the leading cuttable axes, so
+  that every box is one run of the array in C order (`chunk_stream.contiguous_range`); None without `stream`."""
+  if stream is None:
+    return None
+  prefix = 0
+  while prefix < len(shape) and prefix in cuttable:
+    prefix += 1
+  return (1,) * len(shape), tuple(range(prefix)), lambda box: stream
 
 
 def _need(box, block, itemsize: int, ahead: bool, overhead) -> int:
@@ -127,7 +147,20 @@ def _cached_need(box, block, itemsize: int, stored) -> int:
   return _nbytes(box, itemsize) + int(stored(box)) + budget.SLICE_FACTOR * _nbytes(block, itemsize)
 
 
-def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
+def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None, streamed=None):
+  ones, prefix, held = streamed or (None, None, None)  # streamed: boxes along the leading cuttable axes
+  attempts = [(lambda: _whole_boxes(shape, itemsize, chunk, available, cuttable, overhead), False),
+              (lambda: _whole_boxes(shape, itemsize, ones, available, prefix, held), True),
+              (lambda: _cut_boxes(shape, itemsize, chunk, available, cuttable, overhead, stored), False),
+              (lambda: _cut_boxes(shape, itemsize, ones, available, prefix, held, slice_axes=cuttable), True)]
+  for attempt, is_stream in attempts:
+    found = None if is_stream and streamed is None else attempt()
+    if found is not None:
+      return (*found[:5], is_stream)
+  return None
+
+
+def _whole_boxes(shape, itemsize, chunk, available, cuttable, overhead):
   for ahead in (True, False):  # whole boxes, each read once into a slice of its own
     limit = (available - (1 + ahead) * int(overhead(minimal_box(shape, chunk, cuttable)))) // (
         1 + ahead + budget.SLICE_FACTOR)
@@ -138,6 +171,10 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
       if _nbytes(box, itemsize) <= limit and _need(box, box, itemsize, ahead, overhead) <= available:
         return box, box, ahead, _need(box, box, itemsize, ahead, overhead), False
       limit = limit * 3 // 4
+  return None
+
+
+def _cut_boxes(shape, itemsize, chunk, available, cuttable, overhead, stored=None, slice_axes=None):
   box = minimal_box(shape, chunk, cuttable)  # one box, cut in memory (or cached)
   for ahead, cached in ((True, False), (False, True), (False, False)):
     if (cached and stored is None) or (ahead and box == tuple(int(d) for d in shape)):
@@ -145,33 +182,48 @@ def _fit(shape, itemsize, chunk, available, cuttable, overhead, stored=None):
     held = _nbytes(box, itemsize) + int(stored(box)) if cached else (1 + ahead) * (
         _nbytes(box, itemsize) + int(overhead(box)))
     room = (available - held) // budget.SLICE_FACTOR
-    block = slice_block(shape, box, itemsize, room, cuttable) if room > 0 else None
+    block = slice_block(shape, box, itemsize, room, slice_axes or cuttable) if room > 0 else None
     if block is not None:
       need = _cached_need(box, block, itemsize, stored) if cached else _need(box, block, itemsize, ahead, overhead)
-      return box, block, ahead, need, cached
+      return box, block, ahead, need, cached, False
   return None
 
 
 def plan_boxes(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, available: int,
                cuttable: Sequence[int], overhead: Callable[[Sequence[int]], int],
-               cached: bool = False) -> tuple[tuple[int, ...], bool, bool]:
-  """(box, ahead, cached) for reading an array whose work beside the boxes is already taken from `available`: the
-  largest chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one, else the smallest
-  box; the smallest box read without read-ahead is read through a chunk cache (`cached`) when the source has one."""
+               cached: bool = False, stream: int | None = None) -> tuple[tuple[int, ...], bool, bool, bool]:
+  """(box, ahead, cached, streamed) for reading an array whose work beside the boxes is already taken from
+  `available`: the largest chunk-aligned box of which two (`ahead`) fit with their decode overhead, else one; else,
+  with `stream` (`plan_reads`), the largest streamed box (one run of the array), two or one; else the smallest
+  box, streamed when the array can be, else read through a chunk cache (`cached`) when the source has one."""
   smallest = minimal_box(shape, chunk, cuttable)
   for ahead in (True, False):
     limit = available // (1 + ahead) - int(overhead(smallest))
     box = aligned_box(shape, chunk, itemsize, max(limit, 0), cuttable)
     if (1 + ahead) * (_nbytes(box, itemsize) + int(overhead(box))) <= available:
-      return box, ahead, cached and not ahead and box == smallest
-  return smallest, False, cached
+      return box, ahead, cached and not ahead and box == smallest, False
+  streamed = _streamed(shape, cuttable, stream)
+  if streamed is None:
+    return smallest, False, cached, False
+  ones, prefix, _ = streamed
+  for ahead in (True, False):
+    box = aligned_box(shape, ones, itemsize, max(available // (1 + ahead) - stream, 0), prefix)
+    if (1 + ahead) * (_nbytes(box, itemsize) + stream) <= available:
+      return box, ahead, False, True
+  return streamed_box(shape, cuttable), False, False, True
+
+
+def streamed_box(shape: Sequence[int], cuttable: Sequence[int]) -> tuple[int, ...]:
+  """The smallest streamed box (`plan_boxes`) of an array read along `cuttable` axes."""
+  return minimal_box(shape, (1,) * len(shape), _streamed(shape, cuttable, 0)[1])
 
 
 def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, channel_axes: Sequence[int],
           two_pass_allowed: bool, overhead: Callable[[Sequence[int]], int],
-          stored: Callable[[Sequence[int]], int] | None = None) -> int:
+          stored: Callable[[Sequence[int]], int] | None = None, stream: int | None = None) -> int:
   """The fewest bytes (beyond what the process holds) any read plan of the array needs: a smallest box, cut into
-  slices of 1 along every axis it may cut, without read-ahead, cut in memory or (with `stored`) cached."""
+  slices of 1 along every axis it may cut, without read-ahead, cut in memory, (with `stored`) cached or (with
+  `stream`) streamed."""
   every = tuple(range(len(shape)))
   options = [tuple(channel_axes)] + ([every] if two_pass_allowed else [])
   needs = []
@@ -181,6 +233,10 @@ def floor(shape: Sequence[int], itemsize: int, chunk: Sequence[int] | None, *, c
     needs.append(_need(box, block, itemsize, False, overhead))
     if stored is not None:
       needs.append(_cached_need(box, block, itemsize, stored))
+    if stream is not None:
+      box = streamed_box(shape, cuttable)
+      block = tuple(1 if axis in cuttable else b for axis, b in enumerate(box))
+      needs.append(_need(box, block, itemsize, False, lambda box: stream))
   return min(needs)
 
 

@@ -103,20 +103,21 @@ def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[t
   return regions
 
 
-def _blocks(value, cut: budget.Slicing, ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
-  """(index, block read into memory) of every block of `cut`, in order; with `ahead`, block k+1 is read in a
-  background thread while the caller converts block k (the caller drops block k before asking for the next)."""
+def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing,
+            ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+  """(index, `read(index)`) of every block of `cut`, in order; with `ahead`, block k+1 is read in a background
+  thread while the caller converts block k (the caller drops block k before asking for the next)."""
   slices = list(cut.slices())
   if not ahead or len(slices) < 2:
     for index in slices:
-      yield index, np.asarray(value[index])
+      yield index, read(index)
     return
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
-    pending = pool.submit(np.asarray, value[slices[0]])
+    pending = pool.submit(read, slices[0])
     for k, index in enumerate(slices):
       block = pending.result()
       if k + 1 < len(slices):
-        pending = pool.submit(np.asarray, value[slices[k + 1]])
+        pending = pool.submit(read, slices[k + 1])
       yield index, block
       del block
 
@@ -137,10 +138,12 @@ def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk
   layer_axis = entry.layer_axis
   expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
   cuttable = _read_axes(entry)
-  box, ahead, cached = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES), cuttable,
-                                            overhead, cached=hasattr(value, "cached"))
+  box, ahead, cached, streamed = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES),
+                                                      cuttable, overhead, cached=hasattr(value, "cached"),
+                                                      stream=getattr(value, "stream_overhead", None))
   cut = budget.Slicing(tuple(entry.shape), box)
-  blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(value, cut, ahead)
+  read = value.stream if streamed else (lambda index: np.asarray(value[index]))
+  blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(read, cut, ahead)
   for index, block in blocks:
     for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
       for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
@@ -190,12 +193,14 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
                 chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                 read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                 mtp_shared_copies: bool = True,
-                cached_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None) -> int:
+                cached_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
+                stream_overhead: Callable[[tuple[str, ...]], int | None] | None = None) -> int:
   """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
   A leaf needs at least its smallest read (one source chunk along the axes it is read along, whole elsewhere,
   float32) with what decoding it holds (`read_overhead(key, block)`, or `cached_overhead(key, block)` when it is
-  read through a chunk cache: the stored bytes of the chunks being decoded) and `budget.SLICE_FACTOR` times its unit of
+  read through a chunk cache: the stored bytes of the chunks being decoded; or its smallest streamed box with what a
+  stream holds, `stream_overhead(key)`, for an array stored as one chunk) and `budget.SLICE_FACTOR` times its unit of
   work (one routed expert's matrix, one FP8 matrix of a layer: they are quantized whole; one row of an embedding,
   head or norm), beside `held` (what the process holds). At DeepSeek-V3's size the largest unit is a dense-layer
   MLP matrix, 18432 x 7168 float32 (528 MB).
@@ -213,16 +218,21 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
     decoding = int(read_overhead(key, box)) if read_overhead else 0
     if cached_overhead is not None and chunk:  # read through a chunk cache: its stored bytes, not the box besides
       decoding = min(decoding, int(cached_overhead(key, box)))
+    what = f"decoded source chunks of {budget.format_size(decoding)}" if decoding else ""
+    stream = stream_overhead(key) if stream_overhead is not None else None
+    if stream is not None and 4 * math.prod(read_plan.streamed_box(entry.shape, _read_axes(entry))) + stream < (
+        4 * math.prod(box) + decoding):
+      box, decoding = read_plan.streamed_box(entry.shape, _read_axes(entry)), stream
+      what = f"a stream of its one stored chunk, {budget.format_size(stream)}"
     need = held + 4 * math.prod(box) + decoding + budget.SLICE_FACTOR * _unit_bytes(entry)
     if need > worst[0]:
-      worst = (need, key, entry.shape, decoding)
-  need, key, shape, decoding = worst
+      worst = (need, key, entry.shape, what)
+  need, key, shape, what = worst
   if need > max_memory:
     raise errors.InputError(
         f"--max-memory {budget.format_size(max_memory)} is smaller than the smallest slice of {'/'.join(key)} "
-        f"{shape} needs (with the {budget.format_size(held)} the process holds"
-        f"{' and decoded source chunks of ' + budget.format_size(decoding) if decoding else ''}); accepted: at "
-        f"least {budget.format_size(need)}")
+        f"{shape} needs (with the {budget.format_size(held)} the process holds{' and ' + what if what else ''}); "
+        f"accepted: at least {budget.format_size(need)}")
   return int(max_memory - held)
 
 
@@ -354,7 +364,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   FP8 leaves are read in blocks (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix, halved,
   at most `MAX_READ_BYTES`; at least one matrix, then without reading ahead) and quantized one matrix (a layer's
   projection, or one routed expert) at a time; other tensors are converted
-  by rows, `work_bytes / SLICE_FACTOR` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is
+  by rows, a tenth of `work_bytes` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is
   written to its shard as soon as it is converted (`safetensors_writer`). `plan_memory` gives `work_bytes` for a
   `--max-memory`.
 
@@ -397,7 +407,10 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
         _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry),
                         chunk, fp8, overhead)
         continue
-      row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, work_bytes // budget.SLICE_FACTOR))
+      # Rows are converted in blocks of `row_bytes`, read in boxes of about as much beside a stream's windows (what
+      # `SLICE_FACTOR` blocks leave): boxes of a streamed array are not cut down to single rows.
+      stream = getattr(value, "stream_overhead", None) or 0
+      row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
                          work_bytes - budget.SLICE_FACTOR * max(row_bytes, _unit_bytes(entry)), overhead)
     for name, array in _synthesized(cfg):

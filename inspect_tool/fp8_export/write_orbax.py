@@ -62,6 +62,7 @@ class ArrayJob:
   box: tuple[int, ...] = ()  # what one read holds, aligned to the source's chunks (default: the slice block)
   ahead: bool = True  # its plan holds two of its boxes: its next box can be read while this one is processed
   cached: bool = False  # the box's slices are read through a chunk cache of its own (`read.cached_box`)
+  streamed: bool = False  # the array's one chunk is decoded front to back into its boxes (`chunk_stream`)
   read_bytes: int = 0  # what reading one box holds: the box and the chunks being decoded into it
   room: int = 0  # the bytes its plan had beside the process: what boxes read ahead may fill (`box_reads`)
 
@@ -79,6 +80,8 @@ class ArrayJob:
     boxes = read_plan.boxes(self.slicing.shape, self.read_block)
     if not self.two_pass:
       return [[index] for index in boxes]
+    if self.streamed:  # the whole array in each pass, front to back: its chunk is decoded twice
+      return [boxes]
     groups: dict[tuple, list] = {}
     for index in boxes:
       groups.setdefault(_channels(index, self.quant), []).append(index)
@@ -87,6 +90,11 @@ class ArrayJob:
   def slices_in(self, box: tuple[slice, ...]) -> list[tuple[slice, ...]]:
     """The slices of the box `box` (absolute indices), in order."""
     return read_plan.slices_in(box, self.slicing.block)
+
+  def second_pass(self, unit: list[tuple[slice, ...]]) -> list[tuple[slice, ...]]:
+    """The boxes of a two-pass unit in the order pass 2 reads them: in reverse, the first (the last of pass 1) kept
+    in memory; streamed, front to back again."""
+    return list(unit) if self.streamed else list(reversed(unit))
 
 
 def _channels(index: tuple[slice, ...], wq) -> tuple:
@@ -130,11 +138,14 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
                 overhead=lambda box, store=store: source.read_overhead(store, box),
                 stored=(lambda box, store=store: source.cached_overhead(store, box))
-                if align and hasattr(source, "cached_box") else None)  # a source with cached reads
+                if align and hasattr(source, "cached_box") else None,  # a source with cached reads
+                stream=source.stream_overhead(store) if hasattr(source, "stream_overhead") else None)
     found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
     if found is None:
-      short.append((held + read_plan.floor(leaf.shape, itemsize, align, **args), key, tuple(leaf.shape),
-                    source.chunk_bytes(store)))
+      chunk_bytes = source.chunk_bytes(store)
+      decoding = (f"a stream of its one stored chunk, {budget_lib.format_size(args['stream'])}" if args["stream"]
+                  else f"decoded source chunks of {budget_lib.format_size(chunk_bytes)}" if chunk_bytes else "")
+      short.append((held + read_plan.floor(leaf.shape, itemsize, align, **args), key, tuple(leaf.shape), decoding))
       continue
     cut = budget_lib.Slicing(tuple(leaf.shape), found.block)
     out_key = tree.param_key(leaf.module_path)  # converter layout: everything under params/params
@@ -142,16 +153,17 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     chunk = budget_lib.chunk_within(cut.block, itemsize, CHUNK_BYTES, every_axis if found.two_pass else channels)
     if stored is not None:
       chunk = tuple(stored["chunk_grid"]["configuration"]["chunk_shape"])
-    read_bytes = math.prod(found.box) * itemsize + int(source.read_overhead(store, found.box))
+    read_bytes = math.prod(found.box) * itemsize + int(
+        args["stream"] if found.streamed else source.read_overhead(store, found.box))
     jobs.append(ArrayJob(tree.Leaf(key, tuple(leaf.shape), leaf.dtype), out_key, wq, cut, chunk, stored,
-                         found.two_pass, found.box, found.ahead, found.cached, read_bytes, max_memory - held))
+                         found.two_pass, found.box, found.ahead, found.cached, found.streamed, read_bytes,
+                         max_memory - held))
   if short:  # name the array that needs the most: its need is the smallest budget that works for every array
-    need, key, shape, chunk = max(short, key=lambda item: item[0])
+    need, key, shape, decoding = max(short, key=lambda item: item[0])
     raise errors.InputError(
         f"--max-memory {budget_lib.format_size(max_memory)} is smaller than the smallest slice of "
         f"{'/'.join(key)} {shape} needs (with the {budget_lib.format_size(held)} the process holds"
-        f"{' and decoded source chunks of ' + budget_lib.format_size(chunk) if chunk else ''}); accepted: at least "
-        f"{budget_lib.format_size(need)}")
+        f"{' and ' + decoding if decoding else ''}); accepted: at least {budget_lib.format_size(need)}")
   return sorted(jobs, key=lambda job: job.quant is not None)  # copies first: the quantizers compile meanwhile
 
 
@@ -159,7 +171,7 @@ def _stored_layout(source, store, found: read_plan.ReadPlan) -> dict | None:
   """The source array's metadata when its stored chunks can be copied as they are: a box processed whole (no
   in-memory cut) made of whole stored chunks; else None."""
   stored = source.stored_layout(store)
-  if stored is None or found.box != found.block or found.cached:
+  if stored is None or found.box != found.block or found.cached or found.streamed:
     return None
   chunk = stored["chunk_grid"]["configuration"]["chunk_shape"]
   shape = tuple(int(d) for d in store.shape)
@@ -189,11 +201,12 @@ def _outputs(job: ArrayJob) -> list[tuple]:
 
 def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, tuple[slice, ...], str]]:
   """The reads of one unit of `job`: its box; or, two-pass, every box for the absmax, then every box again in
-  reverse order for quantizing, the first of them (the last read) kept from pass 1."""
+  `ArrayJob.second_pass` order for quantizing (unless streamed, the first of them, the last read, kept from pass 1)."""
   if not job.two_pass:
     return [(job, index, box_reads.SLICE) for index in unit]
   return ([(job, index, box_reads.ABSMAX) for index in unit]
-          + [(job, index, box_reads.REUSE if i == 0 else box_reads.SLICE) for i, index in enumerate(reversed(unit))])
+          + [(job, index, box_reads.REUSE if i == 0 and not job.streamed else box_reads.SLICE)
+             for i, index in enumerate(job.second_pass(unit))])
 
 
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
@@ -254,6 +267,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     raise
   finally:
     quantizers.close()
+    if hasattr(source, "close_stream"):
+      source.close_stream()
   return writer, Written(copied, source_bytes, writer.written_bytes)
 
 
@@ -310,11 +325,12 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
       amax[channels] = part if channels not in amax else jnp.maximum(amax[channels], part)
     progress(_slice_bytes(job, box) // 2, 0)
   scaled = set()
-  for i, box in enumerate(reversed(unit)):
-    if i:
+  for i, box in enumerate(job.second_pass(unit)):
+    kept = i == 0 and not job.streamed  # the last box of pass 1, still in memory
+    if not kept:
       value = None
     taken = reads.take()
-    if i:
+    if not kept:
       value, taken = taken, None
     for index in job.slices_in(box):
       channels = _channels(index, wq)
