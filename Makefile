@@ -50,7 +50,7 @@ demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 
 
 test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
 	bash scripts/install_chromium.sh
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: stack ## CLI wall time and peak RSS (bench/bench_cli.py); each bench/*.py also has --tiny
 	$(BIN)/python bench/bench_cli.py

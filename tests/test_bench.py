@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# The bench scripts run where benchmarks are measured: once, on the primary stack (.ci/run).
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBER = r"\d+(?:\.\d+)?"
 

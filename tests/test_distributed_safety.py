@@ -348,7 +348,8 @@ def test_an_unhandled_signal_leaves_only_what_the_next_run_cleans(tmp_path, sign
 POINTS = ("start", "arrays", "written", "report", "swap")
 
 
-@pytest.mark.parametrize("attempt", range(20))
+# Repeated signals: the first attempt runs on every stack, the other 19 once, on the primary stack (marked slow).
+@pytest.mark.parametrize("attempt", [0] + [pytest.param(i, marks=pytest.mark.slow) for i in range(1, 20)])
 def test_sigterm_during_an_overwrite_export_ends_it_promptly(tmp_path, attempt):
   """The intermittent hang: a SIGTERM whose exception landed in JAX's gc callback was dropped and the export ran on
   (validation included) for tens of seconds. 20 attempts at the stages' pause points, each must end within 30 s

@@ -16,6 +16,8 @@ import memory_cgroup
 from gcs_emulator import BUCKET
 from test_export_distributed import _arrays
 
+pytestmark = pytest.mark.slow  # a memory cgroup: run once, on the primary stack (.ci/run)
+
 # A float source of ~40 MB whose tied embedding (32768 x 256 float32, 32 MiB) is several times the slice budget that
 # 40 MiB above the floor leaves (about 40 MiB / SLICE_FACTOR 8), stored in 1 MiB chunks as sharded writes store it.
 MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
