@@ -5,8 +5,9 @@ names is one line, exit 2; the export at that floor (plus 16 MiB of room for sli
 of the budget plus `ALLOWANCE`, with peak RSS under the budget, each source chunk decoded at most twice, and
 writes the bytes of the unbounded export. A source whose routed experts are each one 134 MB chunk exports, in both
 layouts, within a quarter of that chunk beside the process: each chunk is decoded from its stored bytes front to
-back into small boxes (`fp8_export/chunk_stream.py`), at most twice; and, in the Orbax layout, just above one chunk
-beside the process, in one pass, each chunk decoded once."""
+back into small boxes (`fp8_export/chunk_stream.py`), at most twice; in the Orbax layout, 64 MiB above that floor,
+with the two-pass experts' first pass in a stream of its own (`absmax_ahead.py`); and just above one chunk beside
+the process, in one pass, each chunk decoded once."""
 
 from __future__ import annotations
 
@@ -147,9 +148,11 @@ def test_one_chunk_arrays_export_beside_less_than_one_chunk(layout, big_source, 
   whole, _ = _export_big(big_source, str(tmp_path / "unbounded"), layout, "--no-validate")
   assert whole.returncode == 0, whole.stderr[-3000:]
   # At the floor: the experts in two passes in the Orbax layout (their scales span the expert axis, which a
-  # streamed box cannot cut first); just above one chunk, one pass.
+  # streamed box cannot cut first); 64 MiB above it, their pass 1 runs ahead in a stream of its own (about 46 MiB:
+  # 4 MiB windows and runs); just above one chunk, one pass.
   budgets = {"floor": math.ceil(floor / MIB) * MIB + ROOM}
   if layout == "orbax":
+    budgets["ahead"] = budgets["floor"] + 64 * MIB
     budgets["one chunk"] = math.ceil((held + 1.1 * chunk) / MIB) * MIB + ROOM
   for name, budget in budgets.items():
     dst = tmp_path / name.replace(" ", "_")
@@ -162,9 +165,11 @@ def test_one_chunk_arrays_export_beside_less_than_one_chunk(layout, big_source, 
     result = json.loads(out.stdout)
     decoding = result["decoding"] if layout == "deepseek-fp8" else result["memory"]["decoding"]
     assert decoding["bytes_stored"] > 3 * chunk, decoding
-    if layout == "orbax" and name == "floor":
-      assert decoding["most_decoded_array"]["decoded_per_stored"] == 2 and result["memory"]["two_pass_arrays"] > 0
-      assert result["memory"]["streamed_arrays"] > 0
+    if layout == "orbax" and name in ("floor", "ahead"):
+      memory = result["memory"]
+      assert decoding["most_decoded_array"]["decoded_per_stored"] == 2 and memory["two_pass_arrays"] > 0
+      assert memory["streamed_arrays"] > 0
+      assert memory["absmax_ahead_arrays"] == (memory["two_pass_arrays"] if name == "ahead" else 0), memory
     else:
       assert decoding["decoded_per_stored"] == 1, (name, decoding)
     _check_same(layout, tmp_path / "unbounded", dst)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,8 @@ from qwix._src.core import qarray
 
 import orbax_sources
 from inspect_tool.configuration import config
+from inspect_tool.fp8_export import absmax_ahead
+from inspect_tool.fp8_export import chunk_stream
 from inspect_tool.fp8_export import plan as plan_lib
 from inspect_tool.fp8_export import read
 from inspect_tool.fp8_export import read_plan
@@ -81,7 +84,7 @@ class _Inflated:
   def __init__(self, monkeypatch):
     import zstandard  # pylint: disable=import-outside-toplevel
 
-    self.total, original, counter = 0, zstandard.ZstdDecompressor.stream_reader, self
+    self.total, original, counter, lock = 0, zstandard.ZstdDecompressor.stream_reader, self, threading.Lock()
 
     class Reader:
       def __init__(self, inner):
@@ -89,7 +92,8 @@ class _Inflated:
 
       def readinto(self, view):
         n = self._inner.readinto(view)
-        counter.total += n
+        with lock:  # streams decode in threads of their own
+          counter.total += n
         return n
 
       def __getattr__(self, name):
@@ -225,7 +229,32 @@ def test_a_budget_under_one_chunk_streams_the_chunk_in_boxes_once(source, tmp_pa
   else:
     assert largest == 16 * MIB and wi_0.streamed and math.prod(wi_0.read_block) < math.prod(wi_0.leaf.shape), wi_0
     assert inflated.total > 0 and counted["decoded_per_stored"] <= 2
+  assert not any(job.ahead_box for job in jobs)  # no room for a stream of its own: pass 1 in the export's reads
   _check_values(step, tmp_path / "dst" / "items", jobs)
+
+
+def test_streamed_two_pass_weights_gather_their_absmax_ahead(source, tmp_path, monkeypatch):
+  """Where the budget also holds a stream of its own (windows and runs of 256 KiB here), pass 1 of the streamed
+  two-pass experts runs ahead in a thread (`absmax_ahead`): the export's own reads take each box once, each chunk is
+  still decoded twice in all (as the decoders count it), and the weights hold Qwix's values. A chunked source is
+  not streamed: nothing runs ahead."""
+  step, chunks, cap = source
+  monkeypatch.setattr(chunk_stream, "WINDOW_BYTES", 256 * 2**10)
+  monkeypatch.setattr(absmax_ahead, "BOX_BYTES", 256 * 2**10)
+  inflated = _Inflated(monkeypatch)
+  jobs, src, counted, measured, times = _export(step, 9 * MIB, tmp_path / "dst" / "items")
+  ahead = [job for job in jobs if job.ahead_box]
+  _check_streamed(jobs, src, counted, measured, inflated)
+  assert measured == sum(times.values()) and max(times.values(), default=0) <= 2
+  if cap:
+    assert not ahead and not any(job.streamed for job in jobs)
+  else:
+    experts = ".".join(WI_0.split(".")[:-1])
+    assert sorted(".".join(job.leaf.key) for job in ahead) == [f"{experts}.{n}" for n in ("wi_0", "wi_1", "wo")]
+    for job in ahead:
+      assert job.two_pass and job.streamed and math.prod(job.ahead_box) * 4 <= 256 * 2**10, job
+      boxes = read_plan.boxes(job.leaf.shape, job.read_block)
+      assert [index for key, index in src.streamed if key == job.leaf.key] == boxes  # pass 2 only, in order
   _check_values(step, tmp_path / "dst" / "items", jobs)
 
 

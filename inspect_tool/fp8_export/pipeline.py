@@ -168,6 +168,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
               "two_pass_arrays": sum(job.two_pass for job in jobs),
               "read_ahead_arrays": sum(job.ahead for job in jobs),
               "streamed_arrays": sum(job.streamed for job in jobs),
+              "absmax_ahead_arrays": sum(bool(job.ahead_box) for job in jobs),
               "decoding": report_lib.decoding(getattr(src, "decodes", {}),
                                               {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,

@@ -16,8 +16,13 @@ import numpy as np
 
 
 def _block_shapes(job) -> list[tuple[int, ...]]:
-  """The distinct shapes of `job`'s slices (the edge slices of each axis included), the first slice's first."""
-  shape, block = job.slicing.shape, job.slicing.block
+  """The distinct shapes of `job`'s slices (the edge slices of each axis included), the first slice's first; then
+  those of the runs its absmax is gathered ahead in (`absmax_ahead`)."""
+  out = _shapes(job.slicing.shape, job.slicing.block)
+  return out + [s for s in _shapes(job.slicing.shape, job.ahead_box) if s not in out] if job.ahead_box else out
+
+
+def _shapes(shape, block) -> list[tuple[int, ...]]:
   sides = [[b] + ([d % b] if d % b else []) for d, b in zip(shape, block)]
   out = [tuple(min(b, d) for b, d in zip(block, shape))]
   for combo in itertools.product(*sides):

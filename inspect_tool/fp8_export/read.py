@@ -13,6 +13,7 @@ The random init (no `--checkpoint`) builds the whole model: it is for small mode
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,7 @@ class CheckpointSource:
     self._names: dict[int, tuple[str, ...]] = {}  # id(store) -> model leaf key, for counting decodes
     self._stored: dict[tuple[str, ...], int] = {}  # model leaf key -> stored bytes of its largest chunk
     self.decodes: dict[tuple[str, ...], list[int]] = {}  # model leaf key -> [chunks, bytes] decoded so far
+    self._counting = threading.Lock()  # streams count their decodes from threads of their own
     self._chunks: dict[tuple[str, ...], Any] = {}  # model leaf key -> its one stored chunk (`stream_overhead`)
     self._stream = None  # (model leaf key, chunk_stream.ChunkStream) of the array streamed last
     self._finishing: list = []  # the streams before it, their last reads running
@@ -148,18 +150,11 @@ class CheckpointSource:
     """Starts decoding the box `index` (contiguous in C order) of model leaf `key`'s one-chunk array from its
     stored chunk, front to back (`chunk_stream.ChunkStream`: one stream per array, the earlier ones finishing);
     counted as decoding the chunk each time its decoding starts over."""
-    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
-
     if self._stream is None or self._stream[0] != key:
       if self._stream is not None:  # its reads go on (a read ahead of this array's may overlap them)
         self._stream[1].finish()
         self._finishing.append(self._stream[1])
-      store = self.open(key)
-      if self.stream_overhead(store) is None:
-        raise errors.CheckpointError(f"{self.items_dir}: the data of {'/'.join(key)} is not one stored chunk")
-      shape = tuple(int(d) for d in store.shape)
-      self._stream = (key, chunk_stream.ChunkStream(store.kvstore, self._chunks[key], shape,
-                                                    store.dtype.numpy_dtype, lambda: self._count(store, ())))
+      self._stream = (key, self.new_stream(key))
     stream = self._stream[1]
     out = aligned_empty([s.stop - s.start for s in index], stream.dtype)
     try:
@@ -167,6 +162,18 @@ class CheckpointSource:
     except Exception as e:  # pylint: disable=broad-except
       future = e
     return PendingRead(future, self.items_dir, value=out)
+
+  def new_stream(self, key: tuple[str, ...]):
+    """A `chunk_stream.ChunkStream` of model leaf `key`'s one-chunk array, of the caller's own (to `close`), each
+    start of its decoding counted as decoding the chunk."""
+    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+
+    store = self.open(key)
+    if self.stream_overhead(store) is None:
+      raise errors.CheckpointError(f"{self.items_dir}: the data of {'/'.join(key)} is not one stored chunk")
+    shape = tuple(int(d) for d in store.shape)
+    return chunk_stream.ChunkStream(store.kvstore, self._chunks[key], shape, store.dtype.numpy_dtype,
+                                    lambda: self._count(store, ()))
 
   def close_stream(self) -> None:
     """Ends the streams (`read_streamed_async`), waiting for their reads."""
@@ -194,9 +201,10 @@ class CheckpointSource:
     shape = tuple(int(d) for d in store.shape)
     index = index or tuple(slice(0, d) for d in shape)
     chunk = self.chunk_shape(store)
-    counts = self.decodes.setdefault(self._names.get(id(store), ()), [0, 0])
-    counts[0] += read_plan.chunks_touched(index, chunk)
-    counts[1] += read_plan.covered(index, chunk, shape) * np.dtype(store.dtype.numpy_dtype).itemsize
+    with self._counting:
+      counts = self.decodes.setdefault(self._names.get(id(store), ()), [0, 0])
+      counts[0] += read_plan.chunks_touched(index, chunk)
+      counts[1] += read_plan.covered(index, chunk, shape) * np.dtype(store.dtype.numpy_dtype).itemsize
 
   def stored_layout(self, store) -> dict | None:
     """The zarr3 metadata of `store` when its stored chunks can be copied as they are (regular grid, default

@@ -33,6 +33,7 @@ import numpy as np
 
 from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
+from inspect_tool.fp8_export import absmax_ahead
 from inspect_tool.fp8_export import box_reads
 from inspect_tool.fp8_export import budget as budget_lib
 from inspect_tool.fp8_export import orbax_writer
@@ -65,6 +66,7 @@ class ArrayJob:
   streamed: bool = False  # the array's one chunk is decoded front to back into its boxes (`chunk_stream`)
   read_bytes: int = 0  # what reading one box holds: the box and the chunks being decoded into it
   room: int = 0  # the bytes its plan had beside the process: what boxes read ahead may fill (`box_reads`)
+  ahead_box: tuple[int, ...] = ()  # streamed two-pass: pass 1 gathered ahead in runs of this box (`absmax_ahead`)
 
   @property
   def slice_bytes(self) -> int:
@@ -116,16 +118,39 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis
   its scales are shared over fits, each source chunk decoded once; else, with absmax scales, in two passes over
   boxes cut along the source's chunks on every axis (`ArrayJob.two_pass`): the first gathers the absmax of the
-  boxes that share channels, the second quantizes them, each chunk decoded twice.
+  boxes that share channels, the second quantizes them, each chunk decoded twice. A streamed two-pass weight gets
+  its pass 1 gathered ahead by a thread of its own (`absmax_ahead`) when every array still plans with what that
+  holds set aside.
 
   Raises:
     errors.InputError: `max_memory` is smaller than what the smallest read of some array needs; the line names
       the smallest budget that works for every array.
   """
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+
+  held = budget_lib.current_rss() if held is None else held
+  jobs = _plan_jobs(plan, source, max_memory, held)
+  ahead = [job for job in jobs if job.two_pass and job.streamed]
+  if not ahead:
+    return jobs
+  aside = max(absmax_ahead.need(source, job) for job in ahead)
+  try:
+    fewer = _plan_jobs(plan, source, max_memory - aside, held)
+  except errors.InputError:
+    return jobs
+  ahead = [job for job in fewer if job.two_pass and job.streamed]
+  if not ahead or max(absmax_ahead.need(source, job) for job in ahead) > aside:
+    return jobs
+  return [dataclasses.replace(job, ahead_box=absmax_ahead.run_box(job.leaf.shape, np.dtype(job.leaf.dtype).itemsize))
+          if job.two_pass and job.streamed else job for job in fewer]
+
+
+def _plan_jobs(plan, source, max_memory: int, held: int) -> list[ArrayJob]:
+  """`plan_jobs` without gathering ahead."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
-  held = (budget_lib.current_rss() if held is None else held) + RESERVE_BYTES
+  held += RESERVE_BYTES
   jobs, short = [], []
   for key in source.keys():
     leaf = source.leaf(key)
@@ -204,6 +229,8 @@ def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, 
   `ArrayJob.second_pass` order for quantizing (unless streamed, the first of them, the last read, kept from pass 1)."""
   if not job.two_pass:
     return [(job, index, box_reads.SLICE) for index in unit]
+  if job.ahead_box:  # pass 1 is gathered ahead (`absmax_ahead`)
+    return [(job, index, box_reads.SLICE) for index in job.second_pass(unit)]
   return ([(job, index, box_reads.ABSMAX) for index in unit]
           + [(job, index, box_reads.REUSE if i == 0 and not job.streamed else box_reads.SLICE)
              for i, index in enumerate(job.second_pass(unit))])
@@ -246,6 +273,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   progress = on_slice or (lambda nbytes, arrays: None)
   mine = [job for job, units in zip(jobs, owned) if units]
   quantizers = quantize.Quantizers(mine)
+  ahead = absmax_ahead.AbsmaxAhead(source, mine, quantizers)
   try:
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
     outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
@@ -254,8 +282,10 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     source_bytes = 0
     for number, (job, units) in enumerate(zip(jobs, owned)):
       for unit in units:
-        step = _two_pass if job.two_pass else _one_slice
-        source_bytes += step(job, unit, reads, quantizers, writer, outputs[id(job)], progress)
+        if job.two_pass:
+          source_bytes += _two_pass(job, unit, reads, quantizers, writer, outputs[id(job)], progress, ahead)
+        else:
+          source_bytes += _one_slice(job, unit, reads, quantizers, writer, outputs[id(job)], progress)
       progress(0, 1)
       if number == len(jobs) // 2:
         atomic.test_point("arrays", before=writer.wait)
@@ -266,6 +296,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     writer.abandon()  # no background write may outlive the temporary directory
     raise
   finally:
+    ahead.close()
     quantizers.close()
     if hasattr(source, "close_stream"):
       source.close_stream()
@@ -309,14 +340,21 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
 
 
 def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter,
-              outputs: list, progress) -> int:
+              outputs: list, progress, ahead: absmax_ahead.AbsmaxAhead) -> int:
   """Quantizes one group of boxes that share channels in two passes (the absmax of every slice, gathered per
-  channels; then each slice quantized with it); writes every slice's qvalue and, once per channels, the scale.
-  The last box of pass 1 stays in memory for pass 2. Returns the source bytes of the group."""
+  channels, or by `ahead` for the whole weight; then each slice quantized with it); writes every slice's qvalue
+  and, once per channels, the scale. The last box of pass 1 stays in memory for pass 2. Returns the source bytes of
+  the group."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   wq, amax, value = job.quant, {}, None
-  for box in unit:
+  if job.ahead_box:
+    whole = ahead.amax(job)
+    for box in unit:
+      for index in job.slices_in(box):
+        amax.setdefault(_channels(index, wq), jnp.asarray(whole[_scale_index(index, wq)]))
+      progress(_slice_bytes(job, box) // 2, 0)
+  for box in unit if not job.ahead_box else ():
     value = None  # at most one box in memory (besides a box read ahead)
     value = reads.take()
     for index in job.slices_in(box):
