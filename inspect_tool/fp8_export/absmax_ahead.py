@@ -29,11 +29,12 @@ def run_box(shape, itemsize: int) -> tuple[int, ...]:
   return read_plan.aligned_box(shape, None, itemsize, BOX_BYTES, tuple(range(len(shape))))
 
 
-def need(source, job) -> int:
-  """Bytes the gathering of `job`'s absmax holds: its stream's windows, a run and the absmax's temporaries."""
+def need(job) -> int:
+  """Bytes the gathering of streamed `job`'s absmax holds: a stream's windows (what its own reads hold beside a
+  box, `ArrayJob.read_bytes`), a run and the absmax's temporaries."""
   itemsize = np.dtype(job.leaf.dtype).itemsize
   run = math.prod(run_box(job.leaf.shape, itemsize)) * itemsize
-  return int(source.stream_overhead(source.open(job.leaf.key))) + (1 + budget.SLICE_FACTOR) * run
+  return job.read_bytes - math.prod(job.read_block) * itemsize + (1 + budget.SLICE_FACTOR) * run
 
 
 class AbsmaxAhead:

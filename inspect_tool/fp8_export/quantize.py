@@ -19,7 +19,9 @@ def _block_shapes(job) -> list[tuple[int, ...]]:
   """The distinct shapes of `job`'s slices (the edge slices of each axis included), the first slice's first; then
   those of the runs its absmax is gathered ahead in (`absmax_ahead`)."""
   out = _shapes(job.slicing.shape, job.slicing.block)
-  return out + [s for s in _shapes(job.slicing.shape, job.ahead_box) if s not in out] if job.ahead_box else out
+  if job.ahead_box:
+    out += [s for s in _shapes(job.slicing.shape, job.ahead_box) if s not in out]
+  return out
 
 
 def _shapes(shape, block) -> list[tuple[int, ...]]:

@@ -133,13 +133,13 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
   ahead = [job for job in jobs if job.two_pass and job.streamed]
   if not ahead:
     return jobs
-  aside = max(absmax_ahead.need(source, job) for job in ahead)
+  aside = max(absmax_ahead.need(job) for job in ahead)
   try:
     fewer = _plan_jobs(plan, source, max_memory - aside, held)
   except errors.InputError:
     return jobs
   ahead = [job for job in fewer if job.two_pass and job.streamed]
-  if not ahead or max(absmax_ahead.need(source, job) for job in ahead) > aside:
+  if not ahead or max(absmax_ahead.need(job) for job in ahead) > aside:
     return jobs
   return [dataclasses.replace(job, ahead_box=absmax_ahead.run_box(job.leaf.shape, np.dtype(job.leaf.dtype).itemsize))
           if job.two_pass and job.streamed else job for job in fewer]
@@ -348,19 +348,18 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   wq, amax, value = job.quant, {}, None
-  if job.ahead_box:
-    whole = ahead.amax(job)
-    for box in unit:
+  whole = ahead.amax(job) if job.ahead_box else None  # pass 1 gathered ahead, for the whole weight
+  for box in unit:
+    if whole is not None:
       for index in job.slices_in(box):
         amax.setdefault(_channels(index, wq), jnp.asarray(whole[_scale_index(index, wq)]))
-      progress(_slice_bytes(job, box) // 2, 0)
-  for box in unit if not job.ahead_box else ():
-    value = None  # at most one box in memory (besides a box read ahead)
-    value = reads.take()
-    for index in job.slices_in(box):
-      part = quantizers.absmax(read_lib.to_jax(value[_relative(index, box)]), wq)
-      channels = _channels(index, wq)
-      amax[channels] = part if channels not in amax else jnp.maximum(amax[channels], part)
+    else:
+      value = None  # at most one box in memory (besides a box read ahead)
+      value = reads.take()
+      for index in job.slices_in(box):
+        part = quantizers.absmax(read_lib.to_jax(value[_relative(index, box)]), wq)
+        channels = _channels(index, wq)
+        amax[channels] = part if channels not in amax else jnp.maximum(amax[channels], part)
     progress(_slice_bytes(job, box) // 2, 0)
   scaled = set()
   for i, box in enumerate(job.second_pass(unit)):
