@@ -79,9 +79,11 @@ def test_a_copy_of_stored_chunks_reads_its_own_next_box_only_when_its_plan_holds
 
 def test_what_is_held_never_passes_the_room_and_boxes_come_back_in_order():
   """Random jobs whose own plans fit the room: after every take, the box taken, the reads in flight and
-  SLICE_FACTOR times their largest slice fit in the room; every box is read once, in order."""
+  SLICE_FACTOR times their largest slice fit in the room; every box is read once, in order; `read_ahead` counts
+  the boxes that were in flight when their turn came."""
   rng = random.Random(7)
   room = 10_000
+  ahead_in_all = 0
   for _ in range(200):
     work = []
     for n in range(rng.randint(1, 12)):
@@ -92,7 +94,9 @@ def test_what_is_held_never_passes_the_room_and_boxes_come_back_in_order():
       work += [(job, (i,), kind) for i, kind in enumerate(kinds)]
     source = _Source()
     reads = box_reads.BoxReads(source, work)
+    ahead = 0  # boxes already in flight when their turn came (the first one is started by the constructor)
     for i, (job, _, kind) in enumerate(work):
+      ahead += i > 0 and kind != box_reads.REUSE and i in [n for n, _, _ in reads._queue]  # pylint: disable=protected-access
       value = reads.take()
       if kind != box_reads.REUSE:
         assert value == job.leaf.key
@@ -104,3 +108,6 @@ def test_what_is_held_never_passes_the_room_and_boxes_come_back_in_order():
     asked = [work[i][0].leaf.key if not work[i][0].cached else ("cached",) + work[i][0].leaf.key
              for i in range(len(work)) if work[i][2] != box_reads.REUSE]
     assert source.asked == asked
+    assert reads.read_ahead == ahead  # what the report's `boxes_read_ahead` says
+    ahead_in_all += ahead
+  assert ahead_in_all > 100

@@ -60,13 +60,17 @@ def _read(stream, index):
   return stream.read_async(index, out).result()
 
 
+@pytest.mark.parametrize("window", [None, 4096])  # local files' windows as they are, and many windows per chunk
 @pytest.mark.parametrize("name", sorted(ARRAYS))
-def test_the_boxes_of_a_one_chunk_array_decode_to_the_saved_values_in_one_pass(saved, name):
+def test_the_boxes_of_a_one_chunk_array_decode_to_the_saved_values_in_one_pass(saved, name, window, monkeypatch):
   path, values = saved
+  if window:
+    monkeypatch.setattr(chunk_stream, "LOCAL_WINDOW_BYTES", window)
   store, chunk, stream, starts = _stream(path, name)
   try:
     assert chunk.zstd and 0 < chunk.nbytes < values[name].nbytes and chunk.window > 0
-    assert chunk.held == 2 * min(chunk_stream.WINDOW_BYTES, chunk.nbytes) + chunk.window + chunk_stream.DECODER_BYTES
+    assert chunk.read_bytes == (window or 256 * 2**10)  # local files: small windows, reused from the heap
+    assert chunk.held == 2 * min(chunk.read_bytes, chunk.nbytes) + chunk.window + chunk_stream.DECODER_BYTES
     shape = values[name].shape
     box = (1,) * (len(shape) - 1) + (shape[-1],) if len(shape) > 1 else (100,)
     boxes = [tuple(slice(i, i + b) for i, b in zip(corner, box))
@@ -177,3 +181,12 @@ def test_an_uncompressed_one_chunk_shard_streams_its_raw_bytes(tmp_path):
     assert len(starts) == 1
   finally:
     stream.close()
+
+
+def test_windows_from_other_stores_are_a_request_s_worth():
+  """Windows of 4 MiB from anything but local files (each window of an object store is a request)."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  memory = ts.KvStore.open({"driver": "ocdbt", "base": "memory://"}).result()
+  assert chunk_stream.window_bytes(memory) == chunk_stream.WINDOW_BYTES == 4 * 2**20
+  assert chunk_stream.window_bytes(ts.KvStore.open("file:///tmp/").result()) == chunk_stream.LOCAL_WINDOW_BYTES

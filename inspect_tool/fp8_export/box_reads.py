@@ -46,6 +46,7 @@ class BoxReads:
     self._queue: collections.deque = collections.deque()  # (item number, pending read, handle), in order
     self._next = 0  # the item `take` returns next
     self._started = 0  # items started so far
+    self.read_ahead = 0  # boxes whose read started while an earlier one was processed
     if work:
       self._start_next()
 
@@ -83,6 +84,7 @@ class BoxReads:
     self._store = store if store is not None else self._store
     value = pending.result()
     while self._started < len(self._work) and self._may_start(number, self._started):
+      self.read_ahead += self._work[self._started][2] != REUSE
       self._start_next()
     return value
 

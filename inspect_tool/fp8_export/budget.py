@@ -20,6 +20,7 @@ from inspect_tool.run import limits
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
+FREED_MEMORY_THRESHOLD = 1 << 20  # glibc's mmap and trim thresholds while exporting (`return_freed_memory`)
 
 
 def parse_size(text: str, option: str = "--max-memory") -> int:
@@ -137,7 +138,7 @@ def chunk_within(block: Sequence[int], itemsize: int, limit: int, cuttable: Sequ
 
 
 def return_freed_memory() -> None:
-  """Makes glibc hand large freed buffers back to the system at once (a fixed 1 MiB mmap threshold).
+  """Makes glibc hand large freed buffers back to the system at once (fixed 1 MiB mmap and trim thresholds).
 
   By default glibc raises its mmap threshold after each large free, up to 32 MiB, so slice-sized buffers end up
   in heap arenas that are not given back and the resident size creeps up over many slices. No-op without glibc.
@@ -149,5 +150,5 @@ def return_freed_memory() -> None:
   except OSError:
     return
   m_trim_threshold, m_mmap_threshold = -1, -3
-  libc.mallopt(m_mmap_threshold, 1 << 20)
-  libc.mallopt(m_trim_threshold, 1 << 20)
+  libc.mallopt(m_mmap_threshold, FREED_MEMORY_THRESHOLD)
+  libc.mallopt(m_trim_threshold, FREED_MEMORY_THRESHOLD)

@@ -15,7 +15,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-WINDOW_BYTES = 4 * 2**20  # stored bytes read at once (one more is read ahead while these are decoded)
+# Stored bytes read at once (one more is read ahead while these are decoded). From an object store each window is
+# a request. From local files, windows stay under a quarter of the allocator's trim threshold
+# (`budget.FREED_MEMORY_THRESHOLD`): tensorstore's Python binding copies each window twice (into a string, then
+# bytes), and buffers that small are reused from the heap instead of being mapped, zeroed and unmapped each time.
+WINDOW_BYTES = 4 * 2**20
+LOCAL_WINDOW_BYTES = 256 * 2**10
 DECODER_BYTES = 2**18  # a zstd decoder's buffers beside its window (a block in and out, 128 KiB each)
 _MISSING = 2**64 - 1  # shard index offset of a chunk that is not stored
 
@@ -30,12 +35,13 @@ class StoredChunk:
   nbytes: int
   zstd: bool
   window: int = 0
+  read_bytes: int = WINDOW_BYTES  # stored bytes read at once
 
   @property
   def held(self) -> int:
     """Bytes a stream holds beside the box it decodes into: two windows of stored bytes (the one being decoded,
     the next being read), the decoder's window and its buffers."""
-    return 2 * min(WINDOW_BYTES, self.nbytes) + self.window + DECODER_BYTES
+    return 2 * min(self.read_bytes, self.nbytes) + self.window + DECODER_BYTES
 
 
 def _shard_index(kvstore, metadata: dict | None, shape: Sequence[int]):
@@ -75,10 +81,17 @@ def largest_stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -
   return max((n for offset, n in found[1] if offset != _MISSING), default=0)
 
 
+def window_bytes(kvstore) -> int:
+  """Stored bytes read at once from `kvstore` (an OCDBT database's: from its base): `LOCAL_WINDOW_BYTES` from
+  local files, else `WINDOW_BYTES`."""
+  base = kvstore.base if kvstore.base is not None else kvstore
+  return LOCAL_WINDOW_BYTES if base.spec().to_json().get("driver") == "file" else WINDOW_BYTES
+
+
 def stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -> StoredChunk | None:
   """The one stored chunk of an array that is one shard (`_shard_index`) holding one inner chunk, encoded
-  `bytes` (little-endian) then optionally `zstd`; None for any other layout, or when the chunk is not stored (it
-  reads as the fill value)."""
+  `bytes` (little-endian) then optionally `zstd`, read `window_bytes(kvstore)` at a time; None for any other
+  layout, or when the chunk is not stored (it reads as the fill value)."""
   found = _shard_index(kvstore, metadata, shape)
   if found is None:
     return None
@@ -94,7 +107,7 @@ def stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -> Stored
       window = int(zstandard.get_frame_parameters(bytes(head)).window_size)
     except Exception:  # pylint: disable=broad-except
       return None
-  return StoredChunk(key, offset, nbytes, zstd, window)
+  return StoredChunk(key, offset, nbytes, zstd, window, window_bytes(kvstore))
 
 
 def contiguous_range(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[int, int] | None:
@@ -116,7 +129,7 @@ class _Windows:
     self._buffer = b""
 
   def _fetch(self, pos: int):
-    stop = min(pos + WINDOW_BYTES, self._chunk.nbytes)
+    stop = min(pos + self._chunk.read_bytes, self._chunk.nbytes)
     if pos >= stop:
       return None
     return self._kvstore.read(self._chunk.key, byte_range=slice(self._chunk.offset + pos, self._chunk.offset + stop))
@@ -169,7 +182,8 @@ class ChunkStream:
     source = _Windows(self._kvstore, self._chunk)
     if self._chunk.zstd:
       import zstandard  # pylint: disable=import-outside-toplevel
-      self._reader = zstandard.ZstdDecompressor().stream_reader(source, read_size=WINDOW_BYTES, closefd=False)
+      self._reader = zstandard.ZstdDecompressor().stream_reader(source, read_size=self._chunk.read_bytes,
+                                                                      closefd=False)
     else:
       self._reader = source
     self._at = 0
@@ -193,7 +207,7 @@ class ChunkStream:
     if self._reader is None or start < self._at:
       self._start()
     skip = (start - self._at) * self.dtype.itemsize
-    scratch = np.empty(min(skip, WINDOW_BYTES), np.uint8) if skip else None
+    scratch = np.empty(min(skip, self._chunk.read_bytes), np.uint8) if skip else None
     while skip:
       part = memoryview(scratch)[:min(skip, len(scratch))]
       self._fill(part)

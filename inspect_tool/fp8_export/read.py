@@ -1,7 +1,7 @@
 """Export stage 2, reading: the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
 
-A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files), without a chunk cache
-and with `DECODING_CHUNKS` chunks decoded at once (`read_context`), and read one chunk-aligned box (`read_plan`)
+A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files; local files on a local
+disk are read by mapping them, `storage.mapped_reads`), without a chunk cache and with `DECODING_CHUNKS` chunks decoded at once (`read_context`), and read one chunk-aligned box (`read_plan`)
 at a time: memory holds the box and the chunks being decoded into it (`CheckpointSource.read_overhead`), never a
 whole array. A box whose chunks are too big to sit beside it is read instead through a chunk cache of its own
 that holds its decoded chunks (`CheckpointSource.cached_box`): each chunk is decoded once, by the first slice read
@@ -20,6 +20,7 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import paths
 
 # Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
@@ -63,6 +64,7 @@ class CheckpointSource:
     self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
     self._context = context or read_context()
+    self._base = mapped_reads.kvstore_spec(paths.kvstore_spec(self.items_dir), self.items_dir)
     self._names: dict[int, tuple[str, ...]] = {}  # id(store) -> model leaf key, for counting decodes
     self._stored: dict[tuple[str, ...], int] = {}  # model leaf key -> stored bytes of its largest chunk
     self.decodes: dict[tuple[str, ...], list[int]] = {}  # model leaf key -> [chunks, bytes] decoded so far
@@ -85,8 +87,7 @@ class CheckpointSource:
 
     pair = self._pairs[key]
     name = ".".join(str(k) for k in self._listing.raw_keys[pair.checkpoint.key])
-    base = paths.kvstore_spec(self.items_dir)
-    kvstore = {"driver": "ocdbt", "base": base} if self._listing.use_ocdbt else base
+    kvstore = {"driver": "ocdbt", "base": self._base} if self._listing.use_ocdbt else self._base
     spec = {"driver": "zarr3" if self._listing.use_zarr3 else "zarr", "kvstore": dict(kvstore, path=name + "/")}
     context = self._context
     if cache_bytes:  # cached chunks are used as they are: the source does not change while it is read

@@ -47,6 +47,7 @@ class Written:
   copied: list
   source_bytes: int
   written_bytes: int
+  boxes_read_ahead: int = 0  # boxes whose read started while an earlier one was processed (`box_reads`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +301,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     quantizers.close()
     if hasattr(source, "close_stream"):
       source.close_stream()
-  return writer, Written(copied, source_bytes, writer.written_bytes)
+  return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
 
 
 def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
