@@ -20,6 +20,7 @@ MOUNTS = """\
 42 27 0:51 / /data rw - nfs4 server:/export rw
 43 27 0:52 / /data rw - overlay overlay rw,lowerdir=/l,upperdir=/u,workdir=/w
 44 27 0:53 / /mnt/ckptx rw - tmpfs tmpfs rw
+45 27 0:54 / /mnt/mes\\040données rw - fuse.sshfs host:/d rw
 """
 
 
@@ -38,6 +39,7 @@ def mounts(tmp_path, monkeypatch):
     ("/mnt/my disk/0/items", "xfs", True),
     ("/data/0/items", "overlay", True),  # mounted over the NFS mount at the same point
     ("/proc/self", "proc", False),
+    ("/mnt/mes données/0", "fuse.sshfs", False),  # not ASCII, with an escape
 ])
 def test_the_file_system_of_a_path_is_its_longest_mount_point_s(mounts, path, kind, allowed):
   assert mapped_reads.fs_type(path) == kind

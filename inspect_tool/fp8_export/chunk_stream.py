@@ -182,8 +182,8 @@ class ChunkStream:
     source = _Windows(self._kvstore, self._chunk)
     if self._chunk.zstd:
       import zstandard  # pylint: disable=import-outside-toplevel
-      self._reader = zstandard.ZstdDecompressor().stream_reader(source, read_size=self._chunk.read_bytes,
-                                                                      closefd=False)
+      decompressor = zstandard.ZstdDecompressor()
+      self._reader = decompressor.stream_reader(source, read_size=self._chunk.read_bytes, closefd=False)
     else:
       self._reader = source
     self._at = 0

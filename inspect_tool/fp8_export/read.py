@@ -1,11 +1,11 @@
 """Export stage 2, reading: the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
 
-A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files; local files on a local
-disk are read by mapping them, `storage.mapped_reads`), without a chunk cache and with `DECODING_CHUNKS` chunks decoded at once (`read_context`), and read one chunk-aligned box (`read_plan`)
-at a time: memory holds the box and the chunks being decoded into it (`CheckpointSource.read_overhead`), never a
-whole array. A box whose chunks are too big to sit beside it is read instead through a chunk cache of its own
-that holds its decoded chunks (`CheckpointSource.cached_box`): each chunk is decoded once, by the first slice read
-from it, and memory holds the decoded chunks and, while decoding, their stored bytes, not the box besides.
+A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files; files on a local disk
+read by mapping them, `storage.mapped_reads`) without a chunk cache, `DECODING_CHUNKS` chunks decoded at once
+(`read_context`), and read one chunk-aligned box (`read_plan`) at a time: memory holds the box and the chunks being
+decoded into it (`CheckpointSource.read_overhead`), never a whole array. A box whose chunks are too big to sit beside
+it is read through a chunk cache of its own (`CheckpointSource.cached_box`): each chunk is decoded once, by the first
+slice read from it, and memory holds the decoded chunks and, while decoding, their stored bytes, not the box besides.
 Every read is counted (`CheckpointSource.decodes`: chunks and bytes decoded per array).
 The random init (no `--checkpoint`) builds the whole model: it is for small models.
 """

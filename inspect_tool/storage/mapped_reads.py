@@ -10,6 +10,7 @@ keep `pread`, whose failures are errors that say what went wrong.
 from __future__ import annotations
 
 import os
+import re
 
 LOCAL_TYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "tmpfs", "ramfs",
                          "overlay"})
@@ -17,8 +18,8 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 
 def _unescape(field: str) -> str:
-  """A mountinfo path field with its octal escapes (`\\040` for a space) decoded."""
-  return field.encode().decode("unicode_escape") if "\\" in field else field
+  """A mountinfo path field with its octal escapes (`\\040` for a space) decoded; other characters as they are."""
+  return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def fs_type(path: str) -> str | None:
