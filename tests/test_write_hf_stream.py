@@ -14,6 +14,7 @@ import pytest
 
 from inspect_tool import errors
 from inspect_tool.output import atomic
+from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import safetensors_writer
 
 import test_export_hf
@@ -222,3 +223,121 @@ def test_blocks_of_fp8_leaves_align_to_the_source_chunks(tmp_path):
     q_ref, s_ref = deepseek_fp8_reference.block_quantize(w_ref)
     assert deepseek_fp8_reference.ulp_distance(tensors[name + "_scale_inv"], s_ref).max() <= 1, name
     assert deepseek_fp8_reference.fp8_step_distance(tensors[name], q_ref).max() <= 1, name
+
+
+def test_regions_filled_from_several_threads_read_back_with_safetensors(tmp_path):
+  """Regions of shards being retired are completed from four threads at once, in shuffled order: every shard gets
+  its header once all its regions are done, and every tensor reads back (the pending count is kept under a lock)."""
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(7)
+  tensors = {f"t{i}": rng.standard_normal((64, 33)).astype(np.float32) for i in range(120)}
+  with safetensors_writer.ShardedWriter(str(tmp_path), 5 * 64 * 33 * 4) as writer:  # 5 tensors per shard
+    regions = [(writer.reserve(name, np.float32, array.shape), array) for name, array in tensors.items()]
+    order = rng.permutation(len(regions))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      for future in [pool.submit(regions[k][0].write, regions[k][1]) for k in order]:
+        future.result()
+    weight_map = writer.close()
+  assert len(set(weight_map.values())) == 24
+  read = {name: array for (_, name), array in _read_dir(str(tmp_path)).items()}
+  assert set(read) == set(tensors)
+  for name, array in tensors.items():
+    np.testing.assert_array_equal(read[name], array)
+
+
+def _converter_threads(monkeypatch, arrays):
+  """Records (thread, start, end) of every conversion of a routed expert's matrix (a view of one of the `arrays`'
+  routed-expert leaves); the first 60 take 20 ms more, so that two converters at work overlap."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  calls, quantize = [], hf_matrices._block_quantize_transposed  # pylint: disable=protected-access
+  experts = [value for key, value in arrays.items() if key[-1] in ("wi_0", "wi_1", "wo") and value.ndim >= 3
+             and value.shape[0] == 16]
+
+  def recorded(w_io):
+    if not any(np.shares_memory(w_io, leaf) for leaf in experts):
+      return quantize(w_io)
+    start = time.perf_counter()
+    if len(calls) < 60:
+      time.sleep(0.02)
+    out = quantize(w_io)
+    calls.append((threading.current_thread().name, start, time.perf_counter()))
+    return out
+
+  monkeypatch.setattr(hf_matrices, "_block_quantize_transposed", recorded)
+  return calls
+
+
+def _most_at_once(calls) -> int:
+  events = sorted([(start, 1) for _, start, _ in calls] + [(end, -1) for _, _, end in calls])
+  most = now = 0
+  for _, step in events:
+    now += step
+    most = max(most, now)
+  return most
+
+
+def test_fp8_matrices_are_converted_two_at_a_time_where_the_budget_holds_their_work(tmp_path, monkeypatch):
+  """With room for two matrices' work beside the blocks, two converter threads work at once, and the tensors are
+  still DeepSeek's 128 x 128 scheme of the MaxText matrices (numpy reference)."""
+  import deepseek_fp8_reference  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(test_export_hf.TINY)
+  arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
+  calls = _converter_threads(monkeypatch, arrays)
+  write_hf.write_deepseek_fp8(arrays, cfg, str(tmp_path), work_bytes=64 * 2**20)
+  assert _most_at_once(calls) == hf_matrices.CONVERTERS == 2
+  assert len({name for name, _, _ in calls}) == 2 and all(name.startswith("fp8-convert") for name, _, _ in calls)
+  tensors = test_export_hf._read_tensors(str(tmp_path))  # pylint: disable=protected-access
+  for name, w_ref in test_export_hf._reference_fp8(cfg, arrays).items():  # pylint: disable=protected-access
+    q_ref, s_ref = deepseek_fp8_reference.block_quantize(w_ref)
+    assert deepseek_fp8_reference.ulp_distance(tensors[name + "_scale_inv"], s_ref).max() <= 1, name
+    assert deepseek_fp8_reference.fp8_step_distance(tensors[name], q_ref).max() <= 1, name
+
+
+def test_fp8_matrices_are_converted_one_at_a_time_on_a_budget_for_one(tmp_path, monkeypatch):
+  """`TINY_WORK_BYTES` holds one matrix's work beside the routed experts' blocks, not two: one conversion at once."""
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(test_export_hf.TINY)
+  arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
+  calls = _converter_threads(monkeypatch, arrays)
+  write_hf.write_deepseek_fp8(arrays, cfg, str(tmp_path), work_bytes=test_export_hf.TINY_WORK_BYTES)
+  assert len(calls) == 4 * 16 * 3 and _most_at_once(calls) == 1
+
+
+def test_source_chunks_over_the_read_cap_are_read_ahead_when_two_fit(tmp_path, monkeypatch):
+  """A leaf whose smallest chunk-aligned block is over `MAX_READ_BYTES` is read a block ahead (in the read-ahead
+  thread) when the work memory holds two such blocks, and without reading ahead when it holds one."""
+  import threading  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
+
+  cfg = config.resolve_config(test_export_hf.TINY)
+  arrays = test_export_hf._random_arrays(cfg)  # pylint: disable=protected-access
+  experts = {key for key, value in arrays.items() if key[-1] in ("wi_0", "wi_1", "wo") and value.ndim == 4}
+  block = 8 * 3 * 64 * 64 * 4  # two blocks of 8 experts per leaf (16 experts, 3 layers)
+  monkeypatch.setattr(hf_matrices, "MAX_READ_BYTES", block // 4)
+  for work, ahead in ((131072 + 2 * block + 1000, True), (131072 + block + 1000, False)):  # experts' spare: 2, 1
+    threads = []
+
+    class Threaded(np.ndarray):  # records which thread reads each expert block
+      def __getitem__(self, index):
+        if self.ndim == 4 and isinstance(index, tuple):
+          threads.append(threading.current_thread().name)
+        return super().__getitem__(index)
+
+    lazy = {key: (value.view(Threaded) if key in experts else value) for key, value in arrays.items()}
+    dst = tmp_path / str(ahead)
+    dst.mkdir()
+    write_hf.write_deepseek_fp8(lazy, cfg, str(dst), work_bytes=work,
+                                chunk_shape=lambda key: (8, 3, 64, 64) if key in experts else None)
+    assert len(threads) == 2 * len(experts), threads
+    assert any(t.startswith("read-ahead") for t in threads) == ahead, threads

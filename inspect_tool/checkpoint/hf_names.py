@@ -169,15 +169,20 @@ def rope_order(dr: int) -> np.ndarray:
   return np.arange(dr).reshape(2, dr // 2).T.reshape(dr)
 
 
-def hf_matrix(kernel, rule: Rule, cfg) -> np.ndarray:
-  """MaxText kernel (in axes..., out axes...) as a float32 HF Linear weight (out, in), rope in HF layout."""
+def kernel_matrix(kernel, rule: Rule, cfg) -> np.ndarray:
+  """MaxText kernel (in axes..., out axes...) as a float32 (in, out) matrix, rope columns in HF's layout: the
+  transpose of the HF Linear weight (`hf_matrix`)."""
   kernel = np.asarray(kernel, np.float32)
   if rule.rope and not cfg.rope_interleave:
     dr = cfg.qk_rope_head_dim
     start = kernel.shape[-1] - dr
     kernel = np.concatenate([kernel[..., :start], kernel[..., start + rope_order(dr)]], axis=-1)
-  n_in = math.prod(kernel.shape[:rule.n_in])
-  return np.ascontiguousarray(kernel.reshape(n_in, -1).T)
+  return kernel.reshape(math.prod(kernel.shape[:rule.n_in]), -1)
+
+
+def hf_matrix(kernel, rule: Rule, cfg) -> np.ndarray:
+  """MaxText kernel (in axes..., out axes...) as a float32 HF Linear weight (out, in), rope in HF layout."""
+  return np.ascontiguousarray(kernel_matrix(kernel, rule, cfg).T)
 
 
 def maxtext_kernel(w_oi, rule: Rule, shape: tuple[int, ...], cfg, stored_interleaved: bool = True) -> np.ndarray:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from typing import Sequence
 
 import ml_dtypes
@@ -72,6 +73,7 @@ class _Shard:
     self.header_length = len(_HEAD) + 1
     self.pending = 0  # regions not yet complete
     self.retired = False
+    self._lock = threading.Lock()  # regions may be completed by other threads than the one adding them
     try:
       self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # open()'s permissions
     except OSError as e:
@@ -92,7 +94,8 @@ class _Shard:
     self.header_length += 1 + len(member.encode())
     region = Region(self, name, dtype, self.size, nbytes)
     self.size += nbytes
-    self.pending += 1
+    with self._lock:
+      self.pending += 1
     if region.complete:  # an empty tensor
       self.region_done()
     return region
@@ -107,14 +110,18 @@ class _Shard:
       raise _write_error(self.path, e) from None
 
   def region_done(self) -> None:
-    self.pending -= 1
-    if self.retired and not self.pending:
+    with self._lock:
+      self.pending -= 1
+      done = self.retired and not self.pending
+    if done:
       self.finish()
 
   def retire(self) -> None:
     """No more tensors will be added; the header is written once the last pending tensor is complete."""
-    self.retired = True
-    if not self.pending:
+    with self._lock:
+      self.retired = True
+      done = not self.pending
+    if done:
       self.finish()
 
   def finish(self) -> None:
@@ -140,7 +147,8 @@ class ShardedWriter:
   `reserve(name, dtype, shape)` places a tensor (in the current shard, or a new one) and returns its `Region`,
   to be filled by `Region.write` in row order; `add(name, array)` does both for a tensor computed whole. Tensors
   of a shard may be filled in any order, and a shard's regions may still be filled after later shards were
-  started. Use as a context manager: files are closed on failure (the caller removes the directory).
+  started; different regions may be filled from different threads (`reserve` and `close` stay in one). Use as a
+  context manager: files are closed on failure (the caller removes the directory, after its threads are done).
   """
 
   def __init__(self, dst_dir: str, max_shard_bytes: int, *, header_reserve: int = DEFAULT_HEADER_RESERVE):

@@ -20,28 +20,27 @@ Choices (they follow DeepSeek-V3's official FP8 checkpoint):
 * The MTP layers' copies of embed_tokens and shared_head.head are written (`mtp_shared_copies=False` leaves them
   out), as serving loaders read them.
 
-Memory holds one unit of work at a time (an FP8 matrix, or a block of rows of an embedding, head or norm), and
-each tensor is written to its shard as soon as it is converted (`safetensors_writer`): `plan_memory` checks a
-`--max-memory` and sizes the row blocks.
+Memory holds the units of work under way (FP8 matrices, converted by `hf_matrices`, two at once where the budget
+holds them; or a block of rows of an embedding, head or norm, `hf_rows`), and each tensor is written to its shard
+as soon as it is converted (`safetensors_writer`): `plan_memory` checks a `--max-memory` and sizes the row blocks.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import math
 import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
+from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
 from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.fp8_export import read_plan
 from inspect_tool.fp8_export import safetensors_writer
@@ -49,7 +48,6 @@ from inspect_tool.fp8_export import safetensors_writer
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it
 MAX_ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
-MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
 # Beside export's reserve (`write_orbax.RESERVE_BYTES`): a source of 256 KiB chunks peaked 19 MB over the floor then
 # named (+16 MiB) in a whole test suite's run (tests/test_export_chunks_memory.py), 48 MB more than alone.
 RESERVE_BYTES = 32 * 2**20
@@ -66,127 +64,12 @@ def source_shapes(cfg, *, mtp_shared_copies: bool = True) -> dict[tuple[str, ...
 # ---------------------------------------------------------------------------------------------------------
 # Tensor conversion.
 
-@functools.cache
-def _jitted_block_quantize():
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from quant import fp8  # pylint: disable=import-outside-toplevel
-
-  return jax.jit(fp8.block_quantize, static_argnums=(1, 2))  # fused: ~5x faster than op-by-op on CPU
-
-
-def _block_quantize(w_oi):
-  """(fp8 values, float32 scale_inv) of an (out, in) weight, 128×128 blocks, as numpy arrays."""
-  qvalue, scale_inv = _jitted_block_quantize()(w_oi, BLOCK, "float8_e4m3fn")
-  return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
-
-
-def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[tuple[int, int], tuple]:
-  """Places every FP8 tensor of a leaf (bf16 with `fp8=False`), in release order (layer, then expert):
-  (stack index, expert) -> regions."""
-  rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
-  per_layer = list(entry.shape)
-  if entry.layer_axis is not None:
-    del per_layer[entry.layer_axis]
-  matrix = per_layer[1:] if experts else per_layer
-  shape = (math.prod(matrix[rule.n_in:]), math.prod(matrix[:rule.n_in]))
-  scale_shape = tuple(-(-d // b) for d, b in zip(shape, BLOCK))
-  layers = entry.layers or (None,)
-  regions = {}
-  for s, layer in enumerate(layers if entry.layer_axis is not None else layers[:1]):
-    name = rule.names[0].replace("{i}", str(layer))
-    for j in range(per_layer[0] if experts else 1):
-      tensor = name.replace("{j}", str(j))
-      regions[s, j] = ((writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
-                        writer.reserve(tensor + "_scale_inv", np.float32, scale_shape)) if fp8 else
-                       (writer.reserve(tensor, ml_dtypes.bfloat16, shape),))
-  return regions
-
-
-def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing,
-            ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
-  """(index, `read(index)`) of every block of `cut`, in order; with `ahead`, block k+1 is read in a background
-  thread while the caller converts block k (the caller drops block k before asking for the next)."""
-  slices = list(cut.slices())
-  if not ahead or len(slices) < 2:
-    for index in slices:
-      yield index, read(index)
-    return
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
-    pending = pool.submit(read, slices[0])
-    for k, index in enumerate(slices):
-      block = pending.result()
-      if k + 1 < len(slices):
-        pending = pool.submit(read, slices[k + 1])
-      yield index, block
-      del block
-
-
-def _write_fp8_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
-                    fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
-  """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
-
-  The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
-  the source's `chunk` sides (`read_plan.plan_boxes`), so that each source chunk is decoded once, not once per
-  layer and expert: two blocks (the next read while the current is converted) when `spare` holds two with the
-  chunks decoded into them (`overhead(block)`), else one; at most `MAX_READ_BYTES` of float32 each. Every matrix is quantized whole (its scales must not depend on how the leaf
-  is cut) and written at the place `_fp8_regions` gave it. Routed experts are quantized one at a time:
-  quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
-  absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
-  """
-  regions = _fp8_regions(writer, entry, cfg, fp8)
-  layer_axis = entry.layer_axis
-  expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
-  cuttable = _read_axes(entry)
-  box, ahead, cached, streamed = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, 2 * MAX_READ_BYTES),
-                                                      cuttable, overhead, cached=hasattr(value, "cached"),
-                                                      stream=getattr(value, "stream_overhead", None))
-  cut = budget.Slicing(tuple(entry.shape), box)
-  read = value.stream if streamed else (lambda index: np.asarray(value[index]))
-  blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(read, cut, ahead)
-  for index, block in blocks:
-    for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
-      for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
-        at = [slice(None)] * block.ndim
-        if layer_axis is not None:
-          at[layer_axis] = s - index[layer_axis].start
-        if expert_axis is not None:
-          at[expert_axis] = j - index[expert_axis].start
-        matrix = hf_names.hf_matrix(block[tuple(at)], entry.rule, cfg)
-        arrays = _block_quantize(matrix) if fp8 else (hf_rows.cast(matrix, ml_dtypes.bfloat16),)
-        for region, array in zip(regions[s, j], arrays):
-          region.write(array)
-    del block
-
-
 def _synthesized(cfg) -> Iterator[tuple[str, Any]]:
   """The zero e_score_correction_bias tensors of `hf_names.synthesized_names`."""
   names = hf_names.synthesized_names(cfg)
   zeros = np.zeros((cfg.num_experts,), np.float32)
   for name in names:
     yield name, zeros
-
-
-def _unit_bytes(entry: hf_names.Entry) -> int:
-  """Float32 bytes of the smallest unit of work of a leaf: one expert, one FP8 matrix, one row of the rest."""
-  shape = list(entry.shape)
-  if entry.layer_axis is not None:
-    del shape[entry.layer_axis]
-  rule = entry.rule
-  if rule.kind == EXPERTS_FP8 or rule.kind in (BF16, F32):
-    shape = shape[1:]
-  elif rule.kind == BF16_LINEAR:
-    shape = shape[:1] if len(shape) == 2 and rule.n_in == 1 and not rule.rope else shape
-  return 4 * math.prod(shape)
-
-
-def _read_axes(entry: hf_names.Entry) -> list[int]:
-  """The axes a leaf is read in blocks along: expert and layer axes of FP8 leaves; `hf_rows.read_axis` else."""
-  if entry.rule.kind in (FP8, EXPERTS_FP8):
-    expert_axis = (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
-    return [axis for axis in (expert_axis, entry.layer_axis) if axis is not None]
-  axis = hf_rows.read_axis(entry)
-  return [] if axis is None else [axis]
 
 
 def plan_memory(keys, cfg, max_memory: int, *, held: int,
@@ -214,17 +97,17 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
   for key, target in _match(list(keys), plan):
     entry = plan[target]
     chunk = chunk_shape(key) if chunk_shape else None
-    box = read_plan.minimal_box(entry.shape, chunk, _read_axes(entry))
+    box = read_plan.minimal_box(entry.shape, chunk, hf_matrices.read_axes(entry))
     decoding = int(read_overhead(key, box)) if read_overhead else 0
     if cached_overhead is not None and chunk:  # read through a chunk cache: its stored bytes, not the box besides
       decoding = min(decoding, int(cached_overhead(key, box)))
     what = f"decoded source chunks of {budget.format_size(decoding)}" if decoding else ""
     stream = stream_overhead(key) if stream_overhead is not None else None
-    if stream is not None and 4 * math.prod(read_plan.streamed_box(entry.shape, _read_axes(entry))) + stream < (
-        4 * math.prod(box) + decoding):
-      box, decoding = read_plan.streamed_box(entry.shape, _read_axes(entry)), stream
+    streamed = read_plan.streamed_box(entry.shape, hf_matrices.read_axes(entry))
+    if stream is not None and 4 * math.prod(streamed) + stream < 4 * math.prod(box) + decoding:
+      box, decoding = streamed, stream
       what = f"a stream of its one stored chunk, {budget.format_size(stream)}"
-    need = held + 4 * math.prod(box) + decoding + budget.SLICE_FACTOR * _unit_bytes(entry)
+    need = held + 4 * math.prod(box) + decoding + budget.SLICE_FACTOR * hf_matrices.unit_bytes(entry)
     if need > worst[0]:
       worst = (need, key, entry.shape, what)
   need, key, shape, what = worst
@@ -360,13 +243,13 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
   checkpoint in `dst_dir`.
 
-  Memory holds at most two blocks of a leaf (the next read while the current is converted) and one unit of work:
-  FP8 leaves are read in blocks (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix, halved,
-  at most `MAX_READ_BYTES`; at least one matrix, then without reading ahead) and quantized one matrix (a layer's
-  projection, or one routed expert) at a time; other tensors are converted
-  by rows, a tenth of `work_bytes` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is
-  written to its shard as soon as it is converted (`safetensors_writer`). `plan_memory` gives `work_bytes` for a
-  `--max-memory`.
+  Memory holds at most two blocks of a leaf (the next read while the current is converted) and the units of work
+  under way: FP8 leaves are read in blocks (what `work_bytes` leaves beside `budget.SLICE_FACTOR` times one matrix,
+  halved, at most `hf_matrices.MAX_READ_BYTES` or two whole source chunks; at least one matrix, then without
+  reading ahead) and quantized one matrix (a layer's projection, or one routed expert) per converter, two where
+  `work_bytes` holds a second matrix's work (`hf_matrices.write_leaf`); other tensors are converted by rows, a
+  tenth of `work_bytes` (at most `MAX_ROW_BLOCK_BYTES`) of float32 at once. Every tensor is written to its shard
+  as soon as it is converted (`safetensors_writer`). `plan_memory` gives `work_bytes` for a `--max-memory`.
 
   Args:
     arrays: every leaf of `cfg`'s model, keyed as `params.param_leaves(..., include_non_params=True)` keys it
@@ -404,15 +287,15 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       chunk = chunk_shape(key) if chunk_shape else None
       overhead = functools.partial(read_overhead, key) if read_overhead else (lambda box: 0)
       if entry.rule.kind in (FP8, EXPERTS_FP8):
-        _write_fp8_leaf(writer, value, entry, cfg, work_bytes - budget.SLICE_FACTOR * _unit_bytes(entry),
-                        chunk, fp8, overhead)
+        spare = work_bytes - budget.SLICE_FACTOR * hf_matrices.unit_bytes(entry)
+        hf_matrices.write_leaf(writer, value, entry, cfg, spare, chunk, fp8, overhead)
         continue
       # Rows are converted in blocks of `row_bytes`, read in boxes of about as much beside a stream's windows (what
       # `SLICE_FACTOR` blocks leave): boxes of a streamed array are not cut down to single rows.
       stream = getattr(value, "stream_overhead", None) or 0
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
-                         work_bytes - budget.SLICE_FACTOR * max(row_bytes, _unit_bytes(entry)), overhead)
+                         work_bytes - budget.SLICE_FACTOR * max(row_bytes, hf_matrices.unit_bytes(entry)), overhead)
     for name, array in _synthesized(cfg):
       writer.add(name, array)
     weight_map = writer.close()

@@ -1,0 +1,166 @@
+"""`--layout deepseek-fp8`: the FP8 tensors (attention, dense MLP, shared and routed experts), read in blocks of a
+leaf and converted matrix by matrix: each Linear weight transposed to Hugging Face's (out, in) and quantized to
+float8_e4m3fn with one float32 `weight_scale_inv` per 128×128 block (DeepSeek-V3's release), or cast to bfloat16
+(`--layout deepseek-bf16`). `write_hf` places the tensors and plans the memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+from typing import Callable, Iterator, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
+from inspect_tool.fp8_export import budget
+from inspect_tool.fp8_export import hf_rows
+from inspect_tool.fp8_export import read as read_lib
+from inspect_tool.fp8_export import read_plan
+
+MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
+CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their work (numpy and XLA free the GIL)
+
+
+@functools.cache
+def _jitted_block_quantize(transposed: bool):
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from quant import fp8  # pylint: disable=import-outside-toplevel
+
+  if transposed:  # the transpose inside: XLA's is faster than numpy's copy, and one buffer fewer is allocated
+    return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))
+  return jax.jit(fp8.block_quantize, static_argnums=(1, 2))  # fused: ~5x faster than op-by-op on CPU
+
+
+def _block_quantize(w_oi):
+  """(fp8 values, float32 scale_inv) of an (out, in) weight, 128×128 blocks, as numpy arrays."""
+  qvalue, scale_inv = _jitted_block_quantize(False)(w_oi, BLOCK, "float8_e4m3fn")
+  return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
+
+
+def _block_quantize_transposed(w_io: np.ndarray):
+  """`_block_quantize` of `w_io.T` (the same bytes), `w_io` used in place where it is aligned (`to_jax`)."""
+  qvalue, scale_inv = _jitted_block_quantize(True)(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
+  return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
+
+
+def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[tuple[int, int], tuple]:
+  """Places every FP8 tensor of a leaf (bf16 with `fp8=False`), in release order (layer, then expert):
+  (stack index, expert) -> regions."""
+  rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
+  per_layer = list(entry.shape)
+  if entry.layer_axis is not None:
+    del per_layer[entry.layer_axis]
+  matrix = per_layer[1:] if experts else per_layer
+  shape = (math.prod(matrix[rule.n_in:]), math.prod(matrix[:rule.n_in]))
+  scale_shape = tuple(-(-d // b) for d, b in zip(shape, BLOCK))
+  layers = entry.layers or (None,)
+  regions = {}
+  for s, layer in enumerate(layers if entry.layer_axis is not None else layers[:1]):
+    name = rule.names[0].replace("{i}", str(layer))
+    for j in range(per_layer[0] if experts else 1):
+      tensor = name.replace("{j}", str(j))
+      regions[s, j] = ((writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
+                        writer.reserve(tensor + "_scale_inv", np.float32, scale_shape)) if fp8 else
+                       (writer.reserve(tensor, ml_dtypes.bfloat16, shape),))
+  return regions
+
+
+def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing,
+            ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+  """(index, `read(index)`) of every block of `cut`, in order; with `ahead`, block k+1 is read in a background
+  thread while the caller converts block k (the caller drops block k before asking for the next)."""
+  slices = list(cut.slices())
+  if not ahead or len(slices) < 2:
+    for index in slices:
+      yield index, read(index)
+    return
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
+    pending = pool.submit(read, slices[0])
+    for k, index in enumerate(slices):
+      block = pending.result()
+      if k + 1 < len(slices):
+        pending = pool.submit(read, slices[k + 1])
+      yield index, block
+      del block
+
+
+def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
+                    fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
+  """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
+
+  The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
+  the source's `chunk` sides (`read_plan.plan_boxes`), so that each source chunk is decoded once, not once per
+  layer and expert: two blocks (the next read while the current is converted) when `spare` holds two with the
+  chunks decoded into them (`overhead(block)`), else one; at most `MAX_READ_BYTES` of float32 each. Every matrix
+  is quantized whole (its scales must not depend on how the leaf is cut) and written at the place `_fp8_regions`
+  gave it, `CONVERTERS` matrices at once when `spare` also holds their work beside the blocks (one else); a
+  block's matrices are all written before the next block is taken. Routed experts are quantized one at a time:
+  quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
+  absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
+  """
+  regions = _fp8_regions(writer, entry, cfg, fp8)
+  layer_axis = entry.layer_axis
+  expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
+  cuttable = read_axes(entry)
+  stream = getattr(value, "stream_overhead", None)
+  most = 2 * MAX_READ_BYTES
+  if stream is None:  # source chunks over `MAX_READ_BYTES`: two whole ones where `spare` holds them (read ahead)
+    smallest = read_plan.minimal_box(entry.shape, chunk, cuttable)
+    most = max(most, 2 * (4 * math.prod(smallest) + int(overhead(smallest))))
+  box, ahead, cached, streamed = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, most), cuttable, overhead,
+                                                      cached=hasattr(value, "cached"), stream=stream)
+  reads = (1 + ahead) * (4 * math.prod(box) + int(stream if streamed else overhead(box)))
+  workers = CONVERTERS if reads + budget.SLICE_FACTOR * unit_bytes(entry) <= spare else 1
+  cut = budget.Slicing(tuple(entry.shape), box)
+  read = value.stream if streamed else (lambda index: np.asarray(value[index]))
+  blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(read, cut, ahead)
+
+  def convert(kernel, places) -> None:
+    matrix = hf_names.kernel_matrix(kernel, entry.rule, cfg)  # (in, out)
+    arrays = _block_quantize_transposed(matrix) if fp8 else (hf_rows.cast(matrix.T, ml_dtypes.bfloat16),)
+    for region, array in zip(places, arrays):
+      region.write(array)
+
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fp8-convert") as pool:
+    for index, block in blocks:
+      pending: list[concurrent.futures.Future] = []
+      for s in range(index[layer_axis].start, index[layer_axis].stop) if layer_axis is not None else (0,):
+        for j in range(index[expert_axis].start, index[expert_axis].stop) if expert_axis is not None else (0,):
+          at = [slice(None)] * block.ndim
+          if layer_axis is not None:
+            at[layer_axis] = s - index[layer_axis].start
+          if expert_axis is not None:
+            at[expert_axis] = j - index[expert_axis].start
+          if len(pending) >= workers:  # at most `workers` matrices' work held at once
+            pending.pop(0).result()
+          pending.append(pool.submit(convert, block[tuple(at)], regions[s, j]))
+      for future in pending:  # the block is done with before the next one is taken
+        future.result()
+      del block, pending
+
+
+def unit_bytes(entry: hf_names.Entry) -> int:
+  """Float32 bytes of the smallest unit of work of a leaf: one expert, one FP8 matrix, one row of the rest."""
+  shape = list(entry.shape)
+  if entry.layer_axis is not None:
+    del shape[entry.layer_axis]
+  rule = entry.rule
+  if rule.kind == EXPERTS_FP8 or rule.kind in (BF16, F32):
+    shape = shape[1:]
+  elif rule.kind == BF16_LINEAR:
+    shape = shape[:1] if len(shape) == 2 and rule.n_in == 1 and not rule.rope else shape
+  return 4 * math.prod(shape)
+
+
+def read_axes(entry: hf_names.Entry) -> list[int]:
+  """The axes a leaf is read in blocks along: expert and layer axes of FP8 leaves; `hf_rows.read_axis` else."""
+  if entry.rule.kind in (FP8, EXPERTS_FP8):
+    expert_axis = (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
+    return [axis for axis in (expert_axis, entry.layer_axis) if axis is not None]
+  axis = hf_rows.read_axis(entry)
+  return [] if axis is None else [axis]
