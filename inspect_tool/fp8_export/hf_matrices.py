@@ -99,9 +99,10 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   chunks decoded into them (`overhead(block)`), else one; at most `MAX_READ_BYTES` of float32 each. Every matrix
   is quantized whole (its scales must not depend on how the leaf is cut) and written at the place `_fp8_regions`
   gave it, `CONVERTERS` matrices at once when `spare` also holds their work beside the blocks (one else); a
-  block's matrices are all written before the next block is taken. Routed experts are quantized one at a time:
-  quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA computes
-  absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its neighbours.
+  block's matrices are all written before the next block is taken. Each routed expert is quantized alone, not in
+  a batch: quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA
+  computes absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its
+  neighbours.
   """
   regions = _fp8_regions(writer, entry, cfg, fp8)
   layer_axis = entry.layer_axis
