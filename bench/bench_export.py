@@ -19,7 +19,8 @@ Each source's `--max-memory` floor is asked of the tool itself (its refusal line
 Decode amplification (bytes decoded / bytes stored, chunks decoded) is read from each export's
 `quantization_report.json` (keys `chunks_decoded`, `bytes_decoded`, `bytes_stored`, `most_decoded_array`: the
 shallowest of each in it; "n/a" when absent). Every case runs `--repeat` times (default 3), interleaved round
-by round, each after `sync`; medians (range) are printed, the peak RSS is the largest. A case past
+by round, each after `sync`, the order of the cases rotated by one each round (so that no case always follows the
+same one, e.g. the export Orbax's 4.5 GB run); medians (range) are printed, the peak RSS is the largest. A case past
 `--case-timeout` (default 8x Orbax's first time, at least 120 s) is killed and not run again. The last line per
 source extrapolates a 671B export (2.68 TB float32) from the bounded export's throughput: one host like this
 one, and 16; a summary table ends the run.
@@ -256,12 +257,14 @@ def _cases(root: str, tool: list[str], source: str, bound: dict, hf: bool) -> li
 
 
 def _rounds(root: str, tag: str, cases, env, repeat: int, limit: float | None) -> dict[str, list]:
-  """Runs every case `repeat` times, interleaved, each after `sync`; the last round's destinations are kept. A case
-  killed at `limit` (default: from Orbax's first time) is not run again."""
+  """Runs every case `repeat` times, interleaved, each after `sync`, in an order rotated by one each round (Orbax
+  first in the first round, which sets `limit`); the last round's destinations are kept, and the unbounded
+  export's from round to round (the encode-only write reads it). A case killed at `limit` (default: from Orbax's
+  first time) is not run again."""
   samples: dict[str, list] = {label: [] for label, _, _ in cases}
   skipped: set[str] = set()
   for round_ in range(repeat):
-    for label, dst_name, cmd in cases:
+    for label, dst_name, cmd in cases[round_ % len(cases):] + cases[:round_ % len(cases)]:
       dst = os.path.join(root, dst_name)
       shutil.rmtree(dst, ignore_errors=True)
       if label in skipped or (dst_name == "write" and not os.path.isdir(os.path.join(root, "unbounded"))):
@@ -281,7 +284,8 @@ def _rounds(root: str, tag: str, cases, env, repeat: int, limit: float | None) -
         print(f"[{tag}] {label}: killed at {limit:.0f} s (--case-timeout), not run again")
     if round_ < repeat - 1:
       for _, dst_name, _ in cases:
-        shutil.rmtree(os.path.join(root, dst_name), ignore_errors=True)
+        if dst_name != "unbounded":
+          shutil.rmtree(os.path.join(root, dst_name), ignore_errors=True)
   return {label: got for label, got in samples.items() if got}
 
 
