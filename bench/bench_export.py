@@ -20,10 +20,10 @@ Decode amplification (bytes decoded / bytes stored, chunks decoded) is read from
 `quantization_report.json` (keys `chunks_decoded`, `bytes_decoded`, `bytes_stored`, `most_decoded_array`: the
 shallowest of each in it; "n/a" when absent). Every case runs `--repeat` times (default 3), interleaved round
 by round, each after `sync`, the order of the cases rotated by one each round (so that no case always follows the
-same one, e.g. the export Orbax's 4.5 GB run); medians (range) are printed, the peak RSS is the largest. A case past
-`--case-timeout` (default 8x Orbax's first time, at least 120 s) is killed and not run again. The last line per
-source extrapolates a 671B export (2.68 TB float32) from the bounded export's throughput: one host like this
-one, and 16; a summary table ends the run.
+same one, as the export followed Orbax's 4.5 GB run); medians (range) are printed, the peak RSS is the largest. A
+case past `--case-timeout` (default 8x Orbax's first time, at least 120 s) is killed and not run again. The last
+line per source extrapolates a 671B export (2.68 TB float32) from the bounded export's throughput: one host like
+this one, and 16; a summary table ends the run.
 
   .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--chunks single,400MiB]
                                                 [--repeat 3] [--keep]

@@ -26,26 +26,25 @@ CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their wo
 
 
 @functools.cache
-def _jitted_block_quantize(transposed: bool):
+def _jitted_block_quantize():
   import jax  # pylint: disable=import-outside-toplevel
 
   from quant import fp8  # pylint: disable=import-outside-toplevel
 
-  if transposed:  # the transpose inside: XLA's is faster than numpy's copy, and one buffer fewer is allocated
-    return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))
-  return jax.jit(fp8.block_quantize, static_argnums=(1, 2))  # fused: ~5x faster than op-by-op on CPU
-
-
-def _block_quantize(w_oi):
-  """(fp8 values, float32 scale_inv) of an (out, in) weight, 128×128 blocks, as numpy arrays."""
-  qvalue, scale_inv = _jitted_block_quantize(False)(w_oi, BLOCK, "float8_e4m3fn")
-  return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
+  # Fused (~5x faster than op-by-op on CPU), the transpose to (out, in) inside: XLA's is faster than numpy's copy.
+  return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))
 
 
 def _block_quantize_transposed(w_io: np.ndarray):
-  """`_block_quantize` of `w_io.T` (the same bytes), `w_io` used in place where it is aligned (`to_jax`)."""
-  qvalue, scale_inv = _jitted_block_quantize(True)(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
+  """(fp8 values, float32 scale_inv) of the (out, in) weight `w_io.T`, 128×128 blocks, as numpy arrays; `w_io`
+  used in place where it is aligned (`to_jax`)."""
+  qvalue, scale_inv = _jitted_block_quantize()(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
   return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
+
+
+def _expert_axis(entry: hf_names.Entry) -> int | None:
+  """The routed-expert axis of a leaf (beside its layer axis); None for other leaves."""
+  return (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
 
 
 def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[tuple[int, int], tuple]:
@@ -90,7 +89,7 @@ def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing
 
 
 def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
-                    fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
+               fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
   The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
@@ -106,7 +105,7 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   """
   regions = _fp8_regions(writer, entry, cfg, fp8)
   layer_axis = entry.layer_axis
-  expert_axis = (1 if layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
+  expert_axis = _expert_axis(entry)
   cuttable = read_axes(entry)
   stream = getattr(value, "stream_overhead", None)
   most = 2 * MAX_READ_BYTES
@@ -161,7 +160,6 @@ def unit_bytes(entry: hf_names.Entry) -> int:
 def read_axes(entry: hf_names.Entry) -> list[int]:
   """The axes a leaf is read in blocks along: expert and layer axes of FP8 leaves; `hf_rows.read_axis` else."""
   if entry.rule.kind in (FP8, EXPERTS_FP8):
-    expert_axis = (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
-    return [axis for axis in (expert_axis, entry.layer_axis) if axis is not None]
+    return [axis for axis in (_expert_axis(entry), entry.layer_axis) if axis is not None]
   axis = hf_rows.read_axis(entry)
   return [] if axis is None else [axis]
