@@ -21,6 +21,13 @@ def shown(value, limit: int = MAX_SHOWN) -> str:
   return f"{text[:limit]}… ({size})"
 
 
+def first_line(e: BaseException) -> str:
+  """The first line of an exception's message (its type's name when it has none), cut to 300 characters: what an
+  error line quotes of a dependency's error."""
+  lines = str(e).strip().splitlines()
+  return (lines[0] if lines else type(e).__name__)[:300]
+
+
 def _capped(message: str) -> str:
   if len(message) <= MAX_LINE:
     return message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 
 import ml_dtypes
 import numpy as np
@@ -124,3 +125,125 @@ def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zer
     return kv.read(f"params.params.w/{name}").result().value
   assert stored(dst / "items", "c/0/0") == stored(src_items, "c/0/0") == value[:2].tobytes()  # copied as stored
   assert json.loads(stored(dst / "items", "zarr.json"))["codecs"] == json.loads(stored(src_items, "zarr.json"))["codecs"]
+
+
+def _origins(shape, chunk, within=None):
+  """Every chunk of the grid `chunk` over `shape` (or over the box `within`) as a tuple of slices: brute force."""
+  import itertools  # pylint: disable=import-outside-toplevel
+
+  box = within or tuple(slice(0, d) for d in shape)
+  axes = [range(b.start, b.stop, c) for b, c in zip(box, chunk)]
+  return [tuple(slice(o, min(o + c, b.stop)) for o, c, b in zip(origin, chunk, box))
+          for origin in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("shape, grid, inner", [((10, 7), (4, 7), None), ((8, 6), (2, 6), None), ((5,), (5,), None),
+                                                ((64, 3, 512, 1280), (64, 1, 512, 256), None),
+                                                ((9, 10), (9, 10), (4, 3)), ((20, 10), (8, 10), (3, 4)),
+                                                ((16, 8), (8, 8), (4, 8)), ((0, 4), (1, 4), None)])
+def test_the_merge_reads_back_the_smallest_chunk(shape, grid, inner):
+  """`verify.last_chunk` is, of all the (inner) chunks of the grid, the last one and none is smaller."""
+  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+
+  chunks = _origins(shape, grid)
+  if inner is not None:
+    chunks = [part for outer in chunks for part in _origins(shape, inner, outer)]
+  if not all(shape):
+    assert verify.last_chunk(shape, grid, inner) == tuple(slice(0, d) for d in shape)
+    return
+  volume = lambda index: math.prod(s.stop - s.start for s in index)  # pylint: disable=unnecessary-lambda-assignment
+  assert verify.last_chunk(shape, grid, inner) == chunks[-1]
+  assert volume(chunks[-1]) == min(volume(c) for c in chunks)
+
+
+def test_a_chunk_the_merge_cannot_read_back_is_one_line_naming_the_array(tmp_path):
+  """The bytes of the chunk the merge reads back (the last) overwritten on disk after the writes: the read-back
+  names the array and the checkpoint is not committed (no `_METADATA`). A listing that fails is one line too."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  items = tmp_path / "0" / "items"
+  items.mkdir(parents=True)
+  writer = orbax_writer.OrbaxArrayWriter(str(items))
+  value = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+  key = ("params", "params", "w")
+  writer.register(key, (32, 64), value.shape, value.dtype)
+  store, = writer.create_many([(key, value.shape, value.dtype, (32, 64))])
+  writer.write(store, (slice(0, 64),), value)
+  writer.wait()
+  database = items / "ocdbt.process_0"
+  base = ts.KvStore.open(f"file://{database}/").result()
+  root = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+  where = {entry["key"]: entry.get("indirect_value") for entry in ts.ocdbt.dump(base, root).result()["entries"]}
+  name, offset, length = where[b"params.params.w/c/1/0"].removeprefix("value::").rsplit(":", 2)  # FILE:AT:LENGTH
+  with open(database / name, "r+b") as f:
+    f.seek(int(offset))
+    f.write(bytes(int(length)))
+  with pytest.raises(CheckpointError, match=r"^array params/params/w of the merged checkpoint cannot be read back "
+                                            r"\(.+\); nothing was committed$"):
+    writer.finalize(str(tmp_path / "0"), "items")
+  assert not (items / "_METADATA").exists()
+
+
+def test_a_merged_database_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):
+  """The merged root's B-tree node overwritten between the merge and its check: one line, nothing committed."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+
+  items = tmp_path / "0" / "items"
+  items.mkdir(parents=True)
+  writer = orbax_writer.OrbaxArrayWriter(str(items))
+  key = ("params", "params", "w")
+  writer.register(key, (2, 3), (4, 3), np.float32)
+  store, = writer.create_many([(key, (4, 3), np.float32, (2, 3))])
+  writer.write(store, (slice(0, 4),), np.ones((4, 3), np.float32))
+  writer.wait()
+  check = verify.check_merged
+
+  def overwrite_the_root_node(*args, **kwargs):
+    base = ts.KvStore.open(f"file://{items}/").result()
+    location = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+    name, offset, length = location.removeprefix("btreenode::").rsplit(":", 2)
+    with open(items / name, "r+b") as f:
+      f.seek(int(offset))
+      f.write(bytes(int(length)))
+    return check(*args, **kwargs)
+
+  monkeypatch.setattr(verify, "check_merged", overwrite_the_root_node)
+  with pytest.raises(CheckpointError, match=r"^the merged checkpoint cannot be listed \(.+\); nothing was "
+                                            r"committed$"):
+    writer.finalize(str(tmp_path / "0"), "items")
+  assert not (items / "_METADATA").exists()
+
+
+def test_the_read_back_holds_no_more_than_its_largest_read(monkeypatch):
+  """Reads start while the decoded bytes in flight, with theirs, stay within the largest read's; small ones overlap
+  (several in flight), the largest runs alone; all are waited for, and a failure names its array."""
+  from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+
+  in_flight, peaks = {}, []
+
+  class Read:
+    def __init__(self, name, nbytes, fails):
+      self.name, self.fails = name, fails
+      in_flight[name] = nbytes
+      peaks.append((name, sum(in_flight.values()), len(in_flight)))
+
+    def result(self):
+      del in_flight[self.name]
+      if self.fails:
+        raise ValueError(f"DATA_LOSS: {self.name}\nmore")
+
+  sizes = {"a": 10, "b": 30, "c": 100, "d": 40, "e": 40, "f": 20, "g": 5}
+  monkeypatch.setattr(verify, "_read", lambda opened, index: Read(*opened))
+  verify._read_back([(name, (), n, (name, n, False)) for name, n in sizes.items()])  # pylint: disable=protected-access
+  assert not in_flight and [name for name, _, _ in peaks] == list(sizes)
+  assert all(held <= 100 for _, held, _ in peaks)
+  assert dict((name, count) for name, _, count in peaks) == {"a": 1, "b": 2, "c": 1, "d": 1, "e": 2, "f": 3, "g": 3}
+  checks = [(name, (), n, (name, n, name == "d")) for name, n in sizes.items()]
+  with pytest.raises(CheckpointError, match=r"^d cannot be read back \(DATA_LOSS: d\); nothing was committed$"):
+    verify._read_back(checks)  # pylint: disable=protected-access

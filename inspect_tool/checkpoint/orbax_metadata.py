@@ -131,12 +131,8 @@ def open_kvstore(items_dir: str, use_ocdbt: bool):
   except Exception as e:  # tensorstore raises ValueError/OSError subclasses with long messages
     if paths.is_remote(items_dir):
       raise remote.error(items_dir, e, tensorstore=True) from None
-    raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({_first_line(e)})") from None
+    raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({errors.first_line(e)})") from None
 
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return text[0] if text else type(e).__name__
 
 
 def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
@@ -174,7 +170,7 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
       if paths.is_remote(items_dir):
         raise remote.error(items_dir, e, tensorstore=True) from None
       raise errors.CheckpointError(
-          f"{items_dir}: cannot read the array metadata of {entry.param_name} ({_first_line(e)})") from None
+          f"{items_dir}: cannot read the array metadata of {entry.param_name} ({errors.first_line(e)})") from None
     if result.state != "value":
       raise errors.CheckpointError(
           f"{items_dir}: array metadata missing for {entry.param_name} (listed in {locate.TREE_METADATA}); "
@@ -187,7 +183,7 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
     try:
       headers.append((files.dims(header["shape"], bad), _dtype_name(header, use_zarr3)))
     except (ValueError, KeyError, TypeError) as e:
-      raise bad(_first_line(e) if not isinstance(e, KeyError) else f"no {e} field") from None
+      raise bad(errors.first_line(e) if not isinstance(e, KeyError) else f"no {e} field") from None
   return headers
 
 

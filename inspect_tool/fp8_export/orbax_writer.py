@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from inspect_tool.storage import mapped_reads
+
 ZSTD_LEVEL = 3  # Orbax's
 PROCESS_DIR = "ocdbt.process_{}"
 
@@ -28,8 +30,11 @@ def ts_context():
                      "file_io_concurrency": {"limit": 16}})
 
 
-def _ocdbt(path: str) -> dict:
-  return {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(path) + "/"}}
+def _ocdbt(path: str, mapped: bool = False) -> dict:
+  """The OCDBT database at the local directory `path`; `mapped`: its files read by mapping them where allowed
+  (`storage.mapped_reads`)."""
+  base = {"driver": "file", "path": os.path.abspath(path) + "/"}
+  return {"driver": "ocdbt", "base": mapped_reads.kvstore_spec(base, path) if mapped else base}
 
 
 class OrbaxArrayWriter:
@@ -152,16 +157,19 @@ class OrbaxArrayWriter:
     Raises:
       errors.CheckpointError: a database, an array's metadata or one of its chunks is missing or wrong.
     """
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
     from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
     from quant import compat  # pylint: disable=import-outside-toplevel
 
     self.wait()
     verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
     try:
-      parent = self._merge()
+      self._merge()
+      merged = ts.KvStore.open(_ocdbt(self.items_dir, mapped=True), context=self._context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-    verify.check_merged(parent, self._specs, self._context, complete=complete)
+    verify.check_merged(merged, self._specs, self._context, complete=complete)
     try:
       _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
@@ -173,7 +181,7 @@ class OrbaxArrayWriter:
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
-  def _merge(self):
+  def _merge(self) -> None:
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
@@ -184,7 +192,6 @@ class OrbaxArrayWriter:
       store = ts.KvStore.open(_ocdbt(os.path.join(self.items_dir, child)), context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
-    return parent
 
 
 def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=frozenset()) -> dict:

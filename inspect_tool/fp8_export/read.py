@@ -50,10 +50,6 @@ def nbytes(leaf: tree.Leaf) -> int:
   return leaf.size * np.dtype(leaf.dtype).itemsize
 
 
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return (lines[0] if lines else type(e).__name__)[:300]
-
 
 class CheckpointSource:
   """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
@@ -95,7 +91,8 @@ class CheckpointSource:
     try:
       store = ts.open(spec, open=True, read=True, context=context).result()
     except Exception as e:  # pylint: disable=broad-except
-      raise errors.CheckpointError(f"{self.items_dir}: cannot open the data of {name} ({_first_line(e)})") from None
+      raise errors.CheckpointError(
+          f"{self.items_dir}: cannot open the data of {name} ({errors.first_line(e)})") from None
     self._names[id(store)] = key
     return store
 
@@ -375,7 +372,7 @@ class PendingRead:
       return done if self._value is None else self._value
     except Exception as e:  # pylint: disable=broad-except
       raise errors.CheckpointError(f"{self._items_dir}: cannot read array data: a data file is missing, "
-                                   f"truncated or corrupt ({_first_line(e)})") from None
+                                   f"truncated or corrupt ({errors.first_line(e)})") from None
 
 
 class InitSource:

@@ -3,15 +3,21 @@
 After process 0 merges the processes' OCDBT databases (`orbax_writer.OrbaxArrayWriter.finalize`), `check_merged`
 reads the root database's listing: each array must have its `zarr.json` with the planned shape and dtype, and
 every chunk of its grid stored (a chunk some process was meant to write and did not reads as zeros, silently);
-then one chunk of each array is read back and decoded. Any fault is one line naming the array; the temporary
-directory is then removed and DST left as it was.
+then one chunk of each array is read back and decoded: its smallest (the last along every axis; in a sharded
+array, the last inner chunk of the last shard), through the merged root reopened with mapped reads where the
+directory is on a local disk, several arrays at once while memory holds no more than the largest read alone
+(`_read_back`). Any fault (a listing or a read that fails) is one line naming what failed; the temporary directory
+is then removed and DST left as it was.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+
+import numpy as np
 
 from inspect_tool import errors
 
@@ -29,17 +35,12 @@ def check_merged(root_kvstore, specs: dict, context, *, complete: bool = True) -
   """`specs`: array key → (shape, dtype, chunk) of every array written; `root_kvstore` the merged database."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  stored: dict[str, int] = {}
-  metadata: dict[str, bytes] = {}
-  for raw in root_kvstore.list().result():
-    name = raw.decode()
-    path, _, leaf = name.rpartition("/zarr.json")
-    if not leaf and path:
-      metadata[path] = root_kvstore.read(name).result().value
-      continue
-    prefix, sep, _ = name.partition("/c")
-    if sep:
-      stored[prefix] = stored.get(prefix, 0) + 1
+  try:
+    stored, metadata = _listing(root_kvstore)
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.CheckpointError(f"the merged checkpoint cannot be listed ({errors.first_line(e)}); nothing was "
+                                 "committed") from None
+  checks = []
   for key, (shape, dtype, chunk) in sorted(specs.items()):
     path = ".".join(key)
     where = f"array {'/'.join(key)} of the merged checkpoint"
@@ -54,6 +55,87 @@ def check_merged(root_kvstore, specs: dict, context, *, complete: bool = True) -
     if stored.get(path, 0) != expected and (complete or stored.get(path, 0) > expected):
       raise errors.CheckpointError(f"{where} has {stored.get(path, 0)} of its {expected} chunks; nothing was "
                                    "committed")
-    store = ts.open({"driver": "zarr3"}, kvstore=root_kvstore / (path + "/"), open=True, context=context).result()
-    first = tuple(slice(0, min(int(c), int(d))) for c, d in zip(grid, shape))
-    (store[first] if first else store).read().result()
+    opened = ts.open({"driver": "zarr3"}, kvstore=root_kvstore / (path + "/"), open=True, context=context)
+    index = last_chunk(shape, grid, _inner_chunk(meta))
+    nbytes = math.prod(s.stop - s.start for s in index) * np.dtype(dtype).itemsize
+    checks.append((where, index, nbytes, opened))
+  _read_back(checks)
+
+
+def _listing(root_kvstore) -> tuple[dict[str, int], dict[str, bytes]]:
+  """The stored chunks per array path and each array's `zarr.json` in the merged database."""
+  stored: dict[str, int] = {}
+  metadata: dict[str, bytes] = {}
+  for raw in root_kvstore.list().result():
+    name = raw.decode()
+    path, _, leaf = name.rpartition("/zarr.json")
+    if not leaf and path:
+      metadata[path] = root_kvstore.read(name).result().value
+      continue
+    prefix, sep, _ = name.partition("/c")
+    if sep:
+      stored[prefix] = stored.get(prefix, 0) + 1
+  return stored, metadata
+
+
+def _read_back(checks) -> None:
+  """Reads and decodes each (where, index, decoded bytes, array being opened) of `checks`, in order, several at
+  once while their decoded bytes together are no more than the largest one's (memory never holds more than one
+  read at a time would)."""
+  limit = max((nbytes for _, _, nbytes, _ in checks), default=0)
+  in_flight: collections.deque = collections.deque()
+
+  def finish_oldest() -> None:
+    where, read, _ = in_flight.popleft()
+    try:
+      read.result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.CheckpointError(f"{where} cannot be read back ({errors.first_line(e)}); nothing was "
+                                   "committed") from None
+
+  for where, index, nbytes, opened in checks:
+    while in_flight and sum(size for _, _, size in in_flight) + nbytes > limit:
+      finish_oldest()
+    in_flight.append((where, _read(opened, index), nbytes))
+  while in_flight:
+    finish_oldest()
+
+
+def last_chunk(shape, grid, inner=None) -> tuple[slice, ...]:
+  """The last chunk of the grid `grid` over `shape` along every axis (no larger than any other); with `inner`, the
+  last inner chunk of that (sharded) chunk."""
+  index = []
+  for axis, (d, c) in enumerate(zip(shape, grid)):
+    d, c = int(d), max(1, int(c))
+    start = (d - 1) // c * c if d else 0
+    if inner is not None:
+      i = max(1, int(inner[axis]))
+      start += (d - start - 1) // i * i if d > start else 0
+    index.append(slice(start, d))
+  return tuple(index)
+
+
+def _inner_chunk(meta: dict):
+  """The inner chunk shape of a `sharding_indexed` zarr3 array (its first codec), else None."""
+  codecs = meta.get("codecs") or [{}]
+  if codecs[0].get("name") != "sharding_indexed":
+    return None
+  return codecs[0].get("configuration", {}).get("chunk_shape")
+
+
+def _read(opened, index):
+  """The read of `index` from the array being opened (`opened`, a future), started; a failure is its result."""
+  try:
+    store = opened.result()
+    return (store[index] if index else store).read()
+  except Exception as e:  # pylint: disable=broad-except
+    return _Failed(e)
+
+
+class _Failed:
+  def __init__(self, error: Exception):
+    self._error = error
+
+  def result(self):
+    raise self._error
+

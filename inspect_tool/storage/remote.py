@@ -55,15 +55,11 @@ def context():
   return ts.Context({"gcs_request_retries": {"max_retries": RETRIES, "initial_delay": "0.5s", "max_delay": "4s"}})
 
 
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return (lines[0] if lines else type(e).__name__)[:300]
-
 
 def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.CheckpointError:
   """The one line for a failed read of `path` (an exception from gcsfs, or from `tensorstore`)."""
   from fsspec import exceptions as fs_exceptions  # pylint: disable=import-outside-toplevel
-  text = _first_line(e)
+  text = errors.first_line(e)
   tries = re.search(r"All (\d+) retry attempts failed", text)
   if isinstance(e, (fs_exceptions.FSTimeoutError, TimeoutError)):
     return errors.CheckpointError(f"{path}: Cloud Storage at {endpoint()} did not answer; gave up after "
