@@ -60,16 +60,28 @@ def _read(stream, index):
   return stream.read_async(index, out).result()
 
 
-@pytest.mark.parametrize("window", [None, 4096])  # local files' windows as they are, and many windows per chunk
+@pytest.mark.parametrize("mapped", [True, False])  # the data file mapped by the stream; read through tensorstore
+@pytest.mark.parametrize("window", [None, 4096])  # windows as they are, and many windows per chunk
 @pytest.mark.parametrize("name", sorted(ARRAYS))
-def test_the_boxes_of_a_one_chunk_array_decode_to_the_saved_values_in_one_pass(saved, name, window, monkeypatch):
+def test_the_boxes_of_a_one_chunk_array_decode_to_the_saved_values_in_one_pass(saved, name, window, mapped,
+                                                                                monkeypatch):
+  from inspect_tool.storage import mapped_reads  # pylint: disable=import-outside-toplevel
+
   path, values = saved
   if window:
-    monkeypatch.setattr(chunk_stream, "LOCAL_WINDOW_BYTES", window)
+    monkeypatch.setattr(chunk_stream, "MAPPED_WINDOW_BYTES" if mapped else "LOCAL_WINDOW_BYTES", window)
+  if not mapped:  # as on a network file system
+    monkeypatch.setattr(mapped_reads, "allowed", lambda path: False)
   store, chunk, stream, starts = _stream(path, name)
   try:
     assert chunk.zstd and 0 < chunk.nbytes < values[name].nbytes and chunk.window > 0
-    assert chunk.read_bytes == (window or 256 * 2**10)  # local files: small windows, reused from the heap
+    if mapped:  # the chunk's bytes in the file are those tensorstore reads at its key
+      with open(chunk.file, "rb") as f:
+        f.seek(chunk.file_offset)
+        assert f.read(chunk.nbytes) == store.kvstore.read(chunk.key).result().value[chunk.offset:][:chunk.nbytes]
+      assert chunk.read_bytes == (window or 2**20)
+    else:
+      assert chunk.file is None and chunk.read_bytes == (window or 256 * 2**10)  # small windows, heap-reused
     assert chunk.held == 2 * min(chunk.read_bytes, chunk.nbytes) + chunk.window + chunk_stream.DECODER_BYTES
     shape = values[name].shape
     box = (1,) * (len(shape) - 1) + (shape[-1],) if len(shape) > 1 else (100,)

@@ -239,7 +239,7 @@ def test_streamed_two_pass_weights_gather_their_absmax_ahead(source, tmp_path, m
   still decoded twice in all (as the decoders count it), and the weights hold Qwix's values. A chunked source is
   not streamed: nothing runs ahead."""
   step, chunks, cap = source
-  monkeypatch.setattr(chunk_stream, "LOCAL_WINDOW_BYTES", 256 * 2**10)
+  monkeypatch.setattr(chunk_stream, "MAPPED_WINDOW_BYTES", 256 * 2**10)  # the source's files, mapped
   monkeypatch.setattr(absmax_ahead, "BOX_BYTES", 256 * 2**10)
   inflated = _Inflated(monkeypatch)
   jobs, src, counted, measured, times = _export(step, 9 * MIB, tmp_path / "dst" / "items")

@@ -11,16 +11,23 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import mmap
+import os
 from typing import Callable, Sequence
 
 import numpy as np
 
 # Stored bytes read at once (one more is read ahead while these are decoded). From an object store each window is
-# a request. From local files, windows stay under a quarter of the allocator's trim threshold
-# (`budget.FREED_MEMORY_THRESHOLD`): tensorstore's Python binding copies each window twice (into a string, then
+# a request. From local files read through tensorstore, windows stay under a quarter of the allocator's trim
+# threshold (`budget.FREED_MEMORY_THRESHOLD`): its Python binding copies each window twice (into a string, then
 # bytes), and buffers that small are reused from the heap instead of being mapped, zeroed and unmapped each time.
+# A chunk whose data file is on a local disk (`storage.value_files`, `storage.mapped_reads`) is instead mapped by
+# the stream itself, `MAPPED_WINDOW_BYTES` at a time: no copy, no request per window (a window costs two system
+# calls, and memory holds the pages of two).
 WINDOW_BYTES = 4 * 2**20
 LOCAL_WINDOW_BYTES = 256 * 2**10
+MAPPED_WINDOW_BYTES = 2**20
+HEAD_BYTES = 32  # the frame's first bytes, read through tensorstore (the decoder's window; the mapped file's check)
 DECODER_BYTES = 2**18  # a zstd decoder's buffers beside its window (a block in and out, 128 KiB each)
 _MISSING = 2**64 - 1  # shard index offset of a chunk that is not stored
 
@@ -36,6 +43,8 @@ class StoredChunk:
   zstd: bool
   window: int = 0
   read_bytes: int = WINDOW_BYTES  # stored bytes read at once
+  file: str | None = None  # the local data file that holds the chunk, mapped by the stream (None: read by key)
+  file_offset: int = 0  # where the chunk starts in `file`
 
   @property
   def held(self) -> int:
@@ -100,14 +109,39 @@ def stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -> Stored
       [], [("zstd", "little")]):
     return None
   (offset, nbytes), zstd, window = pairs[0], len(names) == 2, 0
-  if zstd:
-    import zstandard  # pylint: disable=import-outside-toplevel
-    try:
-      head = kvstore.read(key, byte_range=slice(offset, offset + min(nbytes, 32))).result().value
-      window = int(zstandard.get_frame_parameters(bytes(head)).window_size)
-    except Exception:  # pylint: disable=broad-except
-      return None
+  try:
+    head = bytes(kvstore.read(key, byte_range=slice(offset, offset + min(nbytes, HEAD_BYTES))).result().value)
+    if zstd:
+      import zstandard  # pylint: disable=import-outside-toplevel
+      window = int(zstandard.get_frame_parameters(head).window_size)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  mapped = _mapped_file(kvstore, key, offset, nbytes, head)
+  if mapped is not None:
+    return StoredChunk(key, offset, nbytes, zstd, window, MAPPED_WINDOW_BYTES, *mapped)
   return StoredChunk(key, offset, nbytes, zstd, window, window_bytes(kvstore))
+
+
+def _mapped_file(kvstore, key: str, offset: int, nbytes: int, head: bytes) -> tuple[str, int] | None:
+  """(local data file, offset in it) of the stored chunk at `offset` of `key`'s value, when the file may be mapped
+  (`storage.mapped_reads`), holds the whole chunk and starts it with `head` (what tensorstore read there)."""
+  from inspect_tool.storage import mapped_reads  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import value_files  # pylint: disable=import-outside-toplevel
+
+  found = value_files.locate(kvstore, key)
+  if found is None or offset + nbytes > found.nbytes or not mapped_reads.allowed(found.path):
+    return None
+  at = found.offset + offset
+  try:
+    with open(found.path, "rb") as f:
+      if os.fstat(f.fileno()).st_size < at + nbytes:
+        return None
+      f.seek(at)
+      if f.read(len(head)) != head:
+        return None
+  except OSError:
+    return None
+  return found.path, at
 
 
 def contiguous_range(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[int, int] | None:
@@ -157,6 +191,33 @@ class _Windows:
     return out
 
 
+class _MappedWindows:
+  """The chunk's stored bytes from its local data file, mapped `read_bytes` at a time: each window is a view of the
+  page cache's pages, unmapped once the decoder lets go of it (no copy, no request)."""
+
+  def __init__(self, chunk: StoredChunk):
+    self._chunk, self._pos = chunk, 0
+    self._fd = os.open(chunk.file, os.O_RDONLY)
+
+  def read(self, size: int = -1) -> memoryview | bytes:
+    left = self._chunk.nbytes - self._pos
+    n = min(left, self._chunk.read_bytes if size is None or size < 0 else size, self._chunk.read_bytes)
+    if n <= 0:
+      return b""
+    start = self._chunk.file_offset + self._pos
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    window = mmap.mmap(self._fd, start + n - aligned, access=mmap.ACCESS_READ, offset=aligned)
+    if hasattr(window, "madvise"):
+      window.madvise(mmap.MADV_WILLNEED)  # read from disk ahead of the decoder when not cached
+    self._pos += n
+    return memoryview(window)[start - aligned:]
+
+  def close(self) -> None:
+    if self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
+
+
 class ChunkStream:
   """Serves contiguous boxes of one array from its stored chunk, decoded front to back in a thread of its own
   (reads run one after another, in the order they were asked for). `on_decode()` is called each time the chunk's
@@ -167,6 +228,7 @@ class ChunkStream:
     self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
     self._on_decode = on_decode
     self._reader, self._at = None, 0  # the decoder, and the element it has reached
+    self._source = None  # the windows of stored bytes the decoder reads
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chunk-stream")  # its only reader
 
   def read_async(self, index: tuple[slice, ...], out: np.ndarray) -> concurrent.futures.Future:
@@ -179,7 +241,8 @@ class ChunkStream:
 
   def _start(self):
     self._end()
-    source = _Windows(self._kvstore, self._chunk)
+    source = _MappedWindows(self._chunk) if self._chunk.file else _Windows(self._kvstore, self._chunk)
+    self._source = source
     if self._chunk.zstd:
       import zstandard  # pylint: disable=import-outside-toplevel
       decompressor = zstandard.ZstdDecompressor()
@@ -222,6 +285,9 @@ class ChunkStream:
     if self._reader is not None:
       self._reader.close()
       self._reader = None
+    if self._source is not None:
+      self._source.close()
+      self._source = None
 
   def finish(self) -> None:
     """Lets the reads asked for run to their end in the background, then ends the stream (no more reads)."""
