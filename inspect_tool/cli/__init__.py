@@ -13,6 +13,11 @@ import click
 
 from inspect_tool.cli import flags
 
+# The cyclic garbage collector's thresholds for the command's process: JAX's and Flax's imports and the model's
+# abstract trace allocate millions of objects, most of them kept, and under Python's defaults (700, 10, 10) an
+# export's start-up ran 435 collections for 0.30 s, three of them full; with these, 15 collections for 0.09 s.
+GC_THRESHOLDS = (20_000, 20, 20)
+
 _COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
     "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext",
                 "List a MaxText model's parameters from key=value overrides (sharding and per-device memory with "
@@ -153,6 +158,10 @@ def _run(argv: list[str]) -> int:
 
 
 def entry_point() -> None:
+  """The `inspect_checkpoint` process: `main`, its exit code, the last of stdout flushed."""
+  import gc  # pylint: disable=import-outside-toplevel
+
+  gc.set_threshold(*GC_THRESHOLDS)
   code = main()
   from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
   try:
