@@ -134,7 +134,6 @@ def open_kvstore(items_dir: str, use_ocdbt: bool):
     raise errors.CheckpointError(f"{items_dir}: cannot open the Orbax array store ({errors.first_line(e)})") from None
 
 
-
 def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
   if zarr3:
     dtype = header["data_type"]

@@ -50,7 +50,6 @@ def nbytes(leaf: tree.Leaf) -> int:
   return leaf.size * np.dtype(leaf.dtype).itemsize
 
 
-
 class CheckpointSource:
   """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
 

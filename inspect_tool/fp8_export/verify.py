@@ -90,15 +90,21 @@ def _read_back(checks) -> None:
     try:
       read.result()
     except Exception as e:  # pylint: disable=broad-except
-      raise errors.CheckpointError(f"{where} cannot be read back ({errors.first_line(e)}); nothing was "
-                                   "committed") from None
+      raise _unreadable(where, e) from None
 
   for where, index, nbytes, opened in checks:
     while in_flight and sum(size for _, _, size in in_flight) + nbytes > limit:
       finish_oldest()
-    in_flight.append((where, _read(opened, index), nbytes))
+    try:
+      in_flight.append((where, _read(opened, index), nbytes))
+    except Exception as e:  # pylint: disable=broad-except
+      raise _unreadable(where, e) from None
   while in_flight:
     finish_oldest()
+
+
+def _unreadable(where: str, e: BaseException) -> errors.CheckpointError:
+  return errors.CheckpointError(f"{where} cannot be read back ({errors.first_line(e)}); nothing was committed")
 
 
 def last_chunk(shape, grid, inner=None) -> tuple[slice, ...]:
@@ -124,18 +130,6 @@ def _inner_chunk(meta: dict):
 
 
 def _read(opened, index):
-  """The read of `index` from the array being opened (`opened`, a future), started; a failure is its result."""
-  try:
-    store = opened.result()
-    return (store[index] if index else store).read()
-  except Exception as e:  # pylint: disable=broad-except
-    return _Failed(e)
-
-
-class _Failed:
-  def __init__(self, error: Exception):
-    self._error = error
-
-  def result(self):
-    raise self._error
-
+  """The read of `index` from the array being opened (`opened`, a future), started."""
+  store = opened.result()
+  return (store[index] if index else store).read()

@@ -55,7 +55,6 @@ def context():
   return ts.Context({"gcs_request_retries": {"max_retries": RETRIES, "initial_delay": "0.5s", "max_delay": "4s"}})
 
 
-
 def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.CheckpointError:
   """The one line for a failed read of `path` (an exception from gcsfs, or from `tensorstore`)."""
   from fsspec import exceptions as fs_exceptions  # pylint: disable=import-outside-toplevel
