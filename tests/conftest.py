@@ -19,9 +19,11 @@ def _compilation_cache_in_a_temporary_directory(tmp_path_factory):
     os.environ[compile_cache.JAX_ENV] = saved
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-  """One local GCS emulator for the session (tests/gcs_emulator.py), its variables set in os.environ meanwhile."""
+  """One local GCS emulator per test module (tests/gcs_emulator.py), its variables set in os.environ meanwhile.
+  Per module, not per session: the emulator rewrites the metadata of every object it holds on each write, so a
+  session's worth of objects made each upload of the later modules slower."""
   from gcs_emulator import emulator  # pylint: disable=import-outside-toplevel
 
   with emulator(tmp_path_factory.mktemp("gcs-emulator")) as running:

@@ -5,7 +5,7 @@
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
 `listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
 meanwhile, `altering(bucket)` makes it store small uploads to a bucket with their last byte changed. The `gcs` fixture (tests/conftest.py) is one
-emulator per test session with the variables set in os.environ, so the tool, run in-process or as a subprocess with
+emulator per test module with the variables set in os.environ, so the tool, run in-process or as a subprocess with
 `os.environ`, reads and writes gs:// paths against it.
 
 The clients talk to a small test-side HTTP proxy in front of gcp-storage-emulator (a test double, `_Proxy`): it adds
@@ -37,6 +37,7 @@ import urllib.request
 from pathlib import Path
 
 BUCKET = "inspect-tests"
+EMULATOR_SLOTS = 4
 
 
 def _free_port() -> int:
@@ -54,6 +55,9 @@ class _Proxy(http.server.ThreadingHTTPServer):
   def __init__(self, target: str):
     super().__init__(("127.0.0.1", 0), _Relay)
     self.target, self.denied, self.altered, self.requests = target, set(), set(), 0
+    # The emulator serves one request at a time from a listen backlog of 5 (socketserver's default): a sixth
+    # connection attempt is dropped and retried by TCP a second later. At most EMULATOR_SLOTS relayed at once.
+    self.slots = threading.BoundedSemaphore(EMULATOR_SLOTS)
 
   @property
   def url(self) -> str:
@@ -89,7 +93,7 @@ class _Relay(http.server.BaseHTTPRequestHandler):
   def _forward(self, method: str, path: str, body: bytes | None, headers: dict):
     request = urllib.request.Request(self.server.target + path, data=body, method=method, headers=headers)
     try:
-      with urllib.request.urlopen(request, timeout=60) as response:
+      with self.server.slots, urllib.request.urlopen(request, timeout=60) as response:
         return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as error:
       return error.code, dict(error.headers), error.read()
@@ -177,7 +181,8 @@ class GcsEmulator:
   @property
   def env(self) -> dict[str, str]:
     return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "inspect-tests"}
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "inspect-tests",
+            "NO_GCE_CHECK": "true"}  # google-auth: not on GCE (else each process pings the metadata server, 1-2 s)
 
   def _call(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"):
     request = urllib.request.Request(self.url + path, data=body, method=method,

@@ -36,10 +36,13 @@ def _cli(capsys, *argv):
 def gs_arrays(url: str) -> dict:
   """Every array of the Orbax checkpoint at gs:// `url` (DST/0/items), read with tensorstore's gcs driver alone."""
   base = paths.kvstore_spec(paths.join(url, "0", "items"))
-  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=ts.Context()).result()
+  context = ts.Context()  # one database: its manifest and B-tree nodes fetched once, not once per array
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result()
   names = sorted({k.decode().rsplit("/zarr.json", 1)[0] for k in kv.list().result() if k.endswith(b"/zarr.json")})
-  return {n: np.asarray(ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": n + "/"}},
-                                open=True).result().read().result()) for n in names}
+  opened = [ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": n + "/"}}, open=True,
+                    context=context) for n in names]
+  reads = [future.result().read() for future in opened]
+  return {n: np.asarray(read.result()) for n, read in zip(names, reads)}
 
 
 def _assert_same_arrays(a: dict, b: dict, count: int | None = None) -> None:
