@@ -49,13 +49,18 @@ def finish(procs, timeout: int = 240) -> list[tuple[int, str, str]]:
 
 
 def _arrays(path: str) -> dict:
+  """Every array of the Orbax checkpoint at `path` (DST/0/items; local or gs://), read with tensorstore alone."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
 
-  base = {"driver": "file", "path": os.path.join(path, "0", "items") + "/"}
-  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+  base = paths.kvstore_spec(paths.join(path, "0", "items"))
+  context = ts.Context()  # one database: its manifest and B-tree nodes fetched once, not once per array
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result()
   names = sorted({k.decode().rsplit("/zarr.json", 1)[0] for k in kv.list().result() if k.endswith(b"/zarr.json")})
-  return {n: np.asarray(ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": n + "/"}},
-                                open=True).result().read().result()) for n in names}
+  opened = [ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": n + "/"}}, open=True,
+                    context=context) for n in names]
+  reads = [future.result().read() for future in opened]  # all arrays in flight at once
+  return {n: np.asarray(read.result()) for n, read in zip(names, reads)}
 
 
 def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
