@@ -76,6 +76,10 @@ _BUCKET = re.compile(r"^(?:/download|/upload)?/storage/v1/b/([^/?]+)")
 
 class _Relay(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
+  # An answer goes out as two sends (headers, then body). On a kept-alive connection with Nagle's algorithm on, the
+  # body waited for the client's delayed acknowledgement of the headers (`bench/bench_gcs.py --tiny`, gs -> local:
+  # 19 s with it, 6 s without).
+  disable_nagle_algorithm = True
 
   def log_message(self, *args):  # quiet
     pass
