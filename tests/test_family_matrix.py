@@ -5,7 +5,8 @@ traceback.
 Commands run in-process (`cli.main`). The abstract commands (listing, `--summary`, `--devices 8`, `rules`,
 `diff`) run on every preset; the listing and `diff` as is, while `rules` and `--summary` (whose FP8 size comes from
 the same trace) on an unscanned preset trace one dense (or hash-routed) layer and two others
-(`base_num_decoder_layers` lowered: the same modules, traced once per layer). `forward` and `export` run
+(`base_num_decoder_layers` lowered: the same modules, traced once per layer), except the summary of
+`WHOLE_SUMMARY`, which traces all of them. `forward` and `export` run
 the presets whose weights do not fit a machine with 16 GiB free (the available-memory figure is set to that, so
 the outcome does not depend on the machine): they are refused by the memory check; the tiny presets run as
 small variants of their family (`TINY_RUNS`).
@@ -80,6 +81,9 @@ def sixteen_gib_free(monkeypatch):
   monkeypatch.delenv(limits.SKIP_ENV, raising=False)
 
 
+WHOLE_SUMMARY = ("deepseek3-671b", False, 1)  # the one unscanned --summary that traces every layer (61 and MTP)
+
+
 @pytest.mark.parametrize("preset, scan, mtp", CASES, ids=IDS)
 def test_abstract_commands(preset, scan, mtp, capsys):
   """Listing; --summary with --devices 8 (fsdp 8) and adamw's memory; rules; diff against the L4 checkpoint."""
@@ -87,7 +91,8 @@ def test_abstract_commands(preset, scan, mtp, capsys):
   _, out, _ = expect(capsys, reason, "maxtext", *given)
   assert reason or "Total Parameters:" in out
   fewer = given if scan else given + _fewer_layers(preset)
-  _, out, _ = expect(capsys, reason, "maxtext", *fewer, "--devices", "8", "--summary", "--train", "adamw")
+  summarized = given if (preset, scan, mtp) == WHOLE_SUMMARY else fewer
+  _, out, _ = expect(capsys, reason, "maxtext", *summarized, "--devices", "8", "--summary", "--train", "adamw")
   assert reason or ("Active parameters per token" in out and "Per-device memory on 8 devices (fsdp=8)" in out
                     and "spec: P(" in out)
   traced = fewer + _quantization(preset)
