@@ -5,6 +5,7 @@ reproduces MaxText's golden logits from it bit for bit, as tests/test_model_forw
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -148,8 +149,7 @@ def test_unreachable_storage_gives_up_in_bounded_time():
                  "after 3 s (INSPECT_GCS_TIMEOUT sets the limit)\n")
 
 
-def _closed_port_url() -> tuple[str, "socket.socket"]:
-  import socket  # pylint: disable=import-outside-toplevel
+def _closed_port_url() -> tuple[str, socket.socket]:
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
   return f"http://127.0.0.1:{sock.getsockname()[1]}", sock
