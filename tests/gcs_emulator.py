@@ -4,9 +4,9 @@
 `env` holds the variables Google's clients honour (`STORAGE_EMULATOR_HOST`) plus what tensorstore needs from it
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
 `listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
-meanwhile, `altering(bucket)` makes it store small uploads to a bucket with their last byte changed. The `gcs` fixture (tests/conftest.py) is one
-emulator per test module with the variables set in os.environ, so the tool, run in-process or as a subprocess with
-`os.environ`, reads and writes gs:// paths against it.
+meanwhile, `altering(bucket)` makes it store small uploads to a bucket with their last byte changed. The `gcs`
+fixture (tests/conftest.py) is one emulator per test module with the variables set in os.environ, so the tool, run
+in-process or as a subprocess with `os.environ`, reads and writes gs:// paths against it.
 
 The clients talk to a small test-side HTTP proxy in front of gcp-storage-emulator (a test double, `_Proxy`): it adds
 what Cloud Storage sends and the emulator does not — the `x-goog-generation` header on object downloads and the

@@ -35,7 +35,7 @@ def _import(source: str, dst: str, *extra: str, cgroup=None):
 @pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
 def test_import_stays_within_a_memory_cgroup_smaller_than_each_expert_stack(hf_dir, tmp_path):
   with memory_cgroup.limited(LIMIT, "import_test") as cgroup:
-    bounded, peak = _import(hf_dir, str(tmp_path / "bounded"), "--max-memory", "450MB", cgroup=cgroup)
+    bounded, peak = _import(hf_dir, str(tmp_path / "bounded"), "--max-memory", str(LIMIT), cgroup=cgroup)
   assert bounded.returncode == 0, bounded.stderr[-3000:]
   assert 100 * 10**6 < cgroup.charged <= LIMIT, cgroup.charged  # the import ran inside the cgroup
   assert peak is not None and peak <= LIMIT, peak
