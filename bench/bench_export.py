@@ -116,7 +116,7 @@ def _drain(pending: collections.deque, keep: int) -> int:
 
 def read_floor(step_dir: str) -> None:
   """Decode-only read: every chunk of the source once (whole read chunks, `IN_FLIGHT` at a time), discarded."""
-  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
 
   start, cpu = time.perf_counter(), time.process_time()
   pending, nbytes, chunks = collections.deque(), 0, 0
@@ -133,7 +133,7 @@ def write_floor(export_step: str, dst_step: str) -> None:
   """Encode-only write: the export's arrays (loaded first, untimed) written with their metadata (dtype, chunks,
   codecs) into a new OCDBT database, chunk by chunk, `IN_FLIGHT` at a time."""
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
 
   context = orbax_writer.ts_context()
   arrays = [(n, m, s.read().result()) for n, (s, m) in sorted(_arrays(os.path.join(export_step, "items")).items())]

@@ -7,6 +7,11 @@ value and what would be accepted.
 from __future__ import annotations
 
 import difflib
+import inspect
+import logging
+import signal
+import sys
+import warnings
 
 MAX_SHOWN = 200  # characters of a user's value an error line quotes
 MAX_LINE = 2000  # an error line longer than this (a value quoted whole by mistake) keeps its start and end
@@ -78,8 +83,6 @@ class Interrupted(BaseException):
   """SIGTERM, SIGHUP or SIGINT arrived: raised in the main thread so that partial outputs are removed."""
 
   def __init__(self, signum: int):
-    import signal  # pylint: disable=import-outside-toplevel
-
     super().__init__(signal.Signals(signum).name)
     self.signum = signum
     self.exit_code = 128 + signum
@@ -97,11 +100,6 @@ def quiet_closed_event_loop() -> None:
   Thousands of tracebacks would follow the error line. Those kinds are dropped; every other exception still
   reaches the previous hooks.
   """
-  import inspect  # pylint: disable=import-outside-toplevel
-  import logging  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  import warnings  # pylint: disable=import-outside-toplevel
-
   def closed_loop(value) -> bool:
     return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 

@@ -33,6 +33,7 @@ import importlib
 import importlib.metadata
 import os
 import uuid
+import re
 
 from quant import errors
 
@@ -67,8 +68,6 @@ def private(module_name: str, attr: str | None = None, *, package: str):
 
 def regex_internals():
   """Python's regular-expression parser and its constants modules (`re._parser`, `re._constants`)."""
-  import re  # pylint: disable=import-outside-toplevel
-
   try:
     return re._parser, re._constants  # pylint: disable=protected-access
   except AttributeError:

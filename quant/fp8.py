@@ -18,6 +18,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from quant import calibration as calibration_lib
 from quant import errors
 
 _QTYPES = {
@@ -30,7 +31,6 @@ _QTYPES = {
     "fp8_e5m2": jnp.float8_e5m2,
 }
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
-CALIBRATIONS = ("absmax", "absmax,<factor>", "rms,<factor>", "fixed,<bound>", "fixed,<-bound>,<bound>")
 
 
 def resolve_qtype(qtype) -> np.dtype:
@@ -45,30 +45,6 @@ def resolve_qtype(qtype) -> np.dtype:
   if resolved is None or np.dtype(resolved) not in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
     raise errors.QuantError(f"unsupported quantization type {qtype!r}; accepted: float8_e4m3fn, float8_e5m2")
   return np.dtype(resolved)
-
-
-def parse_calibration(calibration: str) -> tuple[str, tuple[float, ...]]:
-  """Splits '<method>[,<args>]' and validates it for symmetric fp8 quantization."""
-  method, *raw = str(calibration).strip().lower().split(",")
-  try:
-    args = tuple(float(a) for a in raw)
-  except ValueError:
-    args = None
-  bad = args is None
-  if not bad and method == "absmax":
-    bad = len(args) > 1
-  elif not bad and method == "rms":
-    bad = len(args) != 1
-  elif not bad and method == "fixed":
-    if len(args) == 1:
-      args = (-args[0], args[0])
-    bad = len(args) != 2 or args[0] > 0 or args[1] < 0 or args[0] >= args[1] or args[0] + args[1] != 0
-  elif not bad:
-    bad = True
-  if bad:
-    raise errors.QuantError(
-        f"unsupported calibration method {calibration!r} for fp8; accepted: {', '.join(CALIBRATIONS)}")
-  return method, args
 
 
 def _check_float(x) -> None:
@@ -90,7 +66,7 @@ def compute_scale(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
   x = jnp.asarray(x)
   _check_float(x)
   qtype = resolve_qtype(qtype)
-  method, args = parse_calibration(calibration)
+  method, args = calibration_lib.parse_calibration(calibration)
   if method == "absmax":
     return scale_from_absmax(absmax(x, channelwise_axes), qtype, calibration)
   reduce_axes = _reduce_axes(channelwise_axes, x.ndim)
@@ -112,7 +88,7 @@ def absmax(x, channelwise_axes=()):
 def scale_from_absmax(amax, qtype, calibration: str = "absmax"):
   """The scale `compute_scale` gives for an absmax calibration (`absmax` or `absmax,<factor>`) from the statistic
   `absmax(x, ...)`: bit for bit the same however the absmax was gathered."""
-  method, args = parse_calibration(calibration)
+  method, args = calibration_lib.parse_calibration(calibration)
   if method != "absmax":
     raise errors.QuantError(f"calibration {calibration!r} is not an absmax calibration; accepted: absmax, "
                             "absmax,<factor>")
@@ -149,7 +125,7 @@ def quantize(x, qtype, channelwise_axes=(), calibration: str = "absmax", scale_d
     x: floating array (bf16, f16, f32, f64).
     qtype: float8_e4m3fn or float8_e5m2 (dtype or name).
     channelwise_axes: axes that keep their own scales; all other axes are reduced.
-    calibration: one of CALIBRATIONS.
+    calibration: one of `calibration_lib.CALIBRATIONS`.
     scale_dtype: dtype of the returned scale (default: dtype of `x`; computed in the dtype of `x` regardless).
 
   Returns:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quant import errors
+from quant import calibration as calibration_lib
 from quant import fp8
 
 ARRAY, QVALUE, SCALE = "array", "qvalue", "scale"
@@ -168,7 +169,7 @@ def _quantize_with_absmax(x, amax, *, qtype: str, calibration: str, compute_dtyp
 def gathers_absmax(wq: WeightQuant) -> bool:
   """Whether `wq`'s scales come from an absmax, so that a weight can be quantized in two passes over blocks that
   also cut the shared axes: the maximum of the blocks' absmaxes is the weight's (`compiled_quantizers`)."""
-  return fp8.parse_calibration(wq.calibration)[0] == "absmax"
+  return calibration_lib.parse_calibration(wq.calibration)[0] == "absmax"
 
 
 def _statics(wq: WeightQuant) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from quant import errors
+
 # `gmm_backend` values (`quant.gmm.backends` runs them; kept here so that config parsing needs no JAX).
 GMM_BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
 
@@ -32,8 +34,6 @@ class _Checked:
 
   def __set__(self, obj, value):
     if value not in self._accepted:
-      from quant import errors  # pylint: disable=import-outside-toplevel
-
       raise errors.QuantError(f"{self._name}={value!r}; accepted: {', '.join(repr(a) for a in self._accepted)}")
     obj.__dict__[self._name] = value
 

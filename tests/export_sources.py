@@ -13,8 +13,8 @@ import numpy as np
 
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import tree
-from inspect_tool.fp8_export import plan as export_plan
-from inspect_tool.fp8_export import orbax_writer
+from inspect_tool.paramtree import params
+from inspect_tool.streaming import orbax_writer
 
 
 def write_source(step_dir: str, tokens: list[str], *, chunk_bytes: int = 16 << 20, seed: int = 0) -> tuple[int, int]:
@@ -27,7 +27,7 @@ def write_source(step_dir: str, tokens: list[str], *, chunk_bytes: int = 16 << 2
   os.makedirs(items, exist_ok=True)
   writer = orbax_writer.OrbaxArrayWriter(items)
   total = largest = 0
-  for leaf in export_plan.model_leaves(config.resolve_config(tokens)):
+  for leaf in params.model_leaves(config.resolve_config(tokens)):
     shape = tuple(leaf.shape)
     nbytes = math.prod(shape) * 4
     row = nbytes // max(shape[0], 1) if shape else 4

@@ -44,7 +44,7 @@ def maxtext_fp8_cost() -> list:
   """Per head (main, mtp_1): how far MaxText's fp8 logits (golden c) are from its unquantized ones (golden a),
   as `metrics.HeadComparison` rows; measured cosine 0.99390 / 0.99221, top-1 29 / 25 of 32, KL 0.00588 / 0.00758,
   relative error 0.1107 / 0.1249."""
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+  from quant import metrics  # pylint: disable=import-outside-toplevel
 
   plain, golden = load(UNQUANTIZED), load(FP8[True])
   return [metrics.compare_logits("main", plain["logits"], golden["logits"]),

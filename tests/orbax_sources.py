@@ -12,7 +12,7 @@ import numpy as np
 
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import tree
-from inspect_tool.fp8_export import plan as export_plan
+from inspect_tool.paramtree import params
 
 
 def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | None = None, seed: int = 0,
@@ -27,7 +27,7 @@ def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | Non
 
   rng = np.random.default_rng(seed)
   values, args = {}, {}
-  for leaf in export_plan.model_leaves(config.resolve_config(tokens)):
+  for leaf in params.model_leaves(config.resolve_config(tokens)):
     shape = tuple(leaf.shape)
     if leaf.key[-1] == "scale":
       value = np.ones(shape, np.float32)

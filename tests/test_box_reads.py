@@ -5,8 +5,8 @@ them with their slices; never for or during a cached box, never past a copy of s
 import random
 from types import SimpleNamespace
 
-from inspect_tool.fp8_export import box_reads
-from inspect_tool.fp8_export.budget import SLICE_FACTOR
+from inspect_tool.streaming import box_reads
+from inspect_tool.streaming.budget import SLICE_FACTOR
 
 ROOMY = 10**9
 

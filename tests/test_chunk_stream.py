@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from inspect_tool import errors
-from inspect_tool.fp8_export import chunk_stream
-from inspect_tool.fp8_export import read
+from inspect_tool.streaming import chunk_stream
+from inspect_tool.streaming import read
 
 ARRAYS = {"experts": ((4, 3, 64, 96), ml_dtypes.bfloat16), "dense": ((200, 300), np.float32),
           "vector": ((1000,), np.float32)}

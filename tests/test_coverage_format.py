@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import qwix
 
 import qwix_toy_model as toy
-from quant import coverage, coverage_format, coverage_report, rules
+from quant import coverage, rules
+from inspect_tool.report import coverage_format, coverage_report
 
 TOKENS = jax.ShapeDtypeStruct((1, 4), jnp.int32)
 RULES = [rules.router_unquantized_rule(),

@@ -13,7 +13,7 @@ import maxtext_listings
 from inspect_tool.configuration import config
 from inspect_tool.coverage import trace as coverage
 from inspect_tool.paramtree import summary
-from quant import coverage_format
+from inspect_tool.report import coverage_format
 
 V32_SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_layers=1", "base_emb_dim=64",
              "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "base_moe_mlp_dim=32",

@@ -8,7 +8,8 @@ import pytest
 import qwix
 
 import qwix_toy_model as toy
-from quant import coverage, coverage_report, rules
+from quant import coverage, rules
+from inspect_tool.report import coverage_report
 
 TOKENS = jax.ShapeDtypeStruct((1, 4), jnp.int32)
 MAIN = qwix.QtRule(module_path="(decoder/layers.*|mtp/.*)", weight_qtype=jnp.float8_e4m3fn,

@@ -374,7 +374,7 @@ def test_sigterm_during_an_overwrite_export_ends_it_promptly(tmp_path, attempt):
 def _two_writers(tmp_path, rows_by_process):
   """Process 0 and 1's writers of one (4, 3) array in 4 one-row chunks, each writing `rows_by_process[i]`."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
 
   items = tmp_path / "0" / "items"
   items.mkdir(parents=True)

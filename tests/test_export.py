@@ -19,9 +19,9 @@ import tensorstore as ts
 from inspect_tool import cli
 from inspect_tool import errors
 from inspect_tool.fp8_export import pipeline as export
-from inspect_tool.fp8_export import plan as export_plan
+from inspect_tool.coverage import plan as export_plan
 from inspect_tool.fp8_export import validate as export_validate
-from inspect_tool.run import metrics
+from quant import metrics
 from inspect_tool.checkpoint import orbax_metadata
 
 import golden_parity
@@ -290,7 +290,7 @@ def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, 
 
 
 def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path, capsys, monkeypatch):
-  from inspect_tool.fp8_export import orbax_writer  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
 
   class _Full:  # a destination array (and its kvstore) whose every write fails as a full disk makes tensorstore fail
     kvstore = property(lambda self: self)
@@ -312,7 +312,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
 
 def test_deepseek_fp8_disk_full_is_one_line_naming_the_destination(tmp_path, capsys, monkeypatch):
   from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import safetensors_writer  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import safetensors_writer  # pylint: disable=import-outside-toplevel
 
   def full(*args):
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -17,13 +17,15 @@ from qwix._src.core import qarray
 
 import orbax_sources
 from inspect_tool.configuration import config
-from inspect_tool.fp8_export import absmax_ahead
-from inspect_tool.fp8_export import chunk_stream
-from inspect_tool.fp8_export import plan as plan_lib
-from inspect_tool.fp8_export import read
-from inspect_tool.fp8_export import read_plan
+from inspect_tool.streaming import absmax_ahead
+from inspect_tool.streaming import chunk_stream
+from inspect_tool.coverage import plan as plan_lib
+from inspect_tool.paramtree import params
+from inspect_tool.streaming import read
+from inspect_tool.streaming import read_plan
 from inspect_tool.fp8_export import report
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.fp8_export import quantize
+from inspect_tool.streaming import write_orbax
 
 MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
          "vocab_size=16384", "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=8",
@@ -121,10 +123,10 @@ def _export(step: str, available: int, dst):
   decoding figures, tensorstore's count of the chunks the (not streamed) reads decode, chunk -> times read)."""
   cfg = config.resolve_config(TOKENS)
   plan = plan_lib.plan_export(cfg)
-  src = _Recording(read.open_source(cfg, step, plan_lib.model_leaves(cfg)))
+  src = _Recording(read.open_source(cfg, step, params.model_leaves(cfg)))
   jobs = write_orbax.plan_jobs(plan, src, write_orbax.RESERVE_BYTES + available, held=0)
   dst.mkdir(parents=True)
-  writer, _ = write_orbax.write_arrays(jobs, src, str(dst))
+  writer, _ = write_orbax.write_arrays(jobs, src, str(dst), quantizers=quantize.Quantizers)
   writer.finalize(str(dst.parent), "items")
   counted = report.decoding(src.decodes, {job.leaf.key: read.nbytes(job.leaf) for job in jobs})
   measured, times = _replayed(src, src.reads)
@@ -300,7 +302,7 @@ def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
   each."""
   step, chunks, cap = source
   cfg = config.resolve_config(TOKENS)
-  src = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+  src = read.open_source(cfg, step, params.model_leaves(cfg))
   key = tuple(WI_0.split("."))
   store = src.open(key)
   box = tuple(slice(0, c) for c in chunks[WI_0])  # one source chunk
@@ -334,7 +336,7 @@ def test_the_slices_of_a_cached_box_decode_its_chunk_once(source):
   # reads) reads and decodes the whole chunk again. (Through one handle tensorstore sometimes keeps a decoded
   # chunk between reads by itself, so that is no baseline.)
   def fresh(index):
-    other = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+    other = read.open_source(cfg, step, params.model_leaves(cfg))
     return other.read(other.open(key), index)
 
   disk, decoding, parts = read_slices(fresh)
@@ -346,7 +348,7 @@ def test_the_hf_layout_streams_one_chunk_arrays_in_boxes_of_many_rows(source, tm
   """The deepseek-fp8 writer within 24 MiB of work: the arrays stored as one chunk too large to read whole beside its
   decoded copy (the 16 MiB embedding and head) are streamed, each decoded once, in boxes of many rows (not row by
   row), and the files are those of the writer with the default work memory. Chunks of 1 MiB: nothing is streamed."""
-  from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import chunk_stream  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
 
   step, chunks, cap = source
@@ -356,7 +358,7 @@ def test_the_hf_layout_streams_one_chunk_arrays_in_boxes_of_many_rows(source, tm
                       lambda stream, index, out: boxes.append((stream.shape, out.nbytes)) or read_async(stream, index, out))
 
   def write(dst, work_bytes):
-    src = read.open_source(cfg, step, plan_lib.model_leaves(cfg))
+    src = read.open_source(cfg, step, params.model_leaves(cfg))
     views = {key: src.view(key) for key in src.keys()}
     dst.mkdir()
     write_hf.write_deepseek_fp8(views, cfg, str(dst), work_bytes=work_bytes,

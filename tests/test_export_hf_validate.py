@@ -178,7 +178,7 @@ def test_no_validate_is_recorded_and_the_export_reads_back_unchanged(tmp_path, c
 def test_validation_that_does_not_fit_is_skipped_with_a_command_that_runs_it_as_printed(tmp_path, capsys,
                                                                                          monkeypatch, batch_files):
   import shlex  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import validate  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(validate, "memory_needed", lambda source_bytes: 3 * 10**9)  # more than the budget leaves

@@ -162,7 +162,7 @@ def test_max_memory_below_the_smallest_slice_is_one_line(tmp_path):
 
 def test_max_memory_over_what_the_machine_has_is_one_line(tmp_path):
   """More than MemAvailable (plus what the process holds) or the cgroup limit: refused before anything is made."""
-  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
 
   ceiling, _ = budget.memory_ceiling()
   ask = f"{int(ceiling * 2 / 10**9) + 1}GB"

@@ -15,10 +15,12 @@ from qwix._src.core import qarray
 
 import export_sources
 from inspect_tool.configuration import config
-from inspect_tool.fp8_export import budget
-from inspect_tool.fp8_export import plan as plan_lib
-from inspect_tool.fp8_export import read
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.streaming import budget
+from inspect_tool.coverage import plan as plan_lib
+from inspect_tool.paramtree import params
+from inspect_tool.streaming import read
+from inspect_tool.fp8_export import quantize
+from inspect_tool.streaming import write_orbax
 
 TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
           "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full"]
@@ -66,7 +68,7 @@ def _whole(step: str, key) -> np.ndarray:
 def test_blocks_across_shared_axes_give_qwix_values_over_two_processes(source, tmp_path):
   cfg, step = source
   plan = plan_lib.plan_export(cfg)
-  src = _CountingSource(read.open_source(cfg, step, plan_lib.model_leaves(cfg)))
+  src = _CountingSource(read.open_source(cfg, step, params.model_leaves(cfg)))
   max_memory = write_orbax.RESERVE_BYTES + write_orbax.DECODING_CHUNKS * CHUNK + budget.SLICE_FACTOR * SLICE
   jobs = write_orbax.plan_jobs(plan, src, max_memory, held=0)
   two_pass = [job for job in jobs if job.two_pass]
@@ -81,7 +83,8 @@ def test_blocks_across_shared_axes_give_qwix_values_over_two_processes(source, t
 
   items = tmp_path / "dst" / "0" / "items"
   items.mkdir(parents=True)
-  writers = [write_orbax.write_arrays(jobs, src, str(items), process_index=i, process_count=2)[0] for i in (0, 1)]
+  writers = [write_orbax.write_arrays(jobs, src, str(items), process_index=i, process_count=2,
+                                      quantizers=quantize.Quantizers)[0] for i in (0, 1)]
   writers[0].finalize(str(items.parent), "items")
   for job in two_pass:  # every block read twice, but the last one of each group, which stays in memory
     nbytes = math.prod(job.leaf.shape) * 4

@@ -10,7 +10,7 @@ import pytest
 
 import memory_cgroup
 import orbax_sources
-from inspect_tool.fp8_export import budget as budget_lib
+from inspect_tool.streaming import budget as budget_lib
 
 pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
 

@@ -18,7 +18,7 @@ import pytest
 
 from inspect_tool import cli
 from inspect_tool.configuration import presets
-from inspect_tool.run import limits
+from inspect_tool.host import memory as host_memory
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 L4_CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
@@ -77,8 +77,8 @@ def expect(capsys, reason, *argv, ok=(0,)):
 @pytest.fixture
 def sixteen_gib_free(monkeypatch):
   """The memory checks see 16 GiB available (MemAvailable), no cgroup limit: the same outcome on every machine."""
-  monkeypatch.setattr(limits, "memory_figures", lambda: (16 * 2**30, None, None))
-  monkeypatch.delenv(limits.SKIP_ENV, raising=False)
+  monkeypatch.setattr(host_memory, "memory_figures", lambda: (16 * 2**30, None, None))
+  monkeypatch.delenv(host_memory.SKIP_ENV, raising=False)
 
 
 WHOLE_SUMMARY = ("deepseek3-671b", False, 1)  # the one unscanned --summary that traces every layer (61 and MTP)

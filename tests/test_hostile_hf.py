@@ -18,6 +18,7 @@ from inspect_tool import cli
 from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.configuration import config
+from inspect_tool.host import memory as host_memory
 from inspect_tool.run import limits
 
 from hostile import REF_CKPT, TINY_CKPT_MODEL, deny_reading, refused
@@ -152,7 +153,7 @@ def test_a_missing_config_json_is_named(capsys, fp8_dir, tmp_path):
 def test_random_init_export_of_a_model_that_cannot_fit_is_refused_first(capsys, tmp_path, layout):
   cfg = config.resolve_config(["model_name=deepseek3-671b"])
   weights = limits.parameter_bytes(cfg)
-  available, _ = limits.available_memory()
+  available, _ = host_memory.available_memory()
   assert available is not None and available < 2 * weights
   line = refused(capsys, ["export", "model_name=deepseek3-671b", "--random-init", "--output", tmp_path / "d",
                           "--layout", layout],
@@ -165,9 +166,9 @@ def test_random_init_export_of_a_model_that_cannot_fit_is_refused_first(capsys, 
 def test_random_init_estimate_is_weights_twice_plus_runtime(monkeypatch):
   cfg = config.resolve_config(["model_name=deepseek3-tiny"])
   needed = 2 * limits.parameter_bytes(cfg) + limits.RUNTIME_BYTES
-  monkeypatch.setattr(limits, "available_memory", lambda: (needed, "test"))
+  monkeypatch.setattr(host_memory, "available_memory", lambda: (needed, "test"))
   limits.check_init_memory(cfg, "export --random-init")  # exactly enough
-  monkeypatch.setattr(limits, "available_memory", lambda: (needed - 1, "test"))
+  monkeypatch.setattr(host_memory, "available_memory", lambda: (needed - 1, "test"))
   with pytest.raises(limits.errors.InputError, match="needs about .* available"):
     limits.check_init_memory(cfg, "export --random-init")
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from inspect_tool.configuration import config
+from inspect_tool.configuration import limits as config_limits
+from inspect_tool.host import memory as host_memory
 from inspect_tool.run import limits
 
 from hostile import REPO, refused
@@ -22,7 +24,7 @@ LISTING_671B = os.path.join(REPO, "tests", "data", "listings", "deepseek3-671b_s
     (["base_num_decoder_layers=1e12", "scan_layers=false"],
      "base_num_decoder_layers=1000000000000 with scan_layers=false would build 1000000000000 layer modules"),
     (["base_num_decoder_layers=100000", "scan_layers=false"],
-     f"would build 100000 layer modules one by one; at most {limits.MAX_UNSCANNED_LAYERS}"),
+     f"would build 100000 layer modules one by one; at most {config_limits.MAX_UNSCANNED_LAYERS}"),
     (["mtp_num_layers=100000", "scan_layers=false"], "mtp_num_layers=100000 with scan_layers=false"),
     ([f"base_emb_dim={2**63}"], f"base_emb_dim={2**63} does not fit in a 64-bit integer"),
     ([f"base_moe_mlp_dim={2**62}"], "the model's routed experts would hold"),
@@ -64,7 +66,7 @@ def test_parameter_bytes_match_maxtexts_listing():
 
 def test_forward_671b_refuses_before_allocating(capsys):
   weights = _listing_bytes(LISTING_671B) + (58 * 256 + 256) * 4
-  available, _ = limits.available_memory()
+  available, _ = host_memory.available_memory()
   assert available is not None and available < weights  # no machine this suite runs on holds 2.5 TB
   line = refused(capsys, ["forward", "model_name=deepseek3-671b", "mtp_num_layers=1"],
                  "forward of deepseek3-671b needs about", f"(weights {weights / 2**30:.1f} GiB), available")
@@ -75,9 +77,9 @@ def test_forward_671b_refuses_before_allocating(capsys):
 def test_memory_check_compares_estimate_with_available(monkeypatch):
   cfg = config.resolve_config(["model_name=deepseek3-tiny"])
   needed = limits.parameter_bytes(cfg) + limits.activation_bytes(cfg, 2, 16) + limits.RUNTIME_BYTES
-  monkeypatch.setattr(limits, "available_memory", lambda: (needed, "test"))
+  monkeypatch.setattr(host_memory, "available_memory", lambda: (needed, "test"))
   limits.check_memory(cfg, 2, 16)  # exactly enough
-  monkeypatch.setattr(limits, "available_memory", lambda: (needed - 1, "test"))
+  monkeypatch.setattr(host_memory, "available_memory", lambda: (needed - 1, "test"))
   with pytest.raises(limits.errors.InputError, match=f"needs about {needed / 2**30:.1f} GiB"):
     limits.check_memory(cfg, 2, 16)
   with pytest.raises(limits.errors.InputError):  # gradients double weights and activations

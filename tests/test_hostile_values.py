@@ -4,7 +4,7 @@ YAML given on the command line; every error line quotes at most about `errors.MA
 import pytest
 
 from inspect_tool import errors
-from inspect_tool.fp8_export import budget
+from inspect_tool.streaming import budget
 from inspect_tool.sharding import memory
 from quant import yaml_file
 

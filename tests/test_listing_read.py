@@ -18,7 +18,7 @@ import tensorstore as ts
 import maxtext_listings
 from inspect_tool import cli
 from inspect_tool.cli import options
-from inspect_tool.paramtree import listings
+from inspect_tool.listings import hf_listing
 from inspect_tool.report import listing
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.fp8_export import pipeline as export
@@ -183,7 +183,7 @@ def test_collapse_makes_a_deepseek_v3_sized_safetensors_listing_short(capsys, tm
   weights = sum(math.prod(s) for n, (_, s) in tensors.items() if not n.endswith("_scale_inv"))
   scales = sum(math.prod(s) for n, (_, s) in tensors.items() if n.endswith("_scale_inv"))
   assert f"Total Parameters: {weights} (~0.00 B)" in out and f" + {scales / 1e3:.2f} K scale values" in out
-  report = options.listing_view(listings.hf_listing(str(tmp_path)), collapse=True)  # built once for both formats
+  report = options.listing_view(hf_listing.hf_listing(str(tmp_path)), collapse=True)  # built once for both formats
   assert listing.format_markdown(report).count("experts.{0..255}") == 6  # gate, up, down: weight, weight_scale_inv
   data = json.loads(listing.format_json(report))
   assert sum(p["count"] for p in data["parameters"]) == len(tensors) and data["total_scales"] == scales

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inspect_tool.fp8_export import read
+from inspect_tool.streaming import read
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import mapped_reads
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inspect_tool.run import metrics
+from quant import metrics
 
 
 def test_identical_logits():

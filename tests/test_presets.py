@@ -11,7 +11,7 @@ import maxtext_listings
 import pytest
 
 from inspect_tool.configuration import config
-from inspect_tool.paramtree import listings
+from inspect_tool.listings import model_listing
 from inspect_tool.configuration import presets
 from inspect_tool.report import listing
 
@@ -50,14 +50,14 @@ def test_every_family_preset_is_built_and_has_a_scanned_and_an_unscanned_maxtext
 @pytest.mark.parametrize("name,total", sorted(CASES.items()))
 def test_listing_is_maxtexts(name, total):
   want = [line for line in (maxtext_listings.LISTINGS / name).read_text().splitlines() if line.startswith("key: ")]
-  report, _ = listings.model_listing(config.resolve_config(maxtext_listings.model_keys(name)))
+  report, _ = model_listing.model_listing(config.resolve_config(maxtext_listings.model_keys(name)))
   assert listing.listing_lines(report, check_dtype=True) == want  # names, shapes, dtypes and MaxText's order
   params = [shape for key, shape, _ in maxtext_listings.entries(name) if key.startswith("params.params.")]
   assert report.summary.total_params == sum(math.prod(shape) for shape in params) == total
 
 
 def test_kimi_total():
-  report, _ = listings.model_listing(config.resolve_config(["model_name=kimi-k2-1t", "mtp_num_layers=1"]))
+  report, _ = model_listing.model_listing(config.resolve_config(["model_name=kimi-k2-1t", "mtp_num_layers=1"]))
   assert report.summary.total_params == 1_043_570_356_224
 
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from inspect_tool.fp8_export import budget
-from inspect_tool.fp8_export import read_plan
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import read_plan
 
 ITEM = 4
 

@@ -14,7 +14,7 @@ import maxtext_listings
 from inspect_tool import cli
 from inspect_tool.configuration import config
 from inspect_tool.coverage import trace as coverage
-from quant import coverage_format, coverage_report
+from inspect_tool.report import coverage_format, coverage_report
 
 QWIX = pathlib.Path(__file__).parent / "data" / "qwix"
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "quantization=fp8_full"]

@@ -11,7 +11,7 @@ import pytest
 
 from inspect_tool.run import batch
 from inspect_tool.configuration import config
-from inspect_tool.run import metrics
+from quant import metrics
 from inspect_tool.run import runner as running
 
 import golden_parity

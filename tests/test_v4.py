@@ -19,7 +19,7 @@ from inspect_tool.coverage import trace as coverage
 from inspect_tool.paramtree import params
 from inspect_tool.run import runner as running
 from inspect_tool.paramtree import summary
-from inspect_tool.fp8_export import plan
+from inspect_tool.coverage import plan
 from inspect_tool.model import compressed_attention
 
 DATA = pathlib.Path(__file__).parent / "data"

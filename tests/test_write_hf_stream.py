@@ -1,4 +1,4 @@
-"""Tests for inspect_tool.fp8_export.safetensors_writer: streamed shards (reserved, space-padded header region)
+"""Tests for inspect_tool.streaming.safetensors_writer: streamed shards (reserved, space-padded header region)
 read back by the `safetensors` library, shards closed early when the header reserve is full, regions filled after
 later shards were started, permissions, and write errors as one line naming the file."""
 
@@ -15,7 +15,7 @@ import pytest
 from inspect_tool import errors
 from inspect_tool.output import atomic
 from inspect_tool.fp8_export import hf_matrices
-from inspect_tool.fp8_export import safetensors_writer
+from inspect_tool.streaming import safetensors_writer
 
 import test_export_hf
 

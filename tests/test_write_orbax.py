@@ -12,7 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from inspect_tool.fp8_export import orbax_writer, write_orbax
+from inspect_tool.fp8_export import quantize
+from inspect_tool.streaming import orbax_writer, write_orbax
 from quant import errors
 
 
@@ -92,7 +93,7 @@ def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zer
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
   from inspect_tool.paramtree import tree  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import budget, read  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import budget, read  # pylint: disable=import-outside-toplevel
 
   value = np.arange(48, dtype=np.float32).reshape(8, 6)
   src_items = tmp_path / "src" / "0" / "items"
@@ -112,7 +113,7 @@ def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zer
   assert jobs[0].stored is not None and jobs[0].chunk == (2, 6)
   dst = tmp_path / "dst" / "0"
   (dst / "items").mkdir(parents=True)
-  out, written = write_orbax.write_arrays(jobs, source, str(dst / "items"))
+  out, written = write_orbax.write_arrays(jobs, source, str(dst / "items"), quantizers=quantize.Quantizers)
   out.finalize(str(dst), "items")
   assert written.source_bytes == written.written_bytes == value.nbytes
   expected = value.copy()
@@ -143,7 +144,7 @@ def _origins(shape, chunk, within=None):
                                                 ((16, 8), (8, 8), (4, 8)), ((0, 4), (1, 4), None)])
 def test_the_merge_reads_back_the_smallest_chunk(shape, grid, inner):
   """`verify.last_chunk` is, of all the (inner) chunks of the grid, the last one and none is smaller."""
-  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import verify  # pylint: disable=import-outside-toplevel
 
   chunks = _origins(shape, grid)
   if inner is not None:
@@ -191,7 +192,7 @@ def test_a_merged_database_that_cannot_be_listed_is_one_line(tmp_path, monkeypat
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
   from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import verify  # pylint: disable=import-outside-toplevel
 
   items = tmp_path / "0" / "items"
   items.mkdir(parents=True)
@@ -223,7 +224,7 @@ def test_the_read_back_holds_no_more_than_its_largest_read(monkeypatch):
   """Reads start while the decoded bytes in flight, with theirs, stay within the largest read's; small ones overlap
   (several in flight), the largest runs alone; all are waited for, and a failure names its array."""
   from inspect_tool.errors import CheckpointError  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import verify  # pylint: disable=import-outside-toplevel
 
   in_flight, peaks = {}, []
 

@@ -7,7 +7,13 @@ config's quantization; without quantization keys the differences name the keys t
 from __future__ import annotations
 
 from inspect_tool.configuration import config as config_lib
-from inspect_tool.paramtree import listings
+from inspect_tool.checkpoint import diff
+from inspect_tool.checkpoint import exports as export_load
+from inspect_tool.checkpoint import locate
+from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.paramtree import params
+from inspect_tool.coverage import plan
 
 
 def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
@@ -16,21 +22,13 @@ def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = F
   `quantized`: the layout `inspect_checkpoint export` writes for the config's quantization (every weight a
   quantizing op consumes as `<key>/array/qvalue` + `<key>/array/scale`).
   """
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-
   if quantized:
-    from inspect_tool.fp8_export import plan  # pylint: disable=import-outside-toplevel
     return plan.orbax_export_leaves(cfg)
   return params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
 
 
 def diff_config_checkpoint(tokens, path: str):
   """Returns (model description, `DiffResult`) for `key=value` tokens and an Orbax checkpoint path."""
-  from inspect_tool.checkpoint import diff, locate, orbax_metadata  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-
   cfg = config_lib.resolve_config(tokens)
   resolved = locate.resolve_orbax_path(path)
   ckpt_leaves = orbax_metadata.read_leaves(resolved.items_dir)
@@ -44,5 +42,5 @@ def diff_config_checkpoint(tokens, path: str):
                                       "quantization", hint or "quantization=fp8_full"))
     elif hint and not set(hint.split()) <= set(tokens):
       result.causes.append(diff.Cause("quantization", f"the checkpoint is an FP8 export made with {hint}", hint))
-  source = listings.model_source(tokens) + (" (FP8 export layout)" if quantized else "")
+  source = config_lib.model_source(tokens) + (" (FP8 export layout)" if quantized else "")
   return source, result

@@ -16,6 +16,8 @@ from inspect_tool import errors
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import infer_keys
+from inspect_tool.checkpoint import locate
+from inspect_tool.checkpoint import orbax_metadata
 
 _ROUNDS = 3
 
@@ -77,8 +79,6 @@ def _hf_candidates(tokens: Sequence[str], path: str) -> list[list[str]]:
 
 
 def _orbax_candidates(tokens: Sequence[str], path: str) -> list[list[str]]:
-  from inspect_tool.checkpoint import locate, orbax_metadata  # pylint: disable=import-outside-toplevel
-
   leaves = orbax_metadata.read_leaves(locate.resolve_orbax_path(path).items_dir)
   cfg = config_lib.resolve_config(tokens)
   return [merge(tokens, _values(infer_keys.changed(cfg, infer_keys.infer(leaves))))]

@@ -33,6 +33,7 @@ from inspect_tool import errors
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.configuration import config as config_lib
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
 _MAX_BYTES = 1 << 20
@@ -343,8 +344,6 @@ def conflicts(cfg, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
   A model without the gate bias computes as the stored bias when it is all zero (the exporter writes zeros for
   such models); one with the bias reads whatever is stored.
   """
-  from inspect_tool.configuration import config as config_lib  # pylint: disable=import-outside-toplevel
-
   want = config_lib.resolve_config(tokens(keys))
   pairs = list(_COMPARED) + (list(_YARN) if want.rope_factor != 1 or cfg.rope_factor != 1 else [])
   pairs += list(_INDEXER) if want.use_indexer else []

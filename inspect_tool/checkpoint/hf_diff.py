@@ -12,13 +12,14 @@ disagree even where every shape fits (routing, RoPE, norm epsilon...).
 from __future__ import annotations
 
 from inspect_tool.configuration import config as config_lib
-from inspect_tool.paramtree import listings
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.checkpoint import safetensors_header
+from inspect_tool import model as model_lib
+from inspect_tool.paramtree import params
 
 def _as_maxtext(entry, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
   """A mis-shaped tensor's shape as the MaxText leaf would have it, where that is plain: a 2-D Linear weight
@@ -69,9 +70,6 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
 
 def diff_config_hf(tokens, path: str):
   """Returns (model description, `DiffResult`) for `key=value` tokens and a Hugging Face checkpoint directory."""
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-
   cfg = config_lib.resolve_config(tokens)
   leaves = params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
-  return listings.model_source(tokens) + " (Hugging Face DeepSeek names)", diff_hf(cfg, path, leaves)
+  return config_lib.model_source(tokens) + " (Hugging Face DeepSeek names)", diff_hf(cfg, path, leaves)

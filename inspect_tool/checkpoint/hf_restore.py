@@ -29,6 +29,8 @@ from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.paramtree import params
+from inspect_tool.checkpoint import restore
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
 SCALE_SUFFIX = hf_tensors.SCALE_SUFFIX
@@ -211,7 +213,6 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
   """
   import jax  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
 
   plan = hf_names.leaf_plan(cfg)
   tensors = Tensors(path)
@@ -238,8 +239,6 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-
   check_keys(model.config, path)
   leaves = params.param_leaves(model, include_non_params=True)
   params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh, report_unused=True))

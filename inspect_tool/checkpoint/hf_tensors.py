@@ -21,7 +21,7 @@ from inspect_tool import errors
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import safetensors_header
-from inspect_tool.run import limits
+from inspect_tool.host import memory as host_memory
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 
@@ -117,8 +117,8 @@ def _check_fits(file: str, name: str, shape, needed: int) -> None:
   checked (a release has ~100,000 small tensors; the memory figures are read from /proc each time)."""
   if needed < CHECKED_BYTES:
     return
-  available, source = limits.available_memory()
-  if available is not None and os.environ.get(limits.SKIP_ENV) != "1" and needed > available:
+  available, source = host_memory.available_memory()
+  if available is not None and os.environ.get(host_memory.SKIP_ENV) != "1" and needed > available:
     raise errors.CheckpointError(f"{file}: tensor {name!r} {list(shape)} needs {needed / 2**30:.1f} GiB to read; "
                                  f"available {available / 2**30:.1f} GiB ({source})")
 

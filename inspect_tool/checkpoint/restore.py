@@ -19,6 +19,7 @@ from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.storage import paths
 from quant import errors as quant_errors
+from inspect_tool.paramtree import params
 
 _TS_STATUS = re.compile(r"\b(DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|OUT_OF_RANGE|UNKNOWN):")
 _PARAM_IN_MESSAGE = re.compile(r'"([^"/]+)/(?:c/|\d)')
@@ -158,7 +159,6 @@ def restore_leaves(path: str, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of `model` (an NNX model from `inspect_tool.model.build_model`) from `path`."""
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   leaves = params.param_leaves(model, include_non_params=True)
   arrays = restore_leaves(path, leaves, mesh=mesh, report_unused=True)
   params.assign_arrays(model, arrays)

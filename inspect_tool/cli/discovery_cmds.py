@@ -15,10 +15,11 @@ def presets(fmt, output_file):
   Parameters are counted on the abstract model as the preset sets it (mtp_num_layers=0), MaxText's Params only.
   """
   from inspect_tool.configuration import catalog  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import catalog_format  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file)
-  rows = catalog.preset_rows()
+  rows = catalog.preset_rows(params.parameter_count)
   formatter = catalog_format.presets_json if fmt == "json" else catalog_format.presets_text
   options.emit_text(formatter(rows), output_file)
   return 0

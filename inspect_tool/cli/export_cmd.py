@@ -59,7 +59,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   from inspect_tool.fp8_export import pipeline  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import report  # pylint: disable=import-outside-toplevel
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
 
   if source is None and not random_init:
     raise errors.InputError("export needs --checkpoint CKPT (the float MaxText Orbax checkpoint to export); "

@@ -37,8 +37,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   """
   from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import listings  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
+  from quant import metrics  # pylint: disable=import-outside-toplevel
   from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import forward_format  # pylint: disable=import-outside-toplevel
 
@@ -65,7 +64,7 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     options.check_output_files(save_logits)  # again: it may have appeared while the model ran
     forward_format.save_logits(save_logits, outcome.result, overwrite=options.overwrite_requested())
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
-  options.emit_text(formatter(outcome.result, source=listings.model_source(overrides), quantization=cfg.quantization,
+  options.emit_text(formatter(outcome.result, source=config.model_source(overrides), quantization=cfg.quantization,
                               comparisons=comparisons, grad=outcome.grad, weights=used,
                               compared=outcome.compared), output_file)
   return 0

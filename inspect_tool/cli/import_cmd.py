@@ -34,7 +34,7 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
   weight_scale_inv of its 128x128 block); the MTP block comes from the release's nextn layer.
   """
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import budget  # pylint: disable=import-outside-toplevel
+  from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
   from inspect_tool.hf_import import pipeline  # pylint: disable=import-outside-toplevel
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None

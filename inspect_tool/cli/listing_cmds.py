@@ -32,7 +32,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
             html_file, summary, key_filter, collapse):
   """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
+  from inspect_tool.listings import model_listing  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
@@ -46,7 +47,7 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
   if key_filter is not None and device_memory:
     raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
-  report, model = listings.model_listing(cfg, include_all=include_all, source=listings.model_source(overrides),
+  report, model = model_listing.model_listing(cfg, include_all=include_all, source=config.model_source(overrides),
                                          key_filter=key_filter, fp8_column=summary or fmt != "text")
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
@@ -71,11 +72,12 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
 @options.listing_options
 def orbax(path, include_all, fmt, check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List an Orbax checkpoint's arrays from its metadata; array data is never read."""
-  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
+  from inspect_tool.listings import orbax_listing  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
-  report = options.listing_view(listings.orbax_listing(path, include_all=include_all, key_filter=key_filter),
+  report = options.listing_view(orbax_listing.orbax_listing(path, include_all=include_all, key_filter=key_filter),
                                 collapse=collapse)
   for note in report.notes:
     click.echo(note, err=True)
@@ -99,7 +101,8 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 @options.listing_options
 def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List HF safetensors tensors from their headers (no torch, no tensor data)."""
-  from inspect_tool.paramtree import listings, select  # pylint: disable=import-outside-toplevel
+  from inspect_tool.listings import hf_listing  # pylint: disable=import-outside-toplevel
+  from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   if keys:
     from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
@@ -107,6 +110,6 @@ def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter
     return 0
   options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
-  report = options.listing_view(listings.hf_listing(path, key_filter=key_filter), collapse=collapse)
+  report = options.listing_view(hf_listing.hf_listing(path, key_filter=key_filter), collapse=collapse)
   _emit_leaves(report, path, fmt, check_dtype, output_file, html_file, summary)
   return 0

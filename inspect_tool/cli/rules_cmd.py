@@ -26,7 +26,7 @@ def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file
   """
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
-  from quant import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
+  from inspect_tool.report import coverage_format, coverage_report  # pylint: disable=import-outside-toplevel
 
   options.check_output_files(output_file, html_file)
   cfg = config.resolve_config(overrides)

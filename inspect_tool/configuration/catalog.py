@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, Callable
 
 from inspect_tool import errors
 from inspect_tool.configuration import config, maxtext_keys, presets
+from quant import safe_regex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +35,9 @@ def _description(cfg: config.ModelConfig) -> str:
                     f"d_model {cfg.emb_dim}", f"vocab {cfg.vocab_size}", *extras])
 
 
-def _parameters(cfg: config.ModelConfig) -> int:
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-
-  leaves = params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=False)
-  return sum(math.prod(leaf.shape) for leaf in leaves)
-
-
-def preset_rows(count_parameters: bool = True) -> list[PresetRow]:
-  """Every preset, sorted by name; parameters are counted on the abstract model (JAX, no memory)."""
+def preset_rows(count_parameters: Callable[[config.ModelConfig], int] | None = None) -> list[PresetRow]:
+  """Every preset, sorted by name; its parameters counted by `count_parameters` (e.g.
+  `paramtree.params.parameter_count`: the abstract model, JAX, no memory), or left unknown without it."""
   rows = []
   for name in presets.names():
     try:
@@ -60,7 +53,7 @@ def preset_rows(count_parameters: bool = True) -> list[PresetRow]:
     except errors.InspectError as e:
       mtp, note = False, f"no MTP: {e}"
     rows.append(PresetRow(name, cfg.decoder_block, cfg.attention_type, _description(cfg), mtp,
-                          _parameters(cfg) if count_parameters else None, note))
+                          count_parameters(cfg) if count_parameters else None, note))
   return rows
 
 
@@ -74,8 +67,6 @@ class KeyRow:
 
 def key_rows(pattern: str | None = None) -> list[KeyRow]:
   """Every key `key=value` accepts (MaxText 0.2.5's and this tool's), sorted; `pattern` a regex searched in names."""
-  from quant import safe_regex  # pylint: disable=import-outside-toplevel
-
   matcher = None
   if pattern:
     try:

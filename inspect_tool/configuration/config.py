@@ -401,3 +401,13 @@ def echo(cfg: ModelConfig) -> dict[str, Any]:
   out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "passthrough"}
   out.update(sorted(cfg.passthrough.items()))
   return {key: list(value) if isinstance(value, tuple) else value for key, value in out.items()}
+
+
+def routed_fraction(cfg: ModelConfig) -> float:
+  """The share of routed experts one token uses (`num_experts_per_tok / num_experts`)."""
+  return cfg.num_experts_per_tok / cfg.num_experts
+
+
+def model_source(tokens) -> str:
+  """How a listing or diff names a model given by key=value tokens: `maxtext k=v ...`."""
+  return "maxtext " + " ".join(tokens)

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from inspect_tool import errors
 from quant import yaml_file
+from quant import settings
 
 BASE_KEYS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data", "base_keys.txt")
 
@@ -100,8 +101,6 @@ AFFECTS = {
 
 def affects(key: str, fields) -> tuple[str, str]:
   """(an `AFFECTS` kind, why or '') for `key`; `fields` are the model config's field names."""
-  from quant import settings  # pylint: disable=import-outside-toplevel
-
   if key in UNMODELLED:
     return "refused", f"in MaxText it {UNMODELLED[key]}"
   if key in TREE_KEYS:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from inspect_tool import errors
-from inspect_tool.run import limits
+from inspect_tool.configuration import limits
 from quant import settings
+from quant import calibration as calibration_lib
+from quant import errors as quant_errors
 
 QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")
@@ -18,7 +20,7 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(c) -> None:
   """MaxText's rules that matter here; each message names the value and what is accepted."""
-  limits.check_config_numbers(c)  # finite numbers within int64 first (inspect_tool/run/limits.py)
+  limits.check_config_numbers(c)  # finite numbers within int64 first (inspect_tool/configuration/limits.py)
   _check(c.enable_nnx, "enable_nnx=false is not supported: this tool builds Flax NNX models only "
          "(the parameter tree is the same as MaxText's Linen checkpoint layout); use enable_nnx=true")
   _check(c.decoder_block in ("deepseek", "deepseek4"),
@@ -100,7 +102,7 @@ def validate(c) -> None:
          "override_model_config=true engram_layers=[]")
   _check(c.mtp_eval_target_module <= c.mtp_num_layers,
          f"mtp_eval_target_module={c.mtp_eval_target_module} exceeds mtp_num_layers={c.mtp_num_layers}")
-  limits.check_config(c)  # buildable sizes (inspect_tool/run/limits.py)
+  limits.check_config(c)  # buildable sizes (inspect_tool/configuration/limits.py)
 
 
 # Numbers the forward pass divides by or takes the log of (RoPE, YaRN, RMSNorm): zero or negative values give
@@ -182,9 +184,6 @@ def _validate_deepseek4(c) -> None:
 
 def _validate_calibrations(c) -> None:
   """The calibration methods the quantized run accepts (symmetric: absmax, rms,<f>, fixed,<hi>), checked up front."""
-  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
-  from quant import fp8  # pylint: disable=import-outside-toplevel
-
   for name in ("weight_quantization_calibration_method", "act_quantization_calibration_method",
                "bwd_quantization_calibration_method", "logits_proj_quant_calibration_method",
                "drhs_grad_quantization_calibration_method"):
@@ -192,8 +191,8 @@ def _validate_calibrations(c) -> None:
     if not value:
       continue
     try:
-      fp8.parse_calibration(value)
+      calibration_lib.parse_calibration(value)
     except quant_errors.QuantError:
       raise errors.ConfigError(
           f"{name}={errors.shown(value)} is not supported with quantization={c.quantization!r}: the run quantizes "
-          f"symmetrically; accepted: {', '.join(fp8.CALIBRATIONS)}") from None
+          f"symmetrically; accepted: {', '.join(calibration_lib.CALIBRATIONS)}") from None

@@ -9,6 +9,8 @@ names the key that decides it: `quantize_mtp=false`, `quantize_logits_proj=false
 
 from __future__ import annotations
 
+from inspect_tool.report import coverage_verdict
+
 _PART_NAMES = {
     "dense stack": "dense stack",
     "dense stack: indexer": "dense stack indexer",
@@ -39,12 +41,10 @@ def label(weight) -> str | None:
 
 
 def verdicts(cfg, report, *, config_rules: bool = True) -> tuple:
-  """The verdicts (`quant.coverage_verdict.Verdict`) of a report traced for `cfg`.
+  """The verdicts (`inspect_tool.report.coverage_verdict.Verdict`) of a report traced for `cfg`.
 
   `config_rules`: the report's rules are MaxText's for the config, so the keys behind a reason can be named.
   """
-  from quant import coverage_verdict  # pylint: disable=import-outside-toplevel
-
   def reword(name: str, reason) -> str:
     if not config_rules:
       return reason.text

@@ -21,53 +21,51 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from quant import coverage
+from inspect_tool.report import coverage_report
+from inspect_tool.report import coverage_verdict
+from inspect_tool.coverage import glance
+from inspect_tool.report import html
+from inspect_tool import model as model_lib
+from quant import rules as rules_lib
+from inspect_tool.paramtree import summary
+from inspect_tool.configuration import validation
+import dataclasses
+
 GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"), ("decoder/hc_head", "head"))
 DEFAULT_GROUP = "decoder"
 
 
 def part_of(weight: str) -> str:
   """The coverage part of a weight path: `--summary`'s group and part, e.g. "moe stack: router", "head"."""
-  from inspect_tool.paramtree import summary  # pylint: disable=import-outside-toplevel
-
   group, part = summary.classify_path(weight)
   return f"{group}: {part}" if part else group
 
 
 def part_order() -> list[str]:
   """Every part `part_of` can name, in `--summary`'s order."""
-  from inspect_tool.paramtree import summary  # pylint: disable=import-outside-toplevel
-
   return [f"{group}: {part}" if part else group for group, part in summary.GROUP_PARTS]
 
 
 def quant_settings(cfg):
   """The config's quantization keys as `quant.rules.QuantSettings`."""
-  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
-
   return rules_lib.QuantSettings.from_object(cfg)
 
 
 def config_rules(cfg) -> list:
   """MaxText's Qwix rules for the config ([] without quantization)."""
-  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
-
   return rules_lib.build_rules(quant_settings(cfg))
 
 
 def untraced_mtp(cfg) -> str | None:
   """Why the MTP block is left out of the trace (None: it is traced): MaxText builds it but its forward pass,
   and so its Qwix pass, fails there (`validation.forward_failure`); the trace records what runs before."""
-  from inspect_tool.configuration import validation  # pylint: disable=import-outside-toplevel
-
   reason = validation.forward_failure(cfg)
   return f"mtp_block is not traced: {reason}" if reason else None
 
 
 def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
   """The raw `quant.coverage.Trace` for the config (rules: None → MaxText's, a list, or a YAML rule file)."""
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from quant import coverage, rules as rules_lib  # pylint: disable=import-outside-toplevel
-
   if rules is None:
     rule_list = config_rules(cfg)
     provider = rules_lib.provider_name(cfg.quantization) or "qt"
@@ -83,13 +81,8 @@ def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
 
 
 def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
-  """The `quant.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part,
+  """The `inspect_tool.report.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part,
   with its verdicts at a glance (`glance.verdicts`)."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool.coverage import glance  # pylint: disable=import-outside-toplevel
-  from quant import coverage_report  # pylint: disable=import-outside-toplevel
-
   report = coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP, part_of=part_of,
                                         part_order=part_order())
   return dataclasses.replace(report, glance=glance.verdicts(cfg, report, config_rules=rules is None))
@@ -97,8 +90,6 @@ def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
 
 def module_labels(report) -> dict[str, str]:
   """Module path → the label the HTML tree shows: the winning rule and its weight qtype, or "unquantized"."""
-  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
-
   labels = {}
   for module, index in report.module_rules().items():
     rule = report.rules[index].rule if index is not None else None
@@ -127,10 +118,6 @@ def key_set(cfg, overrides: Sequence[str] = ()) -> str:
 def coverage_html(cfg, report, overrides: Sequence[str] = ()) -> str:
   """The treescope module tree of the (abstract) model, each module marked by the rule that won its ops (one
   colour per label), under the verdicts at a glance and a legend; the title holds the whole key set."""
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
-  from quant import coverage_verdict  # pylint: disable=import-outside-toplevel
-
   labels = module_labels(report)
   order = sorted(set(labels.values()), key=_label_rank)
   colors = html.distinct_colors(order, neutral=("unquantized",))

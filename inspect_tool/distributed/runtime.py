@@ -16,8 +16,11 @@ import ipaddress
 import os
 import socket
 import sys
+import dataclasses
 
 from inspect_tool import errors
+from inspect_tool.distributed import job
+from inspect_tool.output import stop
 
 # Environment variables through which JAX's cluster detection finds a job it can join.
 CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "MEGASCALE_COORDINATOR_ADDRESS",
@@ -95,8 +98,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if coordinator is None and not any(name in os.environ for name in CLUSTER_ENV):
     return
   if several and not jax_runtime:
-    from inspect_tool.distributed import job  # pylint: disable=import-outside-toplevel
-
     host, port = parse_coordinator(coordinator)
     _job = job.Job(host, port, num_processes, process_id, timeout)
     return
@@ -115,7 +116,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
   finally:
-    from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
     stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT stop the run our way
   _started = True
   _keep_stdout_for_data()
@@ -216,8 +216,6 @@ def to_host(value):
 
   Arrays that span other processes' devices are gathered (`process_allgather`); every process takes part.
   """
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 

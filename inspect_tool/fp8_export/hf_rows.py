@@ -18,7 +18,7 @@ import numpy as np
 
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BF16_LINEAR, F32
-from inspect_tool.fp8_export import read_plan
+from inspect_tool.streaming import read_plan
 
 
 def _rows_by_columns(shape: Sequence[int], rule: hf_names.Rule) -> bool:

@@ -13,7 +13,6 @@ is skipped with a line saying how to run it elsewhere, and the report says which
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -26,16 +25,22 @@ from inspect_tool.output import destination
 from inspect_tool.output import stop
 from inspect_tool import errors
 from inspect_tool import progress
-from inspect_tool.fp8_export import budget
-from inspect_tool.fp8_export import job_plan
-from inspect_tool.fp8_export import load
-from inspect_tool.fp8_export import plan as plan_lib
-from inspect_tool.fp8_export import read
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import job_plan
+from inspect_tool.checkpoint import exports as load
+from inspect_tool.coverage import plan as plan_lib
+from inspect_tool.paramtree import params
+from inspect_tool.streaming import read
+from inspect_tool.fp8_export import quantize
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.streaming import write_orbax
 from inspect_tool.run import limits
 from inspect_tool.storage import paths
+from inspect_tool.run import batch as batch_lib
+from inspect_tool.distributed import runtime as distributed
+from inspect_tool.checkpoint import restore
+from inspect_tool.fp8_export import write_hf
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside",
                "upload", "staged", "publishing", "published")  # the last four: gs:// outputs (object_store)
@@ -76,8 +81,6 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   Under `jax.distributed` with several processes, every process calls this with the same arguments: process 0
   claims DST, each process writes the slices it owns, process 0 completes the checkpoint, validates and reports.
   """
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
@@ -101,8 +104,6 @@ def _check_source(cfg, source: str | None) -> None:
 
 def _validation_skip(source_bytes: int, max_memory: int) -> str | None:
   """Why validation cannot run here (None: it can): several processes, or the models do not fit."""
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   if distributed.process_count() > 1:
     return (f"validation runs in one process; this export ran in {distributed.process_count()} (every array's "
             "metadata and chunks were checked and one chunk of each read back)")
@@ -122,12 +123,8 @@ def _validation_memory(leaves) -> int:
 def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
             max_memory, batch_options) -> ExportResult:
   """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
-  from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
-
   plan = plan_lib.plan_export(cfg)
-  leaves = plan_lib.model_leaves(cfg)
+  leaves = params.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
   max_memory = int(max_memory)
   budget.return_freed_memory()
@@ -148,11 +145,12 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
       data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
   else:
     skipped = "--no-validate"
-  with temporary_directory(dst, overwrite) as tmp:
+  with job_plan.temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
     step_dir = os.path.join(tmp, str(report_lib.STEP))
     written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
-                                           label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)")
+                                           label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
+                                           quantizers=quantize.Quantizers)
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
       return ExportResult(paths.absolute(dst), {}, None)
@@ -182,19 +180,6 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
   return ExportResult(paths.absolute(dst), report, validation)
 
 
-@contextlib.contextmanager
-def temporary_directory(dst: str, overwrite: bool):
-  """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
-  if distributed.process_index() != 0:
-    yield distributed.broadcast_text(None)
-    return
-  with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
-    distributed.broadcast_text(tmp)
-    yield tmp
-
-
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
                         mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
                         min_top1: float = validate_lib.DEFAULT_MIN_TOP1, run_validation: bool = True,
@@ -212,17 +197,13 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   (dequantized) and run under the config's rules beside the source (`validate.validate_hf`), when the models fit;
   `quantization_report.json` is written in DST either way.
   """
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import write_hf  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import batch as batch_lib  # pylint: disable=import-outside-toplevel
-
   tokens = list(tokens)
   cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
-    leaves = plan_lib.model_leaves(cfg)
+    leaves = params.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
     stores, shapes = {}, {}  # key -> the source array's handle and chunk shape, each array opened once here
 

@@ -14,6 +14,8 @@ import itertools
 
 import numpy as np
 
+from quant import ptq_weights
+
 
 def _block_shapes(job) -> list[tuple[int, ...]]:
   """The distinct shapes of `job`'s slices (the edge slices of each axis included), the first slice's first; then
@@ -38,7 +40,6 @@ class Quantizers:
 
   def __init__(self, jobs):
     import jax  # pylint: disable=import-outside-toplevel
-    from quant import ptq_weights  # pylint: disable=import-outside-toplevel
 
     self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # where `read.to_jax` puts blocks
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-quantizers")

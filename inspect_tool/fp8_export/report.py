@@ -11,26 +11,20 @@ import os
 import shlex
 from typing import Sequence
 
+from inspect_tool.output import ours
 from inspect_tool.paramtree import tree
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.streaming import write_orbax
+from inspect_tool.report import coverage_format
+from quant import metrics
+from quant import rules as rules_lib
 
 FORMAT_VERSION = 1
 STEP, ITEM = write_orbax.STEP, write_orbax.ITEM
 
 
-def producer() -> dict:
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-
-  try:
-    version = metadata.version("inspect-checkpoint")
-  except metadata.PackageNotFoundError:
-    version = "unknown"
-  return {"name": "inspect_checkpoint", "version": version}
-
-
 def origin(cfg, source: str | None, command: str | None) -> dict:
   """Who wrote an export, when, by which command, from which weights (a checkpoint, or the seeded init)."""
-  return {"producer": producer(),
+  return {"producer": ours.producer(),
           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "command": command,
           "source": {"checkpoint": os.path.abspath(source) if source else None,
@@ -51,8 +45,6 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
                  validation, validation_skipped: str | None = None, memory: dict | None = None,
                  dst: str | None = None, rerun: str = "") -> dict:
   """`quantization_report.json`: what was exported, how, from what, and what validation found (or why not)."""
-  from quant import rules as rules_lib  # pylint: disable=import-outside-toplevel
-
   cfg = plan.cfg
   return {
       "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": STEP, "item": ITEM,
@@ -141,8 +133,6 @@ def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None,
 
 def format_text(result) -> str:
   """The summary `export` prints: what was written, and the validation table."""
-  from quant import coverage_format  # pylint: disable=import-outside-toplevel
-
   r = result.report
   quantized = r["weights"]
   params = sum(_prod(w["shape"]) for w in quantized)
@@ -169,8 +159,6 @@ def format_hf_text(result) -> str:
 
 def validation_lines(v, record: dict) -> list[str]:
   """The validation table (or why it was skipped)."""
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
-
   if v is None:
     return [f"validation skipped ({record.get('reason', '--no-validate')})"]
   return [f"validation on a {v.batch_shape[0]}x{v.batch_shape[1]} batch ({v.tokens}):",

@@ -15,6 +15,11 @@ import dataclasses
 from typing import Any
 
 from inspect_tool import progress
+from inspect_tool.checkpoint import hf_restore
+from inspect_tool.checkpoint import exports as load
+from quant import metrics
+from inspect_tool import model as model_lib
+from inspect_tool.run import runner as running
 
 DEFAULT_MIN_TOP1 = 0.9
 # The three forward passes, in the order they run, as the progress output names them.
@@ -48,19 +53,13 @@ class Validation:
 def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
              tokens: str = "fixed") -> Validation:
   """Runs source (QT and unquantized) and the exported Orbax checkpoint on `data` and compares them per head."""
-  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
-
-  return _compare(cfg, source, data, lambda: load.load_quantized_model(cfg, exported, mesh=mesh), min_top1=min_top1,
+  return _compare(cfg, source, data, lambda: load_export.load_quantized_model(cfg, exported, mesh=mesh), min_top1=min_top1,
                   mesh=mesh, tokens=tokens)
 
 
 def validate_hf(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
                 tokens: str = "fixed") -> Validation:
   """The same for a `deepseek-fp8` export: read back dequantized (`hf_restore`), run under the config's rules."""
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
-
   def read_back():
     model = hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), exported, mesh=mesh)
     return running.quantize_for_training(model, cfg)
@@ -72,9 +71,6 @@ def validate_hf(cfg, source: str | None, exported: str, data, *, min_top1: float
 
 
 def _compare(cfg, source, data, read_export, *, min_top1, mesh, tokens) -> Validation:
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import runner as running  # pylint: disable=import-outside-toplevel
-
   model = running.load_model(cfg, source, mesh=mesh)
   quantized = running.forward(running.quantize_for_training(model, cfg), data, f"validation {PASSES[0]}")
   plain = running.forward(model, data, f"validation {PASSES[1]}")

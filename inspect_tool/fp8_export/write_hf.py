@@ -39,11 +39,11 @@ from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
-from inspect_tool.fp8_export import budget
+from inspect_tool.streaming import budget
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
-from inspect_tool.fp8_export import read_plan
-from inspect_tool.fp8_export import safetensors_writer
+from inspect_tool.streaming import read_plan
+from inspect_tool.streaming import safetensors_writer
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it

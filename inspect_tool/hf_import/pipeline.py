@@ -20,17 +20,19 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.configuration import config as config_lib
-from inspect_tool.fp8_export import budget
-from inspect_tool.fp8_export import job_plan
-from inspect_tool.fp8_export import pipeline as export_pipeline
-from inspect_tool.fp8_export import write_orbax
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import write_orbax
 from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
+from inspect_tool.output import ours
 from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
+from inspect_tool.paramtree import params
 from inspect_tool.storage import paths
+from inspect_tool.distributed import runtime as distributed
 
 REPORT_NAME = "import_report.json"
 FORMAT_VERSION = 1
@@ -59,8 +61,6 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   `weight_dtype`, `param_scan_axis` are free; keys contradicting config.json are refused). Under
   `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
   """
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   given, path = path, paths.absolute(path)
   keys, cfg, max_memory = check_inputs(path, tokens, max_memory)
   max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
@@ -94,15 +94,11 @@ def _check_supported(cfg) -> None:
 
 
 def _leaves(cfg) -> list[tree.Leaf]:
-  from inspect_tool.fp8_export import plan as plan_lib  # pylint: disable=import-outside-toplevel
-
-  return [leaf for leaf in plan_lib.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
+  return [leaf for leaf in params.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
 
 
 def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
   """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   budget.return_freed_memory()
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
   index = distributed.process_index()
@@ -115,7 +111,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
     if unused and index == 0:
       shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
       progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
-    with export_pipeline.temporary_directory(dst, overwrite) as tmp:
+    with job_plan.temporary_directory(dst, overwrite) as tmp:
       atomic.test_point("start")
       written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
                                                step=True)
@@ -174,13 +170,11 @@ def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
 
 
 def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, memory) -> dict:
-  from inspect_tool.fp8_export import report as export_report  # pylint: disable=import-outside-toplevel
-
   arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
                                     "source": _sources(src, job.leaf.key)} for job in jobs}
   return {
       "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
-      "producer": export_report.producer(),
+      "producer": ours.producer(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": command,
       "source": path,

@@ -12,11 +12,11 @@ moe (GateLogit, RoutedMoE, RoutedAndSharedMoE, MoEBiasVar), decoder, mtp, transf
 
 from __future__ import annotations
 
+from inspect_tool.model import transformer
+
 
 def build_model(cfg, *, abstract: bool = True, seed: int | None = None):
   """See `transformer.build_model`."""
-  from inspect_tool.model import transformer  # pylint: disable=import-outside-toplevel
-
   return transformer.build_model(cfg, abstract=abstract, seed=seed)
 
 

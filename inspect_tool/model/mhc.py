@@ -27,6 +27,7 @@ import numpy as np
 
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
+from inspect_tool import errors
 
 SINKHORN_EPS = 1e-6
 PRE_EPS = 1e-6
@@ -69,7 +70,6 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
   def __init__(self, cfg, make: inits.VariableFactory):
     k, e = cfg.mhc_expansion_rate, cfg.emb_dim
     if cfg.enable_mhc_lite:
-      from inspect_tool import errors  # pylint: disable=import-outside-toplevel
       raise errors.ConfigError("enable_mhc_lite=true (permutation-mixture mHC) is not supported; "
                                "accepted: enable_mhc_lite=false")
     self.k = k

@@ -8,10 +8,14 @@ import os
 import shutil
 import tempfile
 from typing import Iterator
+import ctypes
 
 from inspect_tool import errors
 from inspect_tool.output import stop
 from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
+from inspect_tool.output import destination
+from inspect_tool.output import object_store
+from inspect_tool.storage import paths
 
 
 def _os_error_message(path: str, e: OSError) -> str:
@@ -39,8 +43,6 @@ def atomic_write_bytes(path: str, data: bytes, *, overwrite: bool = True) -> Non
   rename: only a regular file is replaced, and only with `overwrite` (without it the rename never replaces a
   file that appeared meanwhile); a directory, device, FIFO, socket or symbolic link is refused.
   """
-  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
-
   target = destination.check_output_file(path, overwrite)
   try:
     fd, tmp = tempfile.mkstemp(prefix=f".{destination.sibling_stem(target)}.", suffix=".tmp",
@@ -101,11 +103,7 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
   never replaced without it); the previous `dst` survives any failure before the final rename. On failure only
   the temporary directory can be left behind (after a SIGKILL), and the next run on DST removes it.
   """
-  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
-  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
-
   if paths.is_remote(dst):  # no rename on object stores: staged, then published with a commit marker
-    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
 
     with object_store.staged_directory(dst, overwrite=overwrite) as tmp:
       yield tmp
@@ -171,7 +169,6 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
   """Linux renameat2(2); False where it is unavailable (other libc, old kernel, unsupported file system)."""
   if os.environ.get(FALLBACK_ENV):
     return False
-  import ctypes  # pylint: disable=import-outside-toplevel
 
   libc = ctypes.CDLL(None, use_errno=True)
   renameat2 = getattr(libc, "renameat2", None)
@@ -194,8 +191,6 @@ def _rename_no_replace(tmp: str, dst: str, overwrite: bool) -> None:
   except FileExistsError:
     pass
   if os.path.lexists(dst):
-    from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
-
     destination.check_replace(dst, overwrite)
     _swap_into_place(tmp, dst)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,8 @@ from inspect_tool import errors
 
 from inspect_tool.output import ours
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
+from inspect_tool.output import object_store
+from inspect_tool.storage import paths
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 
 
@@ -274,11 +276,7 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     errors.InputError: an empty path, a DST overlapping a source or the working directory, an existing DST
       without `overwrite` (or one that is not a checkpoint), a missing parent, or another run holding DST.
   """
-  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
-
   if paths.is_remote(dst):
-    from inspect_tool.output import object_store  # pylint: disable=import-outside-toplevel
-
     with object_store.claim(dst, sources=sources, overwrite=overwrite) as claimed:
       yield claimed
     return

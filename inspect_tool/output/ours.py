@@ -5,7 +5,10 @@ that left a temporary or a lock is still alive."""
 from __future__ import annotations
 
 import dataclasses
+from importlib import metadata
 import os
+
+from inspect_tool.storage import paths
 
 TMP_MARKER = ".inspect_checkpoint-partial"  # written first into every temporary output directory
 PRODUCER = "inspect_checkpoint"
@@ -31,8 +34,6 @@ class Claim:
 
   @property
   def parent(self) -> str:
-    from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
-
     return paths.parent(self.path)
 
 
@@ -45,3 +46,12 @@ def alive(pid: int) -> bool:
   except PermissionError:
     return True
   return True
+
+
+def producer() -> dict:
+  """The producer record every report carries: this tool's name and installed version."""
+  try:
+    version = metadata.version("inspect-checkpoint")
+  except metadata.PackageNotFoundError:
+    version = "unknown"
+  return {"name": PRODUCER, "version": version}

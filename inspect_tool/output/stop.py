@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+import _thread
+import gc
 
 from inspect_tool import errors
 
@@ -46,8 +48,6 @@ def _handler(signum, frame):
 
 def _swallowing(frame) -> bool:
   """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
-  import gc  # pylint: disable=import-outside-toplevel
-
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   while frame is not None:
     if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
@@ -58,8 +58,6 @@ def _swallowing(frame) -> bool:
 
 def _again_later(signum: int) -> None:
   """Delivers `signum` to the main thread again in 50 ms (its first exception was swallowed)."""
-  import _thread  # pylint: disable=import-outside-toplevel
-
   _raised.clear()
   timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
   timer.daemon = True

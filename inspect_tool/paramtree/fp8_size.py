@@ -1,6 +1,6 @@
 """The `fp8` size column: what each leaf weighs once the quantization rules have made it FP8.
 
-A weight the rules quantize (the export plan's selection, `fp8_export.plan`: every weight a quantizing op consumes)
+A weight the rules quantize (the export plan's selection, `coverage.plan`: every weight a quantizing op consumes)
 counts its values at the rule's weight qtype (1 byte for FP8) plus its scales (scale shape × compute dtype, as
 `export` writes them); every other leaf (norms, embedding, router bias, weights no rule reaches) stays at its stored
 dtype. A checkpoint that already holds FP8 weights and scales is counted as stored. Without rules (a float
@@ -38,26 +38,9 @@ def as_stored(scales: int) -> Fp8Sizing:
 
 
 def from_plan(plan, basis: str) -> Fp8Sizing:
-  """The weights of an `fp8_export.plan.ExportPlan` at their qtype plus their scales."""
+  """The weights of a `coverage.plan.ExportPlan` at their qtype plus their scales."""
   dtype_bytes = summary_lib.dtype_bytes
   quantized = {key: (dtype_bytes(wq.qtype), math.prod(wq.scale_shape) * dtype_bytes(wq.compute_dtype))
                for key, wq in plan.weights.items()}
   return Fp8Sizing(quantized, f"{basis}: the {len(quantized)} weights they quantize at their qtype plus their "
                    "scales, every other array at its stored dtype")
-
-
-def for_config(cfg) -> Fp8Sizing | None:
-  """The config's own rules, or MaxText's `quantization=fp8_full` when it sets none; None if they cannot export."""
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-  from inspect_tool.coverage import trace  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import plan  # pylint: disable=import-outside-toplevel
-  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
-
-  try:
-    if cfg.quantization:
-      rules, basis = None, f"quantization={cfg.quantization} rules"
-    else:
-      rules, basis = trace.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
-    return from_plan(plan.plan_export(cfg, rules), basis)
-  except (errors.InspectError, quant_errors.QuantError):  # e.g. a batch-split model: MaxText's own fp8 path
-    return None

@@ -8,9 +8,11 @@ the `params/params` alias (MaxText's converter layout keeps the gate bias there)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from inspect_tool import errors
+from inspect_tool import model as model_lib
 from inspect_tool.paramtree import tree
 
 
@@ -85,3 +87,14 @@ def assign_arrays(model, arrays: Mapping[tuple[str, ...], Any]) -> list[tuple[st
   for variable, value, dtype in plan:
     variable.set_value(jnp.asarray(value, dtype))
   return sorted((k for k in arrays if k not in used), key=lambda k: tree.natural_key(".".join(k)))
+
+
+def model_leaves(cfg) -> list[tree.Leaf]:
+  """Every leaf of the config's (float) model, built abstractly: Params and non-Param state, as a checkpoint stores
+  them."""
+  return param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
+
+
+def parameter_count(cfg) -> int:
+  """The parameters (Params only) of the config's model, counted on the abstract model (no memory)."""
+  return sum(math.prod(leaf.shape) for leaf in param_leaves(model_lib.build_model(cfg, abstract=True)))

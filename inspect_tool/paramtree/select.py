@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
+from quant import safe_regex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,6 @@ def compile_filter(pattern: str | None) -> KeyFilter | None:
   """The checked filter (None for none); `InputError` naming the pattern when it is refused."""
   if pattern is None:
     return None
-  from quant import safe_regex  # pylint: disable=import-outside-toplevel
 
   if not pattern:
     raise errors.InputError("--filter '' matches every key; give a regex over the dotted keys "

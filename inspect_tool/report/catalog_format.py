@@ -6,6 +6,9 @@ import dataclasses
 import json
 from typing import Sequence
 
+from inspect_tool.configuration import catalog
+from inspect_tool.paramtree import summary
+
 SCHEMA_VERSION = 1
 
 
@@ -24,8 +27,6 @@ def _json(kind: str, rows: list[dict], **extra) -> str:
 
 
 def presets_text(rows) -> str:
-  from inspect_tool.paramtree import summary  # pylint: disable=import-outside-toplevel
-
   body = [(r.name, f"{r.decoder_block}/{r.attention_type}",
            "-" if r.parameters is None else f"{summary.human(r.parameters)}", "yes" if r.mtp else "no",
            r.description or r.note) for r in rows]
@@ -39,8 +40,6 @@ def presets_json(rows) -> str:
 
 
 def keys_text(rows, legend: dict[str, str]) -> str:
-  from inspect_tool.configuration import catalog  # pylint: disable=import-outside-toplevel
-
   body = [(r.key, catalog.show(r.default), r.affects, r.note) for r in rows]
   used = [kind for kind in legend if any(r.affects == kind for r in rows)]
   return (table(("key", "default", "affects", "note"), body)

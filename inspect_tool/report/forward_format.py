@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import io
 
 import numpy as np
+
+from inspect_tool.output import atomic
+from quant import metrics
 
 SCHEMA_VERSION = 1
 _SHOWN_TOKENS = 16
@@ -43,8 +47,6 @@ def format_json(result, **kwargs) -> str:
 
 def format_text(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None,
                 compared: str | None = None) -> str:
-  from inspect_tool.run import metrics  # pylint: disable=import-outside-toplevel
-
   batch, seq = np.asarray(result.logits).shape[:2]
   lines = [f"model: {source}"] + ([f"weights: {weights}"] if weights else []) + [
       f"quantization: {quantization or 'none'}", f"batch: {batch} x {seq} tokens"]
@@ -76,10 +78,6 @@ def format_text(result, *, source: str, quantization: str, comparisons=(), grad=
 
 def save_logits(path: str, result, *, overwrite: bool = False) -> None:
   """Writes `logits` (B,S,V) float32 and, with MTP, `mtp_logits` (depth,B,S,V) to an .npz, atomically."""
-  import io  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
-
   arrays = {"logits": np.asarray(result.logits, np.float32), "top1": np.asarray(result.top1)}
   if result.mtp_logits is not None:
     arrays["mtp_logits"] = np.asarray(result.mtp_logits, np.float32)

@@ -15,6 +15,7 @@ from inspect_tool.paramtree import select
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.paramtree import tree
 from inspect_tool.report import sharding_format
+from inspect_tool.paramtree import fp8_size
 
 SCHEMA_VERSION = 1
 
@@ -55,7 +56,6 @@ def build_report(source: str, leaves, *, include_all: bool, routed_fraction: flo
   leaves = list(leaves)
   scales = select.scale_keys(leaves)
   if fp8 is None and scales:
-    from inspect_tool.paramtree import fp8_size  # pylint: disable=import-outside-toplevel
     fp8 = fp8_size.as_stored(len(scales))
   chosen, key_filter = select.apply(key_filter, [leaf for leaf in leaves if include_all or count_all
                                                  or leaf.item == "params"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from inspect_tool.paramtree import summary as summary_lib
+from inspect_tool.sharding import activations
 
 
 def _cells(row) -> list[str]:
@@ -17,8 +18,6 @@ def _heading(memory, plan) -> str:
 
 
 def _verdict(memory) -> list[str]:
-  from inspect_tool.sharding import activations  # pylint: disable=import-outside-toplevel
-
   hb = summary_lib.human_bytes
   out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B) exact; every device holds the "
          "same (shards divide evenly)."]

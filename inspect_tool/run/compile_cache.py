@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from inspect_tool import errors
+from quant import compat
 
 ENV = "INSPECT_CHECKPOINT_COMPILE_CACHE"
 JAX_ENV = "JAX_COMPILATION_CACHE_DIR"
@@ -59,7 +60,6 @@ def configure(enabled: bool = True) -> str | None:
                      f"(set {JAX_ENV} to a writable directory, or {ENV}=0)\n")
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  from quant import compat  # pylint: disable=import-outside-toplevel
   try:
     compat.atomic_compilation_cache_writes()  # no truncated entry after a kill or a full disk
   except compat.CompatError:

@@ -12,6 +12,8 @@ import dataclasses
 import functools
 from typing import Any
 
+from inspect_tool.model import mtp
+
 MTP_EPS = 1e-8
 
 
@@ -36,7 +38,6 @@ def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, targe
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool.model import mtp  # pylint: disable=import-outside-toplevel
 
   model = nnx.merge(graphdef, state)
   logits = model(tokens, positions, segment_ids, decoder_target_tokens=targets, decoder_target_mask=target_mask,

@@ -18,16 +18,20 @@ from inspect_tool.configuration import validation
 from inspect_tool import errors
 from inspect_tool.run import limits
 from inspect_tool import progress
+from quant import compat
+from inspect_tool.checkpoint import exports as export_load
+from inspect_tool.run import forward as forward_lib
+from quant import fp8_providers
+from inspect_tool.checkpoint import hf_restore
+from inspect_tool.coverage import trace as model_coverage
+from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import restore
 
 
 def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | None = None):
   """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
   import qwix  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-  from quant import fp8_providers  # pylint: disable=import-outside-toplevel
 
   if export_load.is_quantized_model(model):
     return model  # an FP8 export under Qwix PTQ: its quantization is in its weights
@@ -45,20 +49,15 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
   An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`fp8_export.load`): Qwix PTQ for
   dense ops, pre-quantized experts in our gmm.
   """
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-
   if checkpoint is None:
     with progress.step(f"initialising {cfg.model_name} (seed {cfg.init_weights_seed})"):
       return model_lib.build_model(cfg, abstract=False)
-  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
   if hf_restore.is_hf_checkpoint(checkpoint):  # bf16 or FP8 DeepSeek safetensors, dequantized to float weights
     with progress.step(f"loading Hugging Face checkpoint {checkpoint}"):
       return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
   if export_load.is_export(checkpoint):
     with progress.step(f"loading FP8 export {checkpoint}"):
-      return export_load.load_quantized_model(cfg, checkpoint, mesh=mesh)
-  from inspect_tool.checkpoint import restore  # pylint: disable=import-outside-toplevel
+      return load_export.load_quantized_model(cfg, checkpoint, mesh=mesh)
 
   with progress.step(f"loading {checkpoint}"):
     return restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
@@ -67,10 +66,6 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
 def forward(model, batch: batch_lib.Batch, label: str = "forward pass"):
   """One forward pass on a batch: logits, losses, MTP outputs (`inspect_tool.run.forward.ForwardResult`); `label`
   names it in the progress output."""
-  from inspect_tool.run import forward as forward_lib  # pylint: disable=import-outside-toplevel
-
-  from quant import compat  # pylint: disable=import-outside-toplevel
-
   with progress.step(label, plain=True), compat.qwix_weight_detection_errors():
     return forward_lib.run_forward(model, batch.tokens, targets=batch.targets, target_mask=batch.target_mask,
                                    positions=batch.positions, segment_ids=batch.segment_ids)
@@ -85,8 +80,6 @@ def grad_step(model, batch: batch_lib.Batch):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool.run import forward as forward_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
 
   if export_load.is_quantized_model(model):
     raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
@@ -129,9 +122,6 @@ class Run:
 
 def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
   """Which weights a run loads, in words: the checkpoint (Orbax, FP8 export, Hugging Face) or the seeded init."""
-  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-
   if checkpoint is None:
     return f"the random init (seed {cfg.init_weights_seed})"
   if hf_restore.is_hf_checkpoint(checkpoint):
@@ -143,8 +133,6 @@ def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> 
 
 def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
   """What `--compare` compares; `InputError` when it would compare a model with itself (no quantization rule)."""
-  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
-
   weights = weights_description(cfg, checkpoint)
   if not model_coverage.config_rules(cfg):
     raise errors.InputError(
@@ -157,8 +145,6 @@ def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | None) 
 def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
         compare: bool = False, grad: bool = False) -> Run:
   """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-
   validation.check_runs(cfg, "forward")
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
   compared = comparison_description(cfg, checkpoint) if compare else None

@@ -8,8 +8,14 @@ recognised in the order `runner.load_model` tries them.
 from __future__ import annotations
 
 import os
+import json
 
 from inspect_tool.storage import paths
+from inspect_tool import errors
+from inspect_tool.checkpoint import exports as export_load
+from inspect_tool.checkpoint import files
+from inspect_tool.checkpoint import hf_restore
+from inspect_tool.checkpoint import locate
 
 RANDOM_WARNING = ("warning: --compare on random-init weights (seed {seed}): these figures compare the quantized and "
                   "unquantized random model and say nothing about a trained model; pass --checkpoint for that")
@@ -21,10 +27,6 @@ def is_random(checkpoint: str | None) -> bool:
 
 def describe(cfg, checkpoint: str | None) -> str:
   """The weights of a run of `cfg` from `checkpoint` (None: the seeded random init)."""
-  from inspect_tool.checkpoint import hf_restore  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import locate  # pylint: disable=import-outside-toplevel
-  from inspect_tool.fp8_export import load as export_load  # pylint: disable=import-outside-toplevel
-
   if is_random(checkpoint):
     return f"random init, seed {cfg.init_weights_seed}"
   path = paths.absolute(checkpoint)
@@ -39,10 +41,6 @@ def describe(cfg, checkpoint: str | None) -> str:
 
 def _hf_kind(path: str) -> str:
   """" (fp8 block-quantized)" when config.json declares an fp8 `quantization_config`, else ""."""
-  import json  # pylint: disable=import-outside-toplevel
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import files  # pylint: disable=import-outside-toplevel
-
   try:
     quant = json.loads(files.read_bytes(paths.join(path, "config.json"), 1 << 20)).get("quantization_config") or {}
   except (errors.InspectError, OSError, ValueError, AttributeError):

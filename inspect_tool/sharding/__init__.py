@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from inspect_tool.sharding import advice
+from inspect_tool.sharding import memory
+from inspect_tool.sharding import mesh
+from inspect_tool.sharding import placement
+
 
 def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
   """The device count from `--devices` and/or `--topology` (× `num_slices`); they must agree when both given.
   A chip's name alone (`--topology h100`) sets only the memory: the count comes from `--devices`."""
-  from inspect_tool.sharding import mesh  # pylint: disable=import-outside-toplevel
-
   if topology is None:
     return devices
   per_slice = mesh.topology_devices(topology)
@@ -40,8 +43,6 @@ def annotate(report, cfg, *, devices: int, train: str | None = None, device_memo
 
   The memory of one device is `--device-memory`, else the chip's of `--topology`; with an optimizer the verdict
   adds the activation estimate (`activations`), and a plan that does not fit gets `advice`."""
-  from inspect_tool.sharding import advice, memory, mesh, placement  # pylint: disable=import-outside-toplevel
-
   limit, limit_source = None, None
   if device_memory is not None:
     limit, limit_source = memory.parse_bytes(device_memory), "--device-memory"

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from inspect_tool.paramtree import summary as summary_lib
+
 F32 = 4
 
 
@@ -105,8 +107,6 @@ def estimate(cfg, *, batch: float | None = None, seq: int | None = None,
 
 def describe(est: ActivationEstimate) -> str:
   """One line: the figure, labelled an estimate, with what it assumed."""
-  from inspect_tool.paramtree import summary as summary_lib  # pylint: disable=import-outside-toplevel
-
   batch = int(est.batch) if float(est.batch).is_integer() else est.batch
   return (f"activations (estimate, per_device_batch_size={batch}, max_target_length={est.seq}, "
           f"remat_policy={est.remat_policy}): {summary_lib.human_bytes(est.total)}")

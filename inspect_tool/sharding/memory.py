@@ -26,6 +26,7 @@ from inspect_tool import errors
 from inspect_tool.configuration import sizes
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
+from inspect_tool.sharding import activations
 
 OPTIMIZERS = ("adamw", "adam_pax", "sgd")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -120,8 +121,6 @@ def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int
                   limit_source: str | None = None, classify=summary_lib.group_of) -> DeviceMemory:
   """Sums one device's bytes over the Param `leaves` of `plan`, by the summary's groups; with an optimizer, adds
   the training step's activation estimate."""
-  from inspect_tool.sharding import activations  # pylint: disable=import-outside-toplevel
-
   mu_dtype = str(cfg.mu_dtype or cfg.weight_dtype)
   sums: dict[tuple[str, str], list[float]] = {}
   contributors = []

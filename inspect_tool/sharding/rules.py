@@ -23,6 +23,7 @@ from typing import Sequence
 
 from inspect_tool import errors
 from inspect_tool.sharding import mesh as mesh_lib
+from inspect_tool.configuration import maxtext_keys
 
 Entry = str | tuple[str, ...] | None  # one dimension of a spec
 _UNASSIGNED = object()
@@ -61,8 +62,6 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...]], ...]:
 @functools.lru_cache(maxsize=None)
 def base_rules() -> tuple:
   """MaxText 0.2.5's `base.yml` logical_axis_rules."""
-  from inspect_tool.configuration import maxtext_keys  # pylint: disable=import-outside-toplevel
-
   return normalize_rules(maxtext_keys.defaults()["logical_axis_rules"])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from inspect_tool import errors
 from inspect_tool.storage import paths
+from inspect_tool.storage import objects
 
 MARKER = "commit_success.txt"  # Orbax's commit marker name on object stores; DST's, written last
 
@@ -20,8 +21,6 @@ def lock_url(dst: str) -> str:
 
 
 def _exists(url: str) -> bool:
-  from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
-
   return objects.exists(url)
 
 

@@ -12,6 +12,8 @@ import os
 from typing import Iterable
 
 from inspect_tool.storage import paths
+from inspect_tool import errors
+from inspect_tool.storage import remote
 
 NO_OBJECT = b"\x02"  # tensorstore's storage generation of a missing key: a write `if_equal` to it creates only
 
@@ -19,7 +21,6 @@ NO_OBJECT = b"\x02"  # tensorstore's storage generation of a missing key: a writ
 def _kvstore(prefix: str):
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
 
   return ts.KvStore.open(paths.kvstore_spec(prefix), context=remote.context()).result()
 
@@ -55,9 +56,6 @@ def names_from(prefix: str, start: str) -> list[str]:
 def exists(url: str) -> bool:
   """Whether the object `url` exists, asked now (no listing cache: the answer may change while a process runs),
   within `remote.timeout_s()`; a failure is `remote.error`'s one line."""
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-  from inspect_tool.storage import remote  # pylint: disable=import-outside-toplevel
-
   try:
     return filesystem().info(_fs_path(url), timeout=remote.timeout_s())["type"] == "file"
   except FileNotFoundError:

@@ -19,6 +19,10 @@ import importlib.util
 import jax.numpy as jnp
 
 from quant import errors
+from quant import compat
+from quant.gmm import pallas as gmm_pallas
+from quant.gmm import ragged as gmm_ragged
+from quant.gmm import tiled as gmm_tiled
 
 BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
 KERNELS = BACKENDS[1:]
@@ -38,8 +42,6 @@ def _auto(platform: str) -> str:
   if platform == "tpu":
     return "pallas"
   if platform == "gpu":
-    from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
-
     return "tokamax" if tokamax_installed() and gmm_ragged.native_fp8() else "xla"
   return "reference"
 
@@ -72,8 +74,6 @@ def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: 
     raise errors.QuantError("gmm_backend=tokamax needs the tokamax package, which is not installed; accepted: "
                             "gmm_backend=auto, reference, pallas or xla (or install tokamax)")
   if name == "pallas":
-    from quant import compat  # pylint: disable=import-outside-toplevel
-
     compat.megablox_kernels()  # CompatError when this JAX has no Megablox kernels
   return name
 
@@ -91,15 +91,10 @@ def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str
   Rows past sum(group_sizes) are undefined: the caller masks them.
   """
   if backend == "reference":
-    from quant.gmm import tiled as gmm_tiled  # pylint: disable=import-outside-toplevel
-
     return gmm_tiled.matmul(lhs, rhs, group_sizes, tile=tile_rows, strategy=strategy,
                             compute_dtype=_reference_dtype(lhs, rhs), transpose_rhs=transpose_rhs)
   if backend == "pallas":
-    from quant.gmm import pallas as gmm_pallas  # pylint: disable=import-outside-toplevel
-
     return gmm_pallas.matmul(lhs, rhs, group_sizes, tile_rows=tile_rows, transpose_rhs=transpose_rhs)
-  from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
 
   if backend == "xla":
     return gmm_ragged.xla_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
@@ -114,15 +109,10 @@ def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str
   Rows of `grad` past sum(group_sizes) must be zero.
   """
   if backend == "reference":
-    from quant.gmm import tiled as gmm_tiled  # pylint: disable=import-outside-toplevel
-
     return gmm_tiled.outer(lhs, grad, group_sizes, tile=tile_rows, strategy=strategy,
                            compute_dtype=_reference_dtype(lhs, grad))
   if backend == "pallas":
-    from quant.gmm import pallas as gmm_pallas  # pylint: disable=import-outside-toplevel
-
     return gmm_pallas.outer(lhs, grad, group_sizes, tile_rows=tile_rows)
-  from quant.gmm import ragged as gmm_ragged  # pylint: disable=import-outside-toplevel
 
   if backend == "xla":
     return gmm_ragged.xla_outer(lhs, grad, group_sizes)

@@ -30,6 +30,7 @@ import qwix
 
 from quant import compat
 from quant import errors
+from quant import calibration as calibration_lib
 from quant import fp8
 from quant.gmm import backends as gmm_backends
 from quant.gmm import tiled as gmm_tiled
@@ -67,7 +68,7 @@ def config_from_rule(rule) -> GmmQuantConfig | None:
 
   def calibration(method):
     method = method or "absmax"
-    fp8.parse_calibration(method)
+    calibration_lib.parse_calibration(method)
     return method
 
   return GmmQuantConfig(

@@ -120,7 +120,7 @@ class CoverageReport:
   default_group: str
   parts: tuple[GroupSummary, ...] = ()  # per (group, part), groups in `groups` order; they sum to their group
   other_params_by_part: tuple[tuple[str, int], ...] = ()  # `other_params` split by part (with `part_of` only)
-  glance: tuple = ()  # `quant.coverage_verdict.Verdict`s, the report at a glance (set by the caller)
+  glance: tuple = ()  # `inspect_tool.report.coverage_verdict.Verdict`s, the report at a glance (set by the caller)
 
   @property
   def unquantized_weights(self) -> tuple[WeightRow, ...]:

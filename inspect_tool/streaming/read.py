@@ -22,6 +22,13 @@ from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import paths
+from inspect_tool.streaming import chunk_stream
+from inspect_tool.checkpoint import exports as load
+from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.paramtree import params
+from inspect_tool.streaming import read_plan
+from inspect_tool.checkpoint import restore
 
 # Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
 # being decoded, its decoded bytes (its stored bytes are freed before it is copied into the box, whose pages are
@@ -54,7 +61,6 @@ class CheckpointSource:
   """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
 
   def __init__(self, path: str, leaves, context=None):
-    from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
@@ -106,16 +112,12 @@ class CheckpointSource:
   def read_overhead(self, store, box) -> int:
     """Bytes held beyond a chunk-aligned box of shape `box` while it is read: the decoded bytes of the chunks
     decoded at once (`DECODING_CHUNKS`, at most as many as the box has)."""
-    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
-
     chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
     return min(DECODING_CHUNKS, chunks) * self.chunk_bytes(store)
 
   def stored_chunk_bytes(self, store) -> int:
     """Stored (encoded) bytes of the largest source chunk of `store`: read from the shard index when the array is
     one zarr3 shard whose index ends it (Orbax's layout), else its decoded bytes."""
-    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
-
     key = self._names.get(id(store), ())
     if key not in self._stored:
       self._stored[key] = chunk_stream.largest_stored_chunk(store.kvstore, self.stored_layout(store), store.shape)
@@ -126,16 +128,12 @@ class CheckpointSource:
   def cached_overhead(self, store, box) -> int:
     """Bytes held beyond the decoded chunks of a box of shape `box` read through a chunk cache
     (`cached_box`): the stored bytes of the chunks decoded at once (`DECODING_CHUNKS`)."""
-    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
-
     chunks = read_plan.chunks_touched(tuple(slice(0, int(b)) for b in box), self.chunk_shape(store))
     return min(DECODING_CHUNKS, chunks) * self.stored_chunk_bytes(store)
 
   def stream_overhead(self, store) -> int | None:
     """Bytes a streamed read of `store` holds beside its box (`chunk_stream.StoredChunk.held`), or None when the
     array is not stored as one chunk that can be streamed."""
-    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
-
     key = self._names.get(id(store), ())
     if key not in self._chunks:
       layout = self.stored_layout(store)
@@ -163,8 +161,6 @@ class CheckpointSource:
   def new_stream(self, key: tuple[str, ...]):
     """A `chunk_stream.ChunkStream` of model leaf `key`'s one-chunk array, of the caller's own (to `close`), each
     start of its decoding counted as decoding the chunk."""
-    from inspect_tool.fp8_export import chunk_stream  # pylint: disable=import-outside-toplevel
-
     store = self.open(key)
     if self.stream_overhead(store) is None:
       raise errors.CheckpointError(f"{self.items_dir}: the data of {'/'.join(key)} is not one stored chunk")
@@ -184,8 +180,6 @@ class CheckpointSource:
     its own that holds the box's decoded chunks: the first read of a chunk decodes it, later reads copy from the
     cache (no box-sized buffer beside the decoded chunks). Its chunks are counted here, once; the cache goes
     with the view."""
-    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
-
     store = self.open(key)
     shape, itemsize = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype).itemsize
     store = self.open(key, cache_bytes=read_plan.covered(index, self.chunk_shape(store), shape) * itemsize)
@@ -193,8 +187,6 @@ class CheckpointSource:
     return ArrayView(self, store, origin=index)
 
   def _count(self, store, index: tuple[slice, ...]) -> None:
-    from inspect_tool.fp8_export import read_plan  # pylint: disable=import-outside-toplevel
-
     shape = tuple(int(d) for d in store.shape)
     index = index or tuple(slice(0, d) for d in shape)
     chunk = self.chunk_shape(store)
@@ -380,8 +372,6 @@ class InitSource:
   def __init__(self, cfg, leaves):
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
-    from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-    from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
 
     model = model_lib.build_model(cfg, abstract=False)
     values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()
@@ -432,8 +422,6 @@ class InitSource:
 
 def check_source(source: str) -> None:
   """Refuses a source that is itself an FP8 export."""
-  from inspect_tool.fp8_export import load  # pylint: disable=import-outside-toplevel
-
   if load.find_report(source):
     raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
 

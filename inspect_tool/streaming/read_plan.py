@@ -29,7 +29,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from inspect_tool.fp8_export import budget
+from inspect_tool.streaming import budget
 
 
 @dataclasses.dataclass(frozen=True)

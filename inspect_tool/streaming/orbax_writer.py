@@ -12,10 +12,14 @@ import json
 import os
 import time
 from typing import Sequence
+import base64
 
 import numpy as np
 
 from inspect_tool.storage import mapped_reads
+from quant import compat
+from quant import ptq_weights
+from inspect_tool.streaming import verify
 
 ZSTD_LEVEL = 3  # Orbax's
 PROCESS_DIR = "ocdbt.process_{}"
@@ -159,8 +163,6 @@ class OrbaxArrayWriter:
     """
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-    from inspect_tool.fp8_export import verify  # pylint: disable=import-outside-toplevel
-    from quant import compat  # pylint: disable=import-outside-toplevel
 
     self.wait()
     verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
@@ -206,14 +208,11 @@ def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=froze
 
 
 def _write_error(path: str, e: BaseException):
-  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
-
   return ptq_weights.write_error(path, e)
 
 
 def _default_shardings(entries) -> dict:
   """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
-  import base64  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
 
   device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})

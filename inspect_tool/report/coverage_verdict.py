@@ -17,7 +17,8 @@ import dataclasses
 import re
 from typing import Callable, Sequence
 
-from quant import coverage_report, rules as rules_lib
+from inspect_tool.report import coverage_report
+from quant import rules as rules_lib
 
 NO_RULES = "no rules (quantization is off)"
 NO_MATCH = "no rule matches"

@@ -13,7 +13,7 @@ JSON (`to_json_data`) is the stable machine format, schema_version 1:
                "glance": [{"name", "weights", "quantized_weights", "types", "reasons"}]}}
 `rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null. `part`, the two `parts`
 keys and `glance` were added within version 1 (empty when the report has none); each group's parts sum to the
-group. `glance` is the verdict block (`quant.coverage_verdict`): types as "e4m3 · e4m3 · e5m2".
+group. `glance` is the verdict block (`inspect_tool.report.coverage_verdict`): types as "e4m3 · e4m3 · e5m2".
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import re
 import textwrap
 from typing import Any, Sequence
 
-from quant import coverage_report, rules as rules_lib
+from inspect_tool.report import coverage_report
+from quant import rules as rules_lib
 
 GLANCE_WIDTH = 100  # the verdict block's lines fit in this many columns
 

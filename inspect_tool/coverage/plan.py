@@ -17,7 +17,14 @@ from typing import Any, Sequence
 from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
 from inspect_tool import progress
+from inspect_tool.paramtree import fp8_size
+from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
+from quant import fp8
+from inspect_tool.model import initializers
+from inspect_tool.coverage import trace as model_coverage
+from quant import ptq_weights
+from quant import errors as quant_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +33,7 @@ class ExportPlan:
 
   cfg: config_lib.ModelConfig
   rules: tuple
-  coverage: Any  # quant.coverage_report.CoverageReport
+  coverage: Any  # inspect_tool.report.coverage_report.CoverageReport
   weights: dict  # model leaf key -> quant.ptq_weights.WeightQuant
 
   def exported_leaves(self, model_leaves: Sequence[tree.Leaf]) -> list[tree.Leaf]:
@@ -43,8 +50,6 @@ class ExportPlan:
 
 
 def _layer_axis(cfg, stored_ndim: int) -> int:
-  from inspect_tool.model import initializers  # pylint: disable=import-outside-toplevel
-
   return initializers.layer_axis(stored_ndim - 1, cfg.param_scan_axis)
 
 
@@ -55,11 +60,6 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     errors.ConfigError: the config quantizes nothing.
     quant.errors.QuantError: a weight cannot be exported (unsupported qtype or rule, or its ops disagree).
   """
-  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
-  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
-  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
-  from quant import fp8  # pylint: disable=import-outside-toplevel
-
   rule_list = model_coverage.config_rules(cfg) if rules is None else list(rules)
   if not rule_list:
     raise errors.ConfigError("export needs a quantization; pass e.g. quantization=fp8_full "
@@ -99,14 +99,19 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
   return ExportPlan(cfg=cfg, rules=tuple(rule_list), coverage=report, weights=planned)
 
 
-def model_leaves(cfg: config_lib.ModelConfig) -> list[tree.Leaf]:
-  """Every leaf of the config's (float) model: Params and non-Param state, as a checkpoint stores them."""
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-
-  return params.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
-
-
 def orbax_export_leaves(cfg: config_lib.ModelConfig) -> list[tree.Leaf]:
   """The leaves an Orbax export of this config holds (quantized weights as `array/qvalue` + `array/scale`)."""
-  return plan_export(cfg).exported_leaves(model_leaves(cfg))
+  return plan_export(cfg).exported_leaves(params.model_leaves(cfg))
+
+
+def fp8_sizing(cfg) -> fp8_size.Fp8Sizing | None:
+  """The summary's fp8 column under the config's own rules, or MaxText's `quantization=fp8_full` when it sets none;
+  None if they cannot export."""
+  try:
+    if cfg.quantization:
+      rules, basis = None, f"quantization={cfg.quantization} rules"
+    else:
+      rules, basis = model_coverage.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
+    return fp8_size.from_plan(plan_export(cfg, rules), basis)
+  except (errors.InspectError, quant_errors.QuantError):  # e.g. a batch-split model: MaxText's own fp8 path
+    return None

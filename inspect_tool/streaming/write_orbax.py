@@ -1,4 +1,5 @@
-"""Export stages 3 and 4, quantize and write: every array into an Orbax checkpoint, slice by slice.
+"""Every array into an Orbax checkpoint, slice by slice, copied or quantized by the quantizers given (export stages 3
+and 4; an import copies).
 
 Layout (Orbax, OCDBT + zarr3, the MaxText converter layout): `DST/0/items/params/params/<module path>/<name>`
 for copied arrays, `.../<name>/array/qvalue` (float8_e4m3fn, the weight's shape) and `.../<name>/array/scale`
@@ -28,17 +29,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Callable, Sequence
+import os
+import shutil
 
 import numpy as np
 
 from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
-from inspect_tool.fp8_export import absmax_ahead
-from inspect_tool.fp8_export import box_reads
-from inspect_tool.fp8_export import budget as budget_lib
-from inspect_tool.fp8_export import orbax_writer
-from inspect_tool.fp8_export import read as read_lib
-from inspect_tool.fp8_export import read_plan
+from inspect_tool.streaming import absmax_ahead
+from inspect_tool.streaming import box_reads
+from inspect_tool.streaming import budget as budget_lib
+from inspect_tool.streaming import orbax_writer
+from inspect_tool.streaming import read as read_lib
+from inspect_tool.streaming import read_plan
+from inspect_tool.distributed import runtime as distributed
+from inspect_tool import errors
+from inspect_tool import progress
+from quant import ptq_weights
+from quant import errors as quant_errors
 
 @dataclasses.dataclass(frozen=True)
 class Written:
@@ -127,8 +135,6 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
     errors.InputError: `max_memory` is smaller than what the smallest read of some array needs; the line names
       the smallest budget that works for every array.
   """
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-
   held = budget_lib.current_rss() if held is None else held
   jobs = _plan_jobs(plan, source, max_memory, held)
   ahead = [job for job in jobs if job.two_pass and job.streamed]
@@ -148,9 +154,6 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
 
 def _plan_jobs(plan, source, max_memory: int, held: int) -> list[ArrayJob]:
   """`plan_jobs` without gathering ahead."""
-  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
-  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
-
   held += RESERVE_BYTES
   jobs, short = [], []
   for key in source.keys():
@@ -238,8 +241,12 @@ def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, 
 
 
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
-                 process_count: int = 1, on_slice: Callable[[int, int], None] | None = None):
+                 process_count: int = 1, on_slice: Callable[[int, int], None] | None = None,
+                 quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
+
+  `quantizers(jobs)` gives the quantizers of the quantized jobs (`fp8_export.quantize.Quantizers`: `quantize`,
+  `absmax`, `quantize_block`, `close`); without it every job must be a copy (`ArrayJob.quant` None).
 
   Three stages overlap: the next boxes are read (tensorstore threads; as far as `ArrayJob.room` holds them,
   `box_reads`) while the slices of this one are quantized, and the last slice's outputs are encoded and written
@@ -268,12 +275,12 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     units = job.units()
     owned.append([unit for i, unit in enumerate(units) if (running + i) % process_count == process_index])
     running += len(units)
-  from inspect_tool.fp8_export import quantize  # pylint: disable=import-outside-toplevel
-
   reads = None
   progress = on_slice or (lambda nbytes, arrays: None)
   mine = [job for job, units in zip(jobs, owned) if units]
-  quantizers = quantize.Quantizers(mine)
+  if quantizers is None and any(job.quant is not None for job in mine):
+    raise ValueError("write_arrays: quantized jobs need their quantizers")
+  quantizers = (quantizers or _Copies)(mine)
   ahead = absmax_ahead.AbsmaxAhead(source, mine, quantizers)
   try:
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
@@ -302,6 +309,16 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     if hasattr(source, "close_stream"):
       source.close_stream()
   return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
+
+
+class _Copies:
+  """The quantizers of a write that quantizes nothing (an import): nothing to compile, nothing to close."""
+
+  def __init__(self, jobs):
+    del jobs
+
+  def close(self) -> None:
+    pass
 
 
 def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
@@ -387,16 +404,10 @@ STEP, ITEM = 0, "items"  # MaxText's converter layout: DST/0/items
 
 
 def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, label: str,
-                     step: bool = False) -> Written:
+                     step: bool = False, quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None) -> Written:
   """Writes the arrays of `jobs` as the Orbax checkpoint `tmp/0/items`, every process its share, process 0 the
   metadata once all have written (and, with `step`, MaxText's scalar `step` = 0 as its converter does); a progress
-  bar named `label`. A write error names `dst`, not `tmp`."""
-  import os  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool import errors, progress  # pylint: disable=import-outside-toplevel
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-  from quant import errors as quant_errors  # pylint: disable=import-outside-toplevel
-
+  bar named `label`; `quantizers` as `write_arrays` takes them. A write error names `dst`, not `tmp`."""
   index, count = distributed.process_index(), distributed.process_count()
   step_dir = os.path.join(tmp, str(STEP))
   items_dir = os.path.join(step_dir, ITEM)
@@ -405,7 +416,7 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
   try:
     with progress.ByteProgress(label, total, len(jobs)) as bar:
       writer, written = write_arrays(jobs, source, items_dir, process_index=index, process_count=count,
-                                     on_slice=bar.update)
+                                     on_slice=bar.update, quantizers=quantizers)
     distributed.barrier("checkpoint written")
     if index == 0:
       if step:
@@ -426,9 +437,6 @@ def _remove_share(tmp: str, items_dir: str, index: int) -> None:
   """Process `index` (not 0) of a failed job: removes its database, and the directories up to `tmp` once empty
   (process 0 removes `tmp`; writing after that recreates the path without the marker that lets a later run
   reclaim it)."""
-  import os  # pylint: disable=import-outside-toplevel
-  import shutil  # pylint: disable=import-outside-toplevel
-
   shutil.rmtree(os.path.join(items_dir, orbax_writer.PROCESS_DIR.format(index)), ignore_errors=True)
   for directory in (items_dir, os.path.dirname(items_dir), tmp):
     try:

@@ -10,75 +10,32 @@ the pre-quantized weight to `quant.gmm.op.gmm`, which runs the FP8 grouped matmu
 `quant.gmm.op.prequantized_ragged_dot` (Qwix QT's quantized ragged_dot on the stored weight). Then the stored arrays are
 restored onto the mesh and assigned.
 
-An export is recognised by `quantization_report.json` beside its step directories; the loaded model's config
-must carry the quantization keys it was exported with (the error names them).
+An export is recognised by `exports.find_report`; the loaded model's config must carry the quantization keys it
+was exported with (the error names them).
 """
 
 from __future__ import annotations
 
-import json
-import os
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import qwix
 
-from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
+from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.checkpoint import restore
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.coverage import trace as model_coverage
+from inspect_tool.paramtree import params
 from inspect_tool.storage import paths
-
-REPORT_NAME = "quantization_report.json"
-MARK = "fp8_export"  # attribute set on a loaded model: the checkpoint it came from
-
-
-def find_report(path: str | None) -> str | None:
-  """The `quantization_report.json` of the export `path` points into (DST, DST/0 or DST/0/items), or None."""
-  if not path:
-    return None
-  from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
-
-  path = paths.absolute(os.fspath(path))
-  candidates = [path, paths.parent(path), paths.parent(paths.parent(path))]
-  for directory in candidates:
-    report = paths.join(directory, REPORT_NAME)
-    if objects.exists(report) if paths.is_remote(report) else os.path.isfile(report):
-      return report
-  return None
-
-
-def is_export(path: str | None) -> bool:
-  return find_report(path) is not None
-
-
-def read_report(path: str) -> dict:
-  """The export's report as a dict ({} when unreadable: the checkpoint itself is what counts)."""
-  report = find_report(path)
-  if report is None:
-    return {}
-  from inspect_tool.checkpoint import files  # pylint: disable=import-outside-toplevel
-
-  try:
-    data = json.loads(files.read_bytes(report, 16 << 20))
-  except (OSError, ValueError, errors.InspectError):
-    return {}
-  return data if isinstance(data, dict) else {}
-
-
-def is_quantized_model(model) -> bool:
-  """Whether `model` was loaded from an FP8 export (its quantization lives in its weights)."""
-  return bool(getattr(model, MARK, None))
-
-
-def export_keys_hint(path: str) -> str:
-  """The quantization key=value tokens the export was made with, from its report ('' if unknown)."""
-  overrides = read_report(path).get("config", {}).get("overrides", [])
-  keys = ("quantization", "quantize_mtp", "quantize_router_proj", "quantize_logits_proj")
-  return " ".join(t for t in overrides if isinstance(t, str) and t.split("=", 1)[0] in keys)
+from quant import compat
+from quant import ptq_weights
 
 
 def _ptq_template(cfg: config_lib.ModelConfig, rules):
   """The abstract model under Qwix PTQ: quantized dense kernels as WithAux(QArray) of abstract arrays."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import qwix  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
-
   def quantize(model):
     args, kwargs = model_lib.qwix_init_inputs(cfg)
     quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), *args, **kwargs)
@@ -97,15 +54,6 @@ def _module_at(model, path: tuple[str, ...]):
 
 def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
   """Replaces each float Param the checkpoint stores quantized by an abstract WithAux(QArray); returns their keys."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import qwix  # pylint: disable=import-outside-toplevel
-
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-  from quant import compat  # pylint: disable=import-outside-toplevel
-  from quant import ptq_weights  # pylint: disable=import-outside-toplevel
-
   stored = {l.key: l for l in listing.leaves}
   replaced = []
   for leaf in params.param_leaves(model):
@@ -134,13 +82,9 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
     errors.MismatchError: the checkpoint does not fit the quantized model (e.g. other quantize_* keys).
     errors.CheckpointError: the checkpoint cannot be read.
   """
-  from inspect_tool.coverage import trace as model_coverage  # pylint: disable=import-outside-toplevel
-  from inspect_tool.paramtree import params  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import orbax_metadata, restore  # pylint: disable=import-outside-toplevel
-
   rules = model_coverage.config_rules(cfg)
   if not rules:
-    hint = export_keys_hint(path) or "the quantization keys it was exported with"
+    hint = exports.export_keys_hint(path) or "the quantization keys it was exported with"
     raise errors.InputError(f"checkpoint {path!r} is an FP8 export; load it into the quantized model: add {hint}")
   listing = orbax_metadata.read_listing(path)
   model = _ptq_template(cfg, rules)
@@ -149,9 +93,9 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
   try:
     pairs = restore.plan(listing, leaves)
   except errors.MismatchError as e:
-    hint = export_keys_hint(path)
+    hint = exports.export_keys_hint(path)
     raise errors.MismatchError(f"{e}; the export was made with: {hint}" if hint else str(e)) from None
   params.assign_arrays(model, restore.restore_pairs(listing, pairs, mesh=mesh))
-  setattr(model, MARK, paths.absolute(path))
+  setattr(model, exports.MARK, paths.absolute(path))
   return model
 

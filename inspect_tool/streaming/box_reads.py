@@ -8,7 +8,7 @@ import collections
 import itertools
 from typing import Sequence
 
-from inspect_tool.fp8_export import budget
+from inspect_tool.streaming import budget
 
 MAX_AHEAD = 2  # reads in flight beside the box being processed (tensorstore decodes them in parallel)
 

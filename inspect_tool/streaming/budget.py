@@ -13,10 +13,12 @@ import itertools
 import math
 import os
 from typing import Iterator, Sequence
+import ctypes
+import resource
 
 from inspect_tool import errors
 from inspect_tool.configuration import sizes
-from inspect_tool.run import limits
+from inspect_tool.host import memory as host_memory
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
@@ -42,7 +44,7 @@ def format_size(nbytes: float) -> str:
 def memory_ceiling() -> tuple[int | None, str]:
   """The most this process's resident memory can reach, and where the figure comes from: what it holds plus
   MemAvailable, capped by its memory cgroup's limit (whose usage also counts reclaimable page cache)."""
-  mem_available, limit, _ = limits.memory_figures()
+  mem_available, limit, _ = host_memory.memory_figures()
   found = [] if mem_available is None else [(mem_available + current_rss(), "MemAvailable and what it holds")]
   if limit is not None:
     found.append((limit, "the memory cgroup's limit"))
@@ -67,7 +69,7 @@ def resolve_max_memory(max_memory: int | None) -> int:
   if max_memory is None:
     return default_max_memory()
   ceiling, source = memory_ceiling()
-  if ceiling is not None and os.environ.get(limits.SKIP_ENV) != "1" and max_memory > ceiling:
+  if ceiling is not None and os.environ.get(host_memory.SKIP_ENV) != "1" and max_memory > ceiling:
     raise errors.InputError(f"--max-memory {format_size(max_memory)} is more than this process can get: "
                             f"{format_size(ceiling)} ({source}); accepted: a size up to {format_size(ceiling)}")
   return int(max_memory)
@@ -92,7 +94,6 @@ def current_rss() -> int:
     with open("/proc/self/statm", encoding="ascii") as f:
       return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
   except OSError:
-    import resource  # pylint: disable=import-outside-toplevel
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -143,8 +144,6 @@ def return_freed_memory() -> None:
   By default glibc raises its mmap threshold after each large free, up to 32 MiB, so slice-sized buffers end up
   in heap arenas that are not given back and the resident size creeps up over many slices. No-op without glibc.
   """
-  import ctypes  # pylint: disable=import-outside-toplevel
-
   try:
     libc = ctypes.CDLL("libc.so.6")
   except OSError:

@@ -14,11 +14,15 @@ so any difference would write a checkpoint with arrays or chunks missing. Here:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from typing import Sequence
 
 from inspect_tool import errors
+from inspect_tool.output import atomic
+from inspect_tool.distributed import runtime as distributed
+from inspect_tool.storage import paths
 
 
 def _differing(texts: Sequence[str]) -> list[int]:
@@ -31,11 +35,8 @@ def agree_on_inputs(tokens: Sequence[str], source: str | None, dst: str, overwri
   Raises:
     errors.InputError: a process was given other keys, source, destination or --overwrite than process 0.
   """
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   if distributed.process_count() == 1:
     return max_memory
-  from inspect_tool.storage import paths  # pylint: disable=import-outside-toplevel
 
   inputs = {"keys": list(tokens), "--checkpoint": paths.absolute(source) if source else None,
             "--output": paths.absolute(dst), "--overwrite": bool(overwrite)}
@@ -72,8 +73,6 @@ def agree_on_plan(jobs) -> None:
   Raises:
     errors.InputError: the plans differ (the sources differ between hosts, or the planning inputs do).
   """
-  from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
-
   if distributed.process_count() == 1:
     return
   texts = distributed.gather_text(f"{len(jobs)} {fingerprint(jobs)}")
@@ -83,3 +82,14 @@ def agree_on_plan(jobs) -> None:
         f"the processes of this job planned different exports (process {bad[0]}: {texts[bad[0]].split()[0]} "
         f"arrays, process 0: {texts[0].split()[0]}; e.g. their --checkpoint holds other arrays or chunks); "
         "accepted: the same checkpoint and options on every process; nothing was written")
+
+
+@contextlib.contextmanager
+def temporary_directory(dst: str, overwrite: bool):
+  """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
+  if distributed.process_index() != 0:
+    yield distributed.broadcast_text(None)
+    return
+  with atomic.atomic_directory(dst, overwrite=overwrite) as tmp:
+    distributed.broadcast_text(tmp)
+    yield tmp

@@ -17,6 +17,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from inspect_tool.storage import mapped_reads
+from inspect_tool.storage import value_files
+
 # Stored bytes read at once (one more is read ahead while these are decoded). From an object store each window is
 # a request. From local files read through tensorstore, windows stay under a quarter of the allocator's trim
 # threshold (`budget.FREED_MEMORY_THRESHOLD`): its Python binding copies each window twice (into a string, then
@@ -125,9 +128,6 @@ def stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -> Stored
 def _mapped_file(kvstore, key: str, offset: int, nbytes: int, head: bytes) -> tuple[str, int] | None:
   """(local data file, offset in it) of the stored chunk at `offset` of `key`'s value, when the file may be mapped
   (`storage.mapped_reads`), holds the whole chunk and starts it with `head` (what tensorstore read there)."""
-  from inspect_tool.storage import mapped_reads  # pylint: disable=import-outside-toplevel
-  from inspect_tool.storage import value_files  # pylint: disable=import-outside-toplevel
-
   found = value_files.locate(kvstore, key)
   if found is None or offset + nbytes > found.nbytes or not mapped_reads.allowed(found.path):
     return None

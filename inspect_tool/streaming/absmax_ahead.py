@@ -17,9 +17,9 @@ import threading
 
 import numpy as np
 
-from inspect_tool.fp8_export import budget
-from inspect_tool.fp8_export import read as read_lib
-from inspect_tool.fp8_export import read_plan
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import read as read_lib
+from inspect_tool.streaming import read_plan
 
 BOX_BYTES = 4 * 2**20  # one run of the array (contiguous in C order) read and reduced at a time
 

@@ -1,0 +1,1 @@
+"""What this host has to give: its memory."""
