@@ -60,6 +60,7 @@ class ByteProgress:
     if _QUIET:
       return
     if enabled():
+      # lazy: tqdm, ~0.06 s to import: `maxtext`, `maxtext --devices` load this module without it
       import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm.tqdm(total=self.total_bytes, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
                             file=sys.stderr, dynamic_ncols=True, leave=True)

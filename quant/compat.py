@@ -32,8 +32,8 @@ import contextlib
 import importlib
 import importlib.metadata
 import os
-import uuid
 import re
+import uuid
 
 from quant import errors
 
@@ -116,6 +116,7 @@ def ptq_weight(array, qtype, channelwise_axes):
 
 def tracer_single_input(x):
   """The one input of the op that made tracer `x` (JAX tracer internals), or None."""
+  # lazy: JAX, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
   import jax  # pylint: disable=import-outside-toplevel
 
   parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
@@ -125,6 +126,7 @@ def tracer_single_input(x):
 
 def tracer_constant(x):
   """The constant a tracer stands for, when JAX knows it, else None."""
+  # lazy: JAX, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
   import jax  # pylint: disable=import-outside-toplevel
 
   get_const = getattr(x, "get_const", None) if isinstance(x, jax.core.Tracer) else None

@@ -35,8 +35,8 @@ import math
 import re
 from typing import Any, Sequence
 
-import jax
 from flax import nnx
+import jax
 import qwix
 
 from quant import compat

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
 import qwix
@@ -38,8 +39,6 @@ def _fresh_state():
 
 
 def _fp8_ops():
-  from flax.linen import fp8_ops  # pylint: disable=import-outside-toplevel
-
   return fp8_ops
 
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quant import errors
 from quant import calibration as calibration_lib
+from quant import errors
 from quant import fp8
 
 ARRAY, QVALUE, SCALE = "array", "qvalue", "scale"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import stat
 
+import yaml
+
 MAX_BYTES = 128 << 10  # model and rule files are a few KiB; PyYAML composes ~100 KiB/s
 MAX_DEPTH = 64
 MAX_NODES = 100_000
@@ -44,8 +46,6 @@ def read_regular_file(path, where: str, error: type[Exception], max_bytes: int) 
 def _check_nodes(root, where: str, error: type[Exception]) -> None:
   """Depth, expanded size and key types of a composed YAML node graph, iteratively (aliases share nodes;
   a recursive alias runs into MAX_DEPTH)."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
   sizes: dict[int, int] = {}  # id(node) -> nodes once expanded
   stack = [(root, 1, False)]
   while stack:
@@ -88,8 +88,6 @@ def loads(text: str, where: str, error: type[Exception], invalid: type[Exception
   """The parsed YAML document in `text` (a file's, or a value given on the command line), within the same
   bounds as a file: `MAX_BYTES`, `MAX_DEPTH`, `MAX_NODES`. Text that is not YAML raises `invalid` (default
   `error`) naming `where`; a bound exceeded raises `error`."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
   invalid = invalid or error
   if len(text) > MAX_BYTES:
     raise error(f"{where} is {len(text)} characters; over {MAX_BYTES} are refused")

@@ -6,14 +6,14 @@ config's quantization; without quantization keys the differences name the keys t
 
 from __future__ import annotations
 
-from inspect_tool.configuration import config as config_lib
-from inspect_tool.checkpoint import diff
-from inspect_tool.checkpoint import exports as export_load
-from inspect_tool.checkpoint import locate
 from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import diff
+from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
-from inspect_tool.paramtree import params
+from inspect_tool.configuration import config as config_lib
 from inspect_tool.coverage import plan
+from inspect_tool.paramtree import params
 
 
 def config_checkpoint_leaves(cfg: config_lib.ModelConfig, *, quantized: bool = False):
@@ -32,11 +32,11 @@ def diff_config_checkpoint(tokens, path: str):
   cfg = config_lib.resolve_config(tokens)
   resolved = locate.resolve_orbax_path(path)
   ckpt_leaves = orbax_metadata.read_leaves(resolved.items_dir)
-  export = export_load.is_export(resolved.items_dir)  # quantization_report.json beside the steps
+  export = exports.is_export(resolved.items_dir)  # quantization_report.json beside the steps
   quantized = export and bool(cfg.quantization)
   result = diff.diff_leaves(config_checkpoint_leaves(cfg, quantized=quantized), ckpt_leaves)
   if export and not result.agree:
-    hint = export_load.export_keys_hint(resolved.items_dir)
+    hint = exports.export_keys_hint(resolved.items_dir)
     if not quantized:
       result.causes.append(diff.Cause("quantization", "the checkpoint is an FP8 export but the model has no "
                                       "quantization", hint or "quantization=fp8_full"))

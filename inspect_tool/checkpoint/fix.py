@@ -13,11 +13,11 @@ import shlex
 from typing import Any, Callable, Sequence
 
 from inspect_tool import errors
-from inspect_tool.configuration import config as config_lib
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import infer_keys
 from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.configuration import config as config_lib
 
 _ROUNDS = 3
 

@@ -11,15 +11,15 @@ disagree even where every shape fits (routing, RoPE, norm epsilon...).
 
 from __future__ import annotations
 
-from inspect_tool.configuration import config as config_lib
-from inspect_tool.paramtree import tree
+from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.checkpoint import safetensors_header
-from inspect_tool import model as model_lib
+from inspect_tool.configuration import config as config_lib
 from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 
 def _as_maxtext(entry, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
   """A mis-shaped tensor's shape as the MaxText leaf would have it, where that is plain: a 2-D Linear weight

@@ -12,8 +12,8 @@ import re
 from typing import Callable, Iterable
 
 from inspect_tool import errors
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

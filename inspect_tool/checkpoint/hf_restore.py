@@ -20,17 +20,18 @@ import math
 import os
 from typing import Iterable
 
+import jax
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_tensors
+from inspect_tool.checkpoint import restore
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.paramtree import params
-from inspect_tool.checkpoint import restore
+from inspect_tool.paramtree import tree
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
 SCALE_SUFFIX = hf_tensors.SCALE_SUFFIX
@@ -211,8 +212,6 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
     errors.CheckpointError: unreadable files or headers.
     errors.MismatchError: a tensor the model needs is missing or mis-shaped (checked before reading data).
   """
-  import jax  # pylint: disable=import-outside-toplevel
-
 
   plan = hf_names.leaf_plan(cfg)
   tensors = Tensors(path)

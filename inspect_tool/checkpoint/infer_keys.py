@@ -21,8 +21,8 @@ import collections
 import re
 from typing import Any, Iterable
 
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
+from inspect_tool.paramtree import tree
 
 _UNSCANNED = re.compile(r"^(dense|moe)_layers_(\d+)$")
 _MTP = re.compile(r"^mtp_layer_(\d+)$")

@@ -12,10 +12,12 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
 from inspect_tool import errors
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import locate
+from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 
@@ -121,6 +123,7 @@ def _entry(key_meta: Any, value_meta: Any) -> Entry | None:
 
 def open_kvstore(items_dir: str, use_ocdbt: bool):
   """The key-value store holding the arrays of `items_dir` (tensorstore `KvStore`)."""
+  # lazy: tensorstore, ~0.1 s to import: `diff` of an HF directory load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   base = paths.kvstore_spec(items_dir)
   spec = {"driver": "ocdbt", "base": base} if use_ocdbt else base
@@ -142,10 +145,10 @@ def _dtype_name(header: dict[str, Any], zarr3: bool) -> str:
   else:
     dtype = header["dtype"]
     if isinstance(dtype, str) and dtype[:1] in "<>|=":
-      import numpy as np  # pylint: disable=import-outside-toplevel
       return np.dtype(dtype).name
   if not isinstance(dtype, str):
     raise TypeError(f"data type {str(dtype)[:60]} is not a name")
+  # lazy: tensorstore, ~0.1 s to import: `diff` of an HF directory load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   try:
     ts.dtype(dtype)  # the names TensorStore can read (numpy's, bfloat16, float8_*, int4)

@@ -12,14 +12,18 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from inspect_tool import errors
 from inspect_tool import progress
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 from quant import errors as quant_errors
-from inspect_tool.paramtree import params
 
 _TS_STATUS = re.compile(r"\b(DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|OUT_OF_RANGE|UNKNOWN):")
 _PARAM_IN_MESSAGE = re.compile(r'"([^"/]+)/(?:c/|\d)')
@@ -27,14 +31,11 @@ _PARAM_IN_MESSAGE = re.compile(r'"([^"/]+)/(?:c/|\d)')
 
 def default_mesh():
   """A one-axis mesh over every device (`('devices',)`)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   return jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
 
 
 def array_sharding(shape: tuple[int, ...], mesh):
   """Shards the largest dimension divisible by the mesh size over all mesh axes; replicates otherwise."""
-  import jax  # pylint: disable=import-outside-toplevel
   spec = jax.sharding.PartitionSpec()
   if mesh.size > 1:
     dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
@@ -100,8 +101,7 @@ def _read_error(items_dir: str, e: BaseException) -> errors.CheckpointError:
 def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, mesh=None,
                   shardings: Mapping[tuple[str, ...], object] | None = None) -> dict[tuple[str, ...], object]:
   """Reads the checkpoint arrays of `pairs` onto `mesh`; returns `{model leaf key: jax.Array}`."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  # lazy: orbax.checkpoint, ~1 s to import: `diff` of an Orbax checkpoint loads this module without it
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   if not pairs:
     return {}

@@ -13,8 +13,8 @@ import os
 import struct
 
 from inspect_tool import errors
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import files
+from inspect_tool.paramtree import tree
 from inspect_tool.storage import commit
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote

@@ -13,9 +13,11 @@ import functools
 import os
 from typing import Any, Iterable
 
+import yaml
+
 from inspect_tool import errors
-from quant import yaml_file
 from quant import settings
+from quant import yaml_file
 
 BASE_KEYS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data", "base_keys.txt")
 
@@ -119,8 +121,6 @@ def affects(key: str, fields) -> tuple[str, str]:
 
 
 def _yaml_load(text: str):
-  import yaml  # pylint: disable=import-outside-toplevel
-
   return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 

@@ -10,6 +10,8 @@ import difflib
 import functools
 import os
 
+import yaml
+
 from inspect_tool import errors
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_data")
@@ -23,8 +25,6 @@ NOT_BUILT = {
 
 
 def _yaml_load(text: str):
-  import yaml  # pylint: disable=import-outside-toplevel
-
   return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 

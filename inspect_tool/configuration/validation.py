@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from inspect_tool import errors
 from inspect_tool.configuration import limits
-from quant import settings
 from quant import calibration as calibration_lib
 from quant import errors as quant_errors
+from quant import settings
 
 QUANTIZATION_MODES = settings.QUANTIZATION_MODES
 DTYPES = ("float32", "bfloat16", "float16")

@@ -14,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from inspect_tool.configuration import config as config_lib
 from inspect_tool import errors
 from inspect_tool import progress
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.coverage import trace as model_coverage
+from inspect_tool.model import initializers
 from inspect_tool.paramtree import fp8_size
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
-from quant import fp8
-from inspect_tool.model import initializers
-from inspect_tool.coverage import trace as model_coverage
-from quant import ptq_weights
 from quant import errors as quant_errors
+from quant import fp8
+from quant import ptq_weights
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,19 +18,19 @@ group stays "decoder" — the layers MaxText's rules are written for.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
-from quant import coverage
+from inspect_tool import model as model_lib
+from inspect_tool.configuration import validation
+from inspect_tool.coverage import glance
+from inspect_tool.paramtree import summary
 from inspect_tool.report import coverage_report
 from inspect_tool.report import coverage_verdict
-from inspect_tool.coverage import glance
 from inspect_tool.report import html
-from inspect_tool import model as model_lib
+from quant import coverage
 from quant import rules as rules_lib
-from inspect_tool.paramtree import summary
-from inspect_tool.configuration import validation
-import dataclasses
 
 GROUPS = (("mtp_block/", "mtp"), ("decoder/logits_dense", "head"), ("decoder/hc_head", "head"))
 DEFAULT_GROUP = "decoder"

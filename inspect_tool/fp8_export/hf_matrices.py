@@ -11,13 +11,14 @@ import functools
 import math
 from typing import Callable, Iterator, Sequence
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
-from inspect_tool.streaming import budget
 from inspect_tool.fp8_export import hf_rows
+from inspect_tool.streaming import budget
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
 from quant import fp8
@@ -28,8 +29,6 @@ CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their wo
 
 @functools.cache
 def _jitted_block_quantize():
-  import jax  # pylint: disable=import-outside-toplevel
-
 
   # Fused (~5x faster than op-by-op on CPU), the transpose to (out, in) inside: XLA's is faster than numpy's copy.
   return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))

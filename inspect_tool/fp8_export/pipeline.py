@@ -18,29 +18,29 @@ import json
 import os
 from typing import Any, Sequence
 
-from inspect_tool.output import atomic
-from inspect_tool.configuration import config as config_lib
-from inspect_tool.configuration import validation
-from inspect_tool.output import destination
-from inspect_tool.output import stop
 from inspect_tool import errors
 from inspect_tool import progress
-from inspect_tool.streaming import budget
-from inspect_tool.streaming import job_plan
-from inspect_tool.checkpoint import exports as load
+from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import restore
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.configuration import validation
 from inspect_tool.coverage import plan as plan_lib
-from inspect_tool.paramtree import params
-from inspect_tool.streaming import read
+from inspect_tool.distributed import runtime as distributed
 from inspect_tool.fp8_export import quantize
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
-from inspect_tool.streaming import write_orbax
+from inspect_tool.fp8_export import write_hf
+from inspect_tool.output import atomic
+from inspect_tool.output import destination
+from inspect_tool.output import stop
+from inspect_tool.paramtree import params
+from inspect_tool.run import batch as batch_lib
 from inspect_tool.run import limits
 from inspect_tool.storage import paths
-from inspect_tool.run import batch as batch_lib
-from inspect_tool.distributed import runtime as distributed
-from inspect_tool.checkpoint import restore
-from inspect_tool.fp8_export import write_hf
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import read
+from inspect_tool.streaming import write_orbax
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside",
                "upload", "staged", "publishing", "published")  # the last four: gs:// outputs (object_store)
@@ -173,7 +173,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
                                      mesh_devices=int(mesh.size), validation=validation,
                                      validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
-    atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+    atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
@@ -262,7 +262,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
                                           validation=validation, validation_skipped=skipped, fp8=fp8,
                                           rerun=rerun)
-      atomic.atomic_write_text(os.path.join(tmp, load.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)
 
 

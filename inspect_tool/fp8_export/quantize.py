@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 
+import jax
 import numpy as np
 
 from quant import ptq_weights
@@ -39,8 +40,6 @@ class Quantizers:
   """The quantizers of `jobs`' quantized blocks, compiled in order by one background thread."""
 
   def __init__(self, jobs):
-    import jax  # pylint: disable=import-outside-toplevel
-
     self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # where `read.to_jax` puts blocks
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-quantizers")
     self._compiled: dict[tuple, concurrent.futures.Future] = {}

@@ -13,8 +13,8 @@ from typing import Sequence
 
 from inspect_tool.output import ours
 from inspect_tool.paramtree import tree
-from inspect_tool.streaming import write_orbax
 from inspect_tool.report import coverage_format
+from inspect_tool.streaming import write_orbax
 from quant import metrics
 from quant import rules as rules_lib
 

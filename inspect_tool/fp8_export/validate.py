@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from inspect_tool import progress
-from inspect_tool.checkpoint import hf_restore
-from inspect_tool.checkpoint import exports as load
-from quant import metrics
 from inspect_tool import model as model_lib
+from inspect_tool import progress
+from inspect_tool.checkpoint import load_export
+from inspect_tool.checkpoint import hf_restore
 from inspect_tool.run import runner as running
+from quant import metrics
 
 DEFAULT_MIN_TOP1 = 0.9
 # The three forward passes, in the order they run, as the progress output names them.

@@ -36,12 +36,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
-from inspect_tool.streaming import budget
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
+from inspect_tool.paramtree import tree
+from inspect_tool.streaming import budget
 from inspect_tool.streaming import read_plan
 from inspect_tool.streaming import safetensors_writer
 

@@ -20,19 +20,19 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.configuration import config as config_lib
-from inspect_tool.streaming import budget
-from inspect_tool.streaming import job_plan
-from inspect_tool.streaming import write_orbax
+from inspect_tool.distributed import runtime as distributed
 from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import ours
 from inspect_tool.output import stop
-from inspect_tool.paramtree import tree
 from inspect_tool.paramtree import params
+from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
-from inspect_tool.distributed import runtime as distributed
+from inspect_tool.streaming import budget
+from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import write_orbax
 
 REPORT_NAME = "import_report.json"
 FORMAT_VERSION = 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inspect_tool.checkpoint import exports as export_load
+from inspect_tool.checkpoint import exports
 from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.configuration import config as config_lib
@@ -18,8 +18,8 @@ def orbax_listing(path: str, *, include_all: bool = False, cfg: config_lib.Model
   resolved = locate.resolve_orbax_path(path)
   leaves = orbax_metadata.read_leaves(resolved.items_dir)
   notes = (resolved.note,) if resolved.note else ()
-  if export_load.is_export(resolved.items_dir):
-    notes += (f"an FP8 export ({export_load.find_report(resolved.items_dir)}): each quantized weight is "
+  if exports.is_export(resolved.items_dir):
+    notes += (f"an FP8 export ({exports.find_report(resolved.items_dir)}): each quantized weight is "
               "array.qvalue (its parameters) + array.scale (counted apart as scales)",)
   return listing.build_report(path, leaves, include_all=include_all,
                               routed_fraction=config_lib.routed_fraction(cfg) if cfg else None, notes=notes,

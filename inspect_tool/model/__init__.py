@@ -12,6 +12,8 @@ moe (GateLogit, RoutedMoE, RoutedAndSharedMoE, MoEBiasVar), decoder, mtp, transf
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from inspect_tool.model import transformer
 
 
@@ -32,8 +34,6 @@ def qwix_init_inputs(cfg) -> tuple[tuple, dict]:
   sequence then grows to `indexer_topk + 1` exactly when MaxText's (max_target_length) exceeds `indexer_topk`,
   and DeepSeek-V4's compressors, which run only on a whole block (the largest `compress_ratios` entry).
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   length = min(cfg.max_target_length, QWIX_INIT_SEQUENCE)
   if cfg.decoder_block == "deepseek4":  # a compressor's ops run only on sequences of a whole block or more
     length = min(cfg.max_target_length, max([length] + [int(r) for r in cfg.compress_ratios]))

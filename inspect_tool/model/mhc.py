@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inspect_tool import errors
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
-from inspect_tool import errors
 
 SINKHORN_EPS = 1e-6
 PRE_EPS = 1e-6

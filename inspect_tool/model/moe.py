@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
-from quant.gmm import op as gmm_lib
 from quant.gmm import backends as gmm_backends
+from quant.gmm import op as gmm_lib
 
 
 class MoEBiasVar(nnx.Variable):

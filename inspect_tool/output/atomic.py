@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
 import tempfile
 from typing import Iterator
-import ctypes
 
 from inspect_tool import errors
-from inspect_tool.output import stop
-from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
 from inspect_tool.output import destination
 from inspect_tool.output import object_store
+from inspect_tool.output import stop
+from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
 from inspect_tool.storage import paths
 
 

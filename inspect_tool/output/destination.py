@@ -29,10 +29,9 @@ import stat
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
-
+from inspect_tool.output import object_store
 from inspect_tool.output import ours
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
-from inspect_tool.output import object_store
 from inspect_tool.storage import paths
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
 

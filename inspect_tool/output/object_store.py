@@ -28,10 +28,10 @@ import tempfile
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
+from inspect_tool.output import hooks
 from inspect_tool.output import ours
 from inspect_tool.output import remote_lock
 from inspect_tool.output import stop
-from inspect_tool.output import hooks
 from inspect_tool.storage import commit
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths

@@ -10,6 +10,8 @@ import errno
 import os
 import sys
 
+import click
+
 from inspect_tool import errors
 
 _REASONS = {errno.ENOSPC: "no space left on device", errno.EPIPE: "the reader closed the pipe",
@@ -45,8 +47,6 @@ def silence() -> None:
 
 def echo(text: str) -> None:
   """Prints `text` as is (no newline added); a failed write raises the one line."""
-  import click  # pylint: disable=import-outside-toplevel
-
   try:
     click.echo(text, nl=False)
   except OSError as e:

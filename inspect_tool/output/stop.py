@@ -15,13 +15,13 @@ after JAX's distributed runtime, whose preemption notifier would take SIGTERM). 
 
 from __future__ import annotations
 
+import _thread
+import gc
 import os
 import signal
 import sys
 import threading
 import time
-import _thread
-import gc
 
 from inspect_tool import errors
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool.paramtree import tree
@@ -18,8 +22,6 @@ from inspect_tool.paramtree import tree
 
 def _variables(model):
   """(path tuple of str, variable) for every persistent variable, in NNX's sorted order."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   for path, variable in nnx.to_flat_state(nnx.state(model)):
     if isinstance(variable, (nnx.RngState, nnx.Intermediate)):
       continue
@@ -27,14 +29,10 @@ def _variables(model):
 
 
 def _is_param(variable) -> bool:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   return isinstance(variable, nnx.Param)
 
 
 def _dtype_name(dtype) -> str:
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
   return np.dtype(dtype).name
 
 
@@ -61,8 +59,6 @@ def assign_arrays(model, arrays: Mapping[tuple[str, ...], Any]) -> list[tuple[st
   `errors.MismatchError` names every missing and mis-shaped weight. Returns the keys of `arrays` that
   no variable used (RNG state, optimizer state, ...), sorted.
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   plan, missing, misshaped, used = [], [], [], set()
   for path, variable in _variables(model):
     key = leaf_key(path, variable)

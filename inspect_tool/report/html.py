@@ -14,8 +14,9 @@ import html
 import math
 import re
 
-import treescope
+from flax import nnx
 from treescope import rendering_parts
+import treescope
 
 from inspect_tool.paramtree import tree
 
@@ -164,8 +165,6 @@ def _spec_label(sharding, names, is_param: bool, dtype: str) -> str:
 
 def _model_tree(model, annotations, sharding=None, colors=None) -> _Node:
   """Modules and non-RNG variables of an NNX model, each at its first (canonical) path."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   root = _Node(path="", type_name=type(model).__name__)
   modules = {}
   for path, node in nnx.iter_graph(model):

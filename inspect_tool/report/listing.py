@@ -11,11 +11,11 @@ import json
 from typing import Any
 
 from inspect_tool.paramtree import collapse as collapse_lib
+from inspect_tool.paramtree import fp8_size
 from inspect_tool.paramtree import select
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.paramtree import tree
 from inspect_tool.report import sharding_format
-from inspect_tool.paramtree import fp8_size
 
 SCHEMA_VERSION = 1
 

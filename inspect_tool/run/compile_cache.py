@@ -14,6 +14,8 @@ import os
 import sys
 import tempfile
 
+import jax
+
 from inspect_tool import errors
 from quant import compat
 
@@ -48,8 +50,6 @@ def directory() -> str:
 def configure(enabled: bool = True) -> str | None:
   """Turns the cache on (before the first compile) unless `enabled` is False or the environment says off; returns
   the directory in use, or None when the cache is off."""
-  import jax  # pylint: disable=import-outside-toplevel
-
   if not (enabled and wanted()):
     jax.config.update("jax_enable_compilation_cache", False)  # also over a JAX_COMPILATION_CACHE_DIR of the user's
     return None

@@ -12,6 +12,10 @@ import dataclasses
 import functools
 from typing import Any
 
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
 from inspect_tool.model import mtp
 
 MTP_EPS = 1e-8
@@ -35,9 +39,6 @@ class ForwardResult:
 
 def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, target_mask, mtp_scale):
   """Merges the model, runs it, and returns the result arrays (the model's intermediates are dropped)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
 
   model = nnx.merge(graphdef, state)
   logits = model(tokens, positions, segment_ids, decoder_target_tokens=targets, decoder_target_mask=target_mask,
@@ -62,8 +63,6 @@ def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, targe
 
 @functools.lru_cache(maxsize=None)
 def _jitted():
-  import jax  # pylint: disable=import-outside-toplevel
-
   return jax.jit(pure_forward, static_argnums=(0,), static_argnames=("mtp_scale",))
 
 
@@ -80,9 +79,6 @@ def run_forward(model, tokens, *, targets=None, target_mask=None, positions=None
     segment_ids: [B, S] (default: none, i.e. causal attention over the whole row).
     jit: False runs eagerly (for debugging).
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [batch, sequence], got shape {tokens.shape}")

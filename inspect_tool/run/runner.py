@@ -9,31 +9,34 @@ a rule matches, the routed experts' `gmm` asks for its rule (FP8 with one, plain
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Sequence
 
-from inspect_tool.run import batch as batch_lib
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import qwix
+
+from inspect_tool import errors
+from inspect_tool import model as model_lib
+from inspect_tool import progress
+from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import load_export
+from inspect_tool.checkpoint import hf_restore
+from inspect_tool.checkpoint import restore
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
-from inspect_tool import errors
-from inspect_tool.run import limits
-from inspect_tool import progress
-from quant import compat
-from inspect_tool.checkpoint import exports as export_load
-from inspect_tool.run import forward as forward_lib
-from quant import fp8_providers
-from inspect_tool.checkpoint import hf_restore
 from inspect_tool.coverage import trace as model_coverage
-from inspect_tool import model as model_lib
-from inspect_tool.checkpoint import restore
+from inspect_tool.run import batch as batch_lib
+from inspect_tool.run import forward as forward_lib
+from inspect_tool.run import limits
+from quant import compat
+from quant import fp8_providers
 
 
 def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | None = None):
   """The model under a Qwix `QtProvider` with the config's rules (or `rules`); unchanged without any rule."""
-  import qwix  # pylint: disable=import-outside-toplevel
 
-
-  if export_load.is_quantized_model(model):
+  if exports.is_quantized_model(model):
     return model  # an FP8 export under Qwix PTQ: its quantization is in its weights
   rules = model_coverage.config_rules(cfg) if rules is None else list(rules)
   if not rules:
@@ -55,7 +58,7 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
   if hf_restore.is_hf_checkpoint(checkpoint):  # bf16 or FP8 DeepSeek safetensors, dequantized to float weights
     with progress.step(f"loading Hugging Face checkpoint {checkpoint}"):
       return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
-  if export_load.is_export(checkpoint):
+  if exports.is_export(checkpoint):
     with progress.step(f"loading FP8 export {checkpoint}"):
       return load_export.load_quantized_model(cfg, checkpoint, mesh=mesh)
 
@@ -76,12 +79,8 @@ def grad_step(model, batch: batch_lib.Batch):
 
   `step(params, rest)` returns (total loss (main + λ·MTP), gradients of the Params); `step.lower(params, rest)`
   is what the per-device memory estimate is checked against (XLA's `memory_analysis`)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-
-  if export_load.is_quantized_model(model):
+  if exports.is_quantized_model(model):
     raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -98,9 +97,6 @@ def grad_step(model, batch: batch_lib.Batch):
 
 def loss_and_grad_norm(model, batch: batch_lib.Batch) -> tuple[float, float, bool]:
   """Total training loss (main + λ·MTP), the global gradient norm over Params, and whether all grads are finite."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   step, params, rest = grad_step(model, batch)
   with progress.step("loss and gradients", plain=True):
     loss, grads = step(params, rest)
@@ -126,7 +122,7 @@ def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> 
     return f"the random init (seed {cfg.init_weights_seed})"
   if hf_restore.is_hf_checkpoint(checkpoint):
     return f"the Hugging Face checkpoint {checkpoint} (FP8 weights dequantized)"
-  if export_load.is_export(checkpoint):
+  if exports.is_export(checkpoint):
     return f"the FP8 export {checkpoint}"
   return f"the checkpoint {checkpoint}"
 
@@ -149,9 +145,9 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
   compared = comparison_description(cfg, checkpoint) if compare else None
   model = load_model(cfg, checkpoint, mesh=mesh)
-  if (compare or grad) and export_load.is_quantized_model(model):
+  if (compare or grad) and exports.is_quantized_model(model):
     raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
-                            f"{export_load.REPORT_NAME} holds the comparison with its source)")
+                            f"{exports.REPORT_NAME} holds the comparison with its source)")
   quantized = quantize_for_training(model, cfg)
   main = "forward pass" if quantized is model else f"forward pass ({cfg.quantization}, Qwix QT)"
   return Run(result=forward(quantized, batch, main),

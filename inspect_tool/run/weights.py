@@ -7,15 +7,15 @@ recognised in the order `runner.load_model` tries them.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 
-from inspect_tool.storage import paths
 from inspect_tool import errors
-from inspect_tool.checkpoint import exports as export_load
+from inspect_tool.checkpoint import exports
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.checkpoint import locate
+from inspect_tool.storage import paths
 
 RANDOM_WARNING = ("warning: --compare on random-init weights (seed {seed}): these figures compare the quantized and "
                   "unquantized random model and say nothing about a trained model; pass --checkpoint for that")
@@ -32,8 +32,8 @@ def describe(cfg, checkpoint: str | None) -> str:
   path = paths.absolute(checkpoint)
   if hf_restore.is_hf_checkpoint(checkpoint):
     return f"Hugging Face directory {path}{_hf_kind(checkpoint)}"
-  if export_load.is_export(checkpoint):
-    return f"FP8 export {os.path.dirname(export_load.find_report(checkpoint))}"
+  if exports.is_export(checkpoint):
+    return f"FP8 export {os.path.dirname(exports.find_report(checkpoint))}"
   resolved = locate.resolve_orbax_path(checkpoint)
   step = f" (step {resolved.step})" if resolved.step is not None else " (no step number)"
   return f"Orbax checkpoint {paths.absolute(resolved.items_dir)}{step}"

@@ -25,8 +25,8 @@ import dataclasses
 from inspect_tool import errors
 from inspect_tool.configuration import sizes
 from inspect_tool.paramtree import summary as summary_lib
-from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import activations
+from inspect_tool.sharding import mesh as mesh_lib
 
 OPTIMIZERS = ("adamw", "adam_pax", "sgd")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,

@@ -22,8 +22,8 @@ import math
 from typing import Sequence
 
 from inspect_tool import errors
-from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.configuration import maxtext_keys
+from inspect_tool.sharding import mesh as mesh_lib
 
 Entry = str | tuple[str, ...] | None  # one dimension of a spec
 _UNASSIGNED = object()

@@ -9,8 +9,8 @@ checkpoints without such a lock (written by Orbax, uploaded) are read as they ar
 from __future__ import annotations
 
 from inspect_tool import errors
-from inspect_tool.storage import paths
 from inspect_tool.storage import objects
+from inspect_tool.storage import paths
 
 MARKER = "commit_success.txt"  # Orbax's commit marker name on object stores; DST's, written last
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from inspect_tool.storage import paths
 from inspect_tool import errors
+from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 
 NO_OBJECT = b"\x02"  # tensorstore's storage generation of a missing key: a write `if_equal` to it creates only
 
 
 def _kvstore(prefix: str):
+  # lazy: tensorstore, ~0.1 s to import: `hf --path`, `hf --summary` load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
 
@@ -27,6 +28,7 @@ def _kvstore(prefix: str):
 
 def filesystem():
   """gcsfs's file system, without listing caches (another process's writes must show at once)."""
+  # lazy: fsspec, ~0.1 s to import: `orbax --path`, `hf --path` load this module without it
   import fsspec  # pylint: disable=import-outside-toplevel
 
   paths.configure()
@@ -105,6 +107,7 @@ def upload(local_dir: str, prefix: str, *, skip: Iterable[str] = ()) -> list[str
         files.append(relative)
   files.sort()
   if files:
+    # lazy: gcsfs, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
     from gcsfs import retry  # pylint: disable=import-outside-toplevel
 
     try:  # each upload's MD5 checked against the one the store computed of what it keeps

@@ -50,6 +50,7 @@ def context():
   """The process's tensorstore `Context` for gs:// stores: gcs requests give up after `RETRIES` tries. One, kept for
   the process: a fresh context per store made tensorstore 0.1.86 fail now and then to read an OCDBT manifest from
   gcs after a local OCDBT store was read and dropped ("Malformed StorageGeneration")."""
+  # lazy: tensorstore, ~0.1 s to import: `hf --path`, `hf --summary` load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   paths.configure()
   return ts.Context({"gcs_request_retries": {"max_retries": RETRIES, "initial_delay": "0.5s", "max_delay": "4s"}})
@@ -57,6 +58,7 @@ def context():
 
 def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.CheckpointError:
   """The one line for a failed read of `path` (an exception from gcsfs, or from `tensorstore`)."""
+  # lazy: fsspec, ~0.1 s to import: `orbax --path`, `hf --path` load this module without it
   from fsspec import exceptions as fs_exceptions  # pylint: disable=import-outside-toplevel
   text = errors.first_line(e)
   tries = re.search(r"All (\d+) retry attempts failed", text)
@@ -75,6 +77,7 @@ def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.C
 
 def _fs():
   paths.configure()
+  # lazy: fsspec, ~0.1 s to import: `orbax --path`, `hf --path` load this module without it
   import fsspec  # pylint: disable=import-outside-toplevel
   return fsspec.filesystem("gs")
 
@@ -164,6 +167,7 @@ def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
 
 def read_range(path: str, start: int, length: int) -> bytes:
   """`length` bytes of the object `path` from byte `start`, through tensorstore's gcs kvstore (bounded retries)."""
+  # lazy: tensorstore, ~0.1 s to import: `hf --path`, `hf --summary` load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   bucket, name = paths.split(paths.normalize(path))
   try:

@@ -11,6 +11,8 @@ import os
 import threading
 from typing import NamedTuple
 
+import tensorstore as ts
+
 MAX_DEPTH = 16  # B-tree levels walked at most (Orbax's databases have one: 100 MB nodes)
 CACHED_NODES = 4  # B-tree nodes kept, decoded, for the next lookup (a node's location names immutable bytes)
 
@@ -50,8 +52,6 @@ def _leaf_entry(base, directory: str, key: bytes) -> dict | None:
   """The leaf entry of `key` in the OCDBT database on `base` (in `directory`): from the root of its manifest's
   latest version down, at each level the child whose first key is the last not after `key` (keys in a node are
   relative to the prefix of the path taken)."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
   versions = ts.ocdbt.dump(base).result().get("versions") or []
   location = versions[-1].get("root", {}).get("location") if versions else None
   prefix = b""
@@ -73,8 +73,6 @@ def _leaf_entry(base, directory: str, key: bytes) -> dict | None:
 def _node(base, directory: str, location: str) -> dict:
   """The decoded B-tree node at `location`, from the last `CACHED_NODES` looked up when there (the arrays of one
   checkpoint share their nodes)."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
   with _nodes_lock:
     node = _nodes.get((directory, location))
     if node is not None:

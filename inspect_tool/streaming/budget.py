@@ -8,13 +8,13 @@ sub-block of the slice (`chunk_within`), so every write fills whole chunks.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import math
 import os
-from typing import Iterator, Sequence
-import ctypes
 import resource
+from typing import Iterator, Sequence
 
 from inspect_tool import errors
 from inspect_tool.configuration import sizes

@@ -16,6 +16,7 @@ import os
 from typing import Callable, Sequence
 
 import numpy as np
+import zstandard
 
 from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import value_files
@@ -115,7 +116,6 @@ def stored_chunk(kvstore, metadata: dict | None, shape: Sequence[int]) -> Stored
   try:
     head = bytes(kvstore.read(key, byte_range=slice(offset, offset + min(nbytes, HEAD_BYTES))).result().value)
     if zstd:
-      import zstandard  # pylint: disable=import-outside-toplevel
       window = int(zstandard.get_frame_parameters(head).window_size)
   except Exception:  # pylint: disable=broad-except
     return None
@@ -244,7 +244,6 @@ class ChunkStream:
     source = _MappedWindows(self._chunk) if self._chunk.file else _Windows(self._kvstore, self._chunk)
     self._source = source
     if self._chunk.zstd:
-      import zstandard  # pylint: disable=import-outside-toplevel
       decompressor = zstandard.ZstdDecompressor()
       self._reader = decompressor.stream_reader(source, read_size=self._chunk.read_bytes, closefd=False)
     else:

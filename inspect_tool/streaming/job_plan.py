@@ -20,8 +20,8 @@ import json
 from typing import Sequence
 
 from inspect_tool import errors
-from inspect_tool.output import atomic
 from inspect_tool.distributed import runtime as distributed
+from inspect_tool.output import atomic
 from inspect_tool.storage import paths
 
 

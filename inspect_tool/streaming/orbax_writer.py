@@ -8,18 +8,20 @@ into the checkpoint's root and writes Orbax's `_METADATA`, `_sharding` and the s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
 from typing import Sequence
-import base64
 
+import jax
 import numpy as np
+import tensorstore as ts
 
 from inspect_tool.storage import mapped_reads
+from inspect_tool.streaming import verify
 from quant import compat
 from quant import ptq_weights
-from inspect_tool.streaming import verify
 
 ZSTD_LEVEL = 3  # Orbax's
 PROCESS_DIR = "ocdbt.process_{}"
@@ -27,8 +29,6 @@ PROCESS_DIR = "ocdbt.process_{}"
 
 def ts_context():
   """A tensorstore context without a chunk cache (every byte read is used once) and bounded copy threads."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
   return ts.Context({"cache_pool": {"total_bytes_limit": 0},
                      "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
                      "file_io_concurrency": {"limit": 16}})
@@ -63,8 +63,6 @@ class OrbaxArrayWriter:
     """`create` for every (key, shape, dtype, chunk[, metadata]) of `arrays`, opened concurrently (one commit of
     the database for them all, not one each); returns their tensorstore handles in order. `metadata` (a source
     array's zarr3 metadata) replaces the default one, for arrays whose stored chunks are copied as they are."""
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
     specs = []
     for key, shape, dtype, chunk, *stored in arrays:
       key = tuple(str(k) for k in key)
@@ -161,8 +159,6 @@ class OrbaxArrayWriter:
     Raises:
       errors.CheckpointError: a database, an array's metadata or one of its chunks is missing or wrong.
     """
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
 
     self.wait()
     verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
@@ -185,8 +181,6 @@ class OrbaxArrayWriter:
 
   def _merge(self) -> None:
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
     children = sorted(d for d in os.listdir(self.items_dir) if d.startswith(PROCESS_DIR.format("")))
     parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
     txn = ts.Transaction(atomic=True)
@@ -213,8 +207,6 @@ def _write_error(path: str, e: BaseException):
 
 def _default_shardings(entries) -> dict:
   """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
-  import jax  # pylint: disable=import-outside-toplevel
-
   device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})
   return {base64.urlsafe_b64encode(".".join(key).encode()).decode(): device for key in sorted(entries)}
 

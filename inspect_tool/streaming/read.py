@@ -16,19 +16,22 @@ import math
 import threading
 from typing import Any
 
+from flax import nnx
+import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from inspect_tool import errors
+from inspect_tool import model as model_lib
+from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import orbax_metadata
+from inspect_tool.checkpoint import restore
+from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import paths
 from inspect_tool.streaming import chunk_stream
-from inspect_tool.checkpoint import exports as load
-from inspect_tool import model as model_lib
-from inspect_tool.checkpoint import orbax_metadata
-from inspect_tool.paramtree import params
 from inspect_tool.streaming import read_plan
-from inspect_tool.checkpoint import restore
 
 # Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
 # being decoded, its decoded bytes (its stored bytes are freed before it is copied into the box, whose pages are
@@ -45,8 +48,6 @@ def read_context(cache_bytes: int = 0):
   """The tensorstore context of source reads: no chunk cache (every byte read is used once) unless `cache_bytes`
   (then a cache pool of that many bytes, its own), `DECODING_CHUNKS` copy threads and as many file reads in flight
   (no stored chunk waits in memory for a decoder)."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
   return ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)},
                      "data_copy_concurrency": {"limit": DECODING_CHUNKS},
                      "file_io_concurrency": {"limit": DECODING_CHUNKS}})
@@ -84,8 +85,6 @@ class CheckpointSource:
   def open(self, key: tuple[str, ...], cache_bytes: int = 0):
     """The tensorstore handle of the array for model leaf `key` (indexing it is lazy; `np.asarray` reads); with
     `cache_bytes`, through a chunk cache of its own that holds that many decoded bytes (dropped with the handle)."""
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
     pair = self._pairs[key]
     name = ".".join(str(k) for k in self._listing.raw_keys[pair.checkpoint.key])
     kvstore = {"driver": "ocdbt", "base": self._base} if self._listing.use_ocdbt else self._base
@@ -226,8 +225,6 @@ class CheckpointSource:
     as decoding the chunks it touches unless not `counted` (a read from a `cached_box`, counted there).
 
     The slice is decoded into a 64-byte aligned buffer, which JAX takes without a copy (`aligned`)."""
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
     out = None
     if counted:
       self._count(store, index)
@@ -326,8 +323,6 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 
 def to_jax(value: np.ndarray):
   """`value` as a jax array on the CPU, sharing its memory when it is aligned (DLPack), else copied."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   if (value.dtype in (np.float32, np.float64, np.float16) and value.flags.c_contiguous and value.flags.writeable
       and value.ctypes.data % ALIGNMENT == 0):
     return jnp.from_dlpack(value)
@@ -370,8 +365,6 @@ class InitSource:
   """The seeded random init of the config's model (the whole model is built: for small models)."""
 
   def __init__(self, cfg, leaves):
-    from flax import nnx  # pylint: disable=import-outside-toplevel
-
 
     model = model_lib.build_model(cfg, abstract=False)
     values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()
@@ -422,7 +415,7 @@ class InitSource:
 
 def check_source(source: str) -> None:
   """Refuses a source that is itself an FP8 export."""
-  if load.find_report(source):
+  if exports.find_report(source):
     raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
 
 

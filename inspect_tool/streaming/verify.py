@@ -18,6 +18,7 @@ import math
 import os
 
 import numpy as np
+import tensorstore as ts
 
 from inspect_tool import errors
 
@@ -33,8 +34,6 @@ def check_databases(items_dir: str, process_dir: str, count: int) -> None:
 
 def check_merged(root_kvstore, specs: dict, context, *, complete: bool = True) -> None:
   """`specs`: array key → (shape, dtype, chunk) of every array written; `root_kvstore` the merged database."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
   try:
     stored, metadata = _listing(root_kvstore)
   except Exception as e:  # pylint: disable=broad-except

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
 import os
 import shutil
+from typing import Any, Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
+from inspect_tool import errors
+from inspect_tool import progress
+from inspect_tool.distributed import runtime as distributed
 from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
 from inspect_tool.streaming import absmax_ahead
@@ -42,11 +46,8 @@ from inspect_tool.streaming import budget as budget_lib
 from inspect_tool.streaming import orbax_writer
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
-from inspect_tool.distributed import runtime as distributed
-from inspect_tool import errors
-from inspect_tool import progress
-from quant import ptq_weights
 from quant import errors as quant_errors
+from quant import ptq_weights
 
 @dataclasses.dataclass(frozen=True)
 class Written:
@@ -363,8 +364,6 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
   channels, or by `ahead` for the whole weight; then each slice quantized with it); writes every slice's qvalue
   and, once per channels, the scale. The last box of pass 1 stays in memory for pass 2. Returns the source bytes of
   the group."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   wq, amax, value = job.quant, {}, None
   whole = ahead.amax(job) if job.ahead_box else None  # pass 1 gathered ahead, for the whole weight
   for box in unit:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import jax
 import jax.numpy as jnp
 
-from quant import errors
 from quant import compat
+from quant import errors
 from quant.gmm import pallas as gmm_pallas
 from quant.gmm import ragged as gmm_ragged
 from quant.gmm import tiled as gmm_tiled
@@ -66,8 +67,6 @@ def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: 
   name = requested(name, use_tokamax_backend=use_tokamax_backend)
   if name == "auto":
     if platform is None:
-      import jax  # pylint: disable=import-outside-toplevel
-
       platform = jax.default_backend()
     name = _auto(platform)
   if name == "tokamax" and not tokamax_installed():

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from quant import calibration as calibration_lib
 from quant import compat
 from quant import errors
-from quant import calibration as calibration_lib
 from quant import fp8
 from quant.gmm import backends as gmm_backends
 from quant.gmm import tiled as gmm_tiled

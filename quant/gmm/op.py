@@ -21,6 +21,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import qwix.pallas
 
 from quant import compat
 from quant.gmm import backends as gmm_backends
@@ -31,7 +32,6 @@ def current_rule(op_name: str = "gmm"):
   """Qwix's rule for an `op_name` op of the calling module, or None outside a Qwix-intercepted call."""
   if "qwix" not in sys.modules:  # Qwix not loaded: nothing can be intercepting.
     return None
-  import qwix.pallas  # pylint: disable=import-outside-toplevel
 
   return qwix.pallas.get_current_rule(op_name)
 
@@ -89,8 +89,6 @@ def prequantized_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=Non
   reproduces that path exactly. Without a quantizing rule (asked from Qwix as "ragged_dot") the weight is
   dequantized and a plain ragged_dot runs. Interception is off inside (JAX's CPU ragged_dot issues dot_generals).
   """
-  import qwix  # pylint: disable=import-outside-toplevel
-
   stored = prequantized(rhs)
   if stored is None:
     raise ValueError("prequantized_ragged_dot needs a QArray weight (or a Qwix PTQ WithAux of one)")

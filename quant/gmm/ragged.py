@@ -12,6 +12,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import qwix
 
 FORWARD = jax.lax.RaggedDotDimensionNumbers(  # [M, K] x [G, K, N] -> [M, N]
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -64,7 +65,6 @@ def _tokamax_operand(x):
   """An fp8 operand as a Qwix QArray of unit scale (the form Tokamax's FP8 kernels take), else the array."""
   if not _is_fp8(x):
     return x
-  import qwix  # pylint: disable=import-outside-toplevel
 
   return qwix.QArray(qvalue=x, scale=jnp.ones((1,) * x.ndim, jnp.float32), zero_point=None, qtype=x.dtype)
 
