@@ -1,4 +1,4 @@
-"""The export's reader (inspect_tool/fp8_export/box_reads.py): while one box is processed, up to two of the next
+"""The export's reader (inspect_tool/streaming/box_reads.py): while one box is processed, up to two of the next
 ones (within the array or across arrays) are read in the background exactly as far as the room the plan had holds
 them with their slices; never for or during a cached box, never past a copy of stored chunks."""
 

@@ -1,4 +1,4 @@
-"""Streamed reads (`fp8_export/chunk_stream.py`) of arrays Orbax itself saved as one zarr3 chunk: the shard index
+"""Streamed reads (`streaming/chunk_stream.py`) of arrays Orbax itself saved as one zarr3 chunk: the shard index
 gives the stored frame, decoding it front to back into boxes gives numpy's values of the saved arrays, a box behind
 the point reached decodes the chunk again, and a damaged frame is one line naming the source."""
 

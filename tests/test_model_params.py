@@ -1,9 +1,5 @@
 """The model's parameter tree against MaxText 0.2.5: names, shapes, dtypes, totals, variable kinds."""
 
-import pathlib
-import subprocess
-import sys
-
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -193,9 +189,3 @@ def test_assign_arrays_casts_to_the_model_dtype():
   arrays = {k: v.astype(np.float32) for k, v in _arrays_for(model).items()}
   params.assign_arrays(model, arrays)
   assert model.token_embedder.embedding[...].dtype == jnp.bfloat16
-
-
-def test_importing_the_model_package_params_and_forward_does_not_import_jax():
-  code = ("import sys, inspect_tool.model, inspect_tool.paramtree.params, inspect_tool.run.forward; "
-          "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=str(pathlib.Path(__file__).parents[1]))

@@ -187,7 +187,7 @@ def test_write_errors_are_one_input_error_naming_the_file(tmp_path):
       "import resource, signal, sys\n"
       "import numpy as np\n"
       "from inspect_tool import errors\n"
-      "from inspect_tool.fp8_export import safetensors_writer\n"
+      "from inspect_tool.streaming import safetensors_writer\n"
       "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
       "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
       "try:\n"

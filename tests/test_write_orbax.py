@@ -1,4 +1,4 @@
-"""`fp8_export.orbax_writer.OrbaxArrayWriter`: arrays written slice by slice form one Orbax pytree that Orbax's
+"""`streaming.orbax_writer.OrbaxArrayWriter`: arrays written slice by slice form one Orbax pytree that Orbax's
 own checkpointer restores; a failed write is one line naming the reason."""
 
 from __future__ import annotations

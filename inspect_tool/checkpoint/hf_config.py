@@ -366,3 +366,15 @@ def conflicts(cfg, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
                   f"{keys['max_position_embeddings']}, original_max_position_embeddings="
                   f"{keys['original_max_position_embeddings']})"))
   return found
+
+
+def check_keys(cfg, path: str) -> None:
+  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
+  the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
+  keys = derive_keys(path)
+  found = [(key, text) for key, text in conflicts(cfg, keys, path)
+           if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
+  if found:
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise errors.ConfigError(f"the model does not compute as {path} does: {found[0][1]}{more}; "
+                             f"'inspect_checkpoint hf --path {path} --keys' prints every key it determines")

@@ -190,18 +190,6 @@ def planned(leaves: Iterable[tree.Leaf], plan: dict) -> list[tuple[tree.Leaf, tu
   return pairs
 
 
-def check_keys(cfg, path: str) -> None:
-  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
-  the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
-  keys = hf_config.derive_keys(path)
-  found = [(key, text) for key, text in hf_config.conflicts(cfg, keys, path)
-           if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
-  if found:
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    raise errors.ConfigError(f"the model does not compute as {path} does: {found[0][1]}{more}; "
-                             f"'inspect_checkpoint hf --path {path} --keys' prints every key it determines")
-
-
 def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
                    report_unused: bool = False) -> dict[tuple[str, ...], object]:
   """Reads the HF checkpoint at `path` as `{leaf key: jax.Array}` for the model `leaves` of `cfg`, on `mesh`.
@@ -238,7 +226,7 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 def load_checkpoint(model, path: str, *, mesh=None):
   """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
-  check_keys(model.config, path)
+  hf_config.check_keys(model.config, path)
   leaves = params.param_leaves(model, include_non_params=True)
   params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh, report_unused=True))
   return model

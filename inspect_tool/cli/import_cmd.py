@@ -35,11 +35,12 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
   """
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
-  from inspect_tool.hf_import import pipeline  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf_import import inputs  # pylint: disable=import-outside-toplevel
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
-  pipeline.check_inputs(path, overrides, max_bytes)  # before joining: a bad input ends no other process
+  inputs.check_inputs(path, overrides, max_bytes)  # before joining (a bad input ends no other process), still light
+  from inspect_tool.hf_import import pipeline  # pylint: disable=import-outside-toplevel
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   result = pipeline.import_checkpoint(path, dst, overrides, overwrite=overwrite, max_memory=max_bytes,
                                       command=cli_options.command_line())

@@ -4,7 +4,7 @@ The directory determines every key that changes shapes or the computation (`chec
 config.json and the stored tensors). The user may add keys that change neither what is read nor how the model
 computes (`scan_layers`, `param_scan_axis`, `weight_dtype`, fewer MTP layers than stored, ...) and may restate
 derived ones; a key that contradicts the directory is refused naming its config.json value
-(`checkpoint.hf_restore.check_keys`).
+(`checkpoint.hf_config.check_keys`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_restore
 from inspect_tool.configuration import config as config_lib
 
 
@@ -23,5 +22,5 @@ def maxtext_keys(path: str, tokens: Sequence[str]) -> list[str]:
   merged = dict(config_lib.parse_overrides(hf_config.tokens(hf_config.derive_keys(path))))
   merged.update(config_lib.parse_overrides(tokens))
   keys = [f"{key}={value}" for key, value in merged.items()]
-  hf_restore.check_keys(config_lib.resolve_config(keys), path)
+  hf_config.check_keys(config_lib.resolve_config(keys), path)
   return keys

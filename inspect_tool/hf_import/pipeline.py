@@ -17,11 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from inspect_tool import errors
 from inspect_tool import progress
-from inspect_tool.configuration import config as config_lib
 from inspect_tool.distributed import runtime as distributed
-from inspect_tool.hf_import import keys as keys_lib
+from inspect_tool.hf_import import inputs
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
@@ -36,7 +34,6 @@ from inspect_tool.streaming import write_orbax
 
 REPORT_NAME = "import_report.json"
 FORMAT_VERSION = 1
-SUPPORTED = "DeepSeek-V2, V3 and V3.2 layouts (decoder_block=deepseek)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +59,7 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
   """
   given, path = path, paths.absolute(path)
-  keys, cfg, max_memory = check_inputs(path, tokens, max_memory)
+  keys, cfg, max_memory = inputs.resolve_inputs(path, tokens, max_memory)
   max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
@@ -71,26 +68,6 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
     with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
   return ImportResult(given, paths.absolute(dst), report)
-
-
-def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
-  """(keys, config, budget) of an import, every input checked (run before joining a multi-process job).
-
-  Raises:
-    errors.InputError: the directory, a key or the budget is not acceptable.
-  """
-  keys = keys_lib.maxtext_keys(paths.absolute(path), list(tokens))
-  cfg = config_lib.resolve_config(keys)
-  _check_supported(cfg)
-  max_memory = budget.resolve_max_memory(max_memory)
-  budget.check_floor(max_memory)
-  return keys, cfg, max_memory
-
-
-def _check_supported(cfg) -> None:
-  if cfg.decoder_block != "deepseek":
-    raise errors.ConfigError(f"import reads {SUPPORTED}; model {cfg.model_name!r} (decoder_block="
-                             f"{cfg.decoder_block}) has no Hugging Face DeepSeek layout here")
 
 
 def _leaves(cfg) -> list[tree.Leaf]:

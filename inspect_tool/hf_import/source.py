@@ -1,6 +1,6 @@
 """Import stage 2, reading: a Hugging Face DeepSeek directory as the source arrays of MaxText's leaves.
 
-`HfSource` has the reading interface of the export's sources (`fp8_export.read`), so the export's writer cuts,
+`HfSource` has the reading interface of the export's sources (`streaming.read`), so the export's writer cuts,
 reads and writes every MaxText array by slices within `--max-memory`. A MaxText leaf is assembled from the
 release's tensors through the one name mapping (`checkpoint.hf_names.leaf_plan`, read backwards by
 `checkpoint.hf_restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
@@ -84,7 +84,7 @@ class HfSource:
     """Tensors of the directory that no leaf reads and the mapping does not account for."""
     return sorted(set(self._tensors.table) - set(self.known_names))
 
-  # The reading interface of `fp8_export.read`'s sources -------------------------------------------------
+  # The reading interface of `streaming.read`'s sources -------------------------------------------------
 
   def leaf(self, key: tuple[str, ...]) -> tree.Leaf:
     return self._leaves[key]

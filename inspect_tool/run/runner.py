@@ -49,7 +49,7 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
 def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):
   """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init.
 
-  An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`fp8_export.load`): Qwix PTQ for
+  An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`checkpoint.load_export`): Qwix PTQ for
   dense ops, pre-quantized experts in our gmm.
   """
   if checkpoint is None:

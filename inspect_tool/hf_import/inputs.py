@@ -1,0 +1,44 @@
+"""Import's inputs, checked before any work: the keys of the directory and the user's, the config, the budget.
+
+Light on purpose (no JAX, no model): the CLI checks them before joining a multi-process job, so that a bad input
+ends in one line and no other process, and before the import's own modules are loaded, so that the budget's floor
+(`streaming.budget.check_floor`: what the process already holds) is the same small figure on every host.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from inspect_tool import errors
+from inspect_tool.configuration import config as config_lib
+from inspect_tool.hf_import import keys as keys_lib
+from inspect_tool.storage import paths
+from inspect_tool.streaming import budget
+
+SUPPORTED = "DeepSeek-V2, V3 and V3.2 layouts (decoder_block=deepseek)"
+
+
+def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
+  """(keys, config, budget) of an import, every input checked, the budget above what the process holds.
+
+  Raises:
+    errors.InputError: the directory, a key or the budget is not acceptable.
+  """
+  keys, cfg, max_memory = resolve_inputs(path, tokens, max_memory)
+  budget.check_floor(max_memory)
+  return keys, cfg, max_memory
+
+
+def resolve_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
+  """`check_inputs` less the floor: the import itself, once its modules are loaded, refuses a budget too small for
+  its smallest read with the figure that works (`streaming.write_orbax.plan_jobs`)."""
+  keys = keys_lib.maxtext_keys(paths.absolute(path), list(tokens))
+  cfg = config_lib.resolve_config(keys)
+  _check_supported(cfg)
+  return keys, cfg, budget.resolve_max_memory(max_memory)
+
+
+def _check_supported(cfg) -> None:
+  if cfg.decoder_block != "deepseek":
+    raise errors.ConfigError(f"import reads {SUPPORTED}; model {cfg.model_name!r} (decoder_block="
+                             f"{cfg.decoder_block}) has no Hugging Face DeepSeek layout here")
