@@ -120,7 +120,8 @@ def test_the_floor_check_sees_an_import_that_runs_up_or_across(tmp_path):
   modules = {"inspect_tool.storage.paths": tmp_path / "paths.py", "inspect_tool.cli.options": tmp_path / "options.py",
              "inspect_tool.run.runner": tmp_path / "runner.py", "inspect_tool.streaming.read": tmp_path / "read.py",
              "inspect_tool.errors": tmp_path / "errors.py"}
-  modules["inspect_tool.storage.paths"].write_text("from inspect_tool import errors\ndef f():\n  from inspect_tool.cli import options\n")
+  modules["inspect_tool.storage.paths"].write_text(
+      "from inspect_tool import errors\ndef f():\n  from inspect_tool.cli import options\n")
   modules["inspect_tool.run.runner"].write_text("from inspect_tool.streaming import read\n")
   for name in ("inspect_tool.cli.options", "inspect_tool.streaming.read", "inspect_tool.errors"):
     modules[name].write_text("")

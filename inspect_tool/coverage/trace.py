@@ -81,7 +81,7 @@ def trace(cfg, rules: Sequence | str | os.PathLike | None = None):
 
 
 def trace_coverage(cfg, rules: Sequence | str | os.PathLike | None = None):
-  """The `inspect_tool.report.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part,
+  """The `report.coverage_report.CoverageReport` for the config, grouped decoder / mtp / head, split by part,
   with its verdicts at a glance (`glance.verdicts`)."""
   report = coverage_report.build_report(trace(cfg, rules), GROUPS, DEFAULT_GROUP, part_of=part_of,
                                         part_order=part_order())

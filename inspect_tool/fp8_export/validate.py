@@ -53,8 +53,8 @@ class Validation:
 def validate(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,
              tokens: str = "fixed") -> Validation:
   """Runs source (QT and unquantized) and the exported Orbax checkpoint on `data` and compares them per head."""
-  return _compare(cfg, source, data, lambda: load_export.load_quantized_model(cfg, exported, mesh=mesh), min_top1=min_top1,
-                  mesh=mesh, tokens=tokens)
+  return _compare(cfg, source, data, lambda: load_export.load_quantized_model(cfg, exported, mesh=mesh),
+                  min_top1=min_top1, mesh=mesh, tokens=tokens)
 
 
 def validate_hf(cfg, source: str | None, exported: str, data, *, min_top1: float = DEFAULT_MIN_TOP1, mesh=None,

@@ -1,4 +1,4 @@
-"""The boxes of an export read in order, up to `MAX_AHEAD` of the next ones read in the background while one is
+"""The boxes of a streamed write read in order, up to `MAX_AHEAD` of the next ones read in the background while one is
 processed, as far as the memory its plan had room for holds them (`write_orbax.ArrayJob.room`): within an array
 and across arrays."""
 

@@ -1,4 +1,4 @@
-"""Export's memory budget: `--max-memory`, the memory the process holds, and how slices are shaped.
+"""The memory budget of export and import: `--max-memory`, the memory the process holds, and how slices are shaped.
 
 Every array is read in chunk-aligned boxes and quantized and written one slice at a time (`read_plan`). A slice of
 `b` source bytes costs about `SLICE_FACTOR * b` of memory (its compute-dtype cast, the quantizer's temporaries,

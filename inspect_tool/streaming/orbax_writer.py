@@ -1,4 +1,4 @@
-"""The destination of an Orbax-layout export: zarr3 arrays in per-process OCDBT databases, written by slices.
+"""The destination of an Orbax-layout export or import: zarr3 arrays in per-process OCDBT databases, written by slices.
 
 `OrbaxArrayWriter` creates the arrays (one database commit for all), writes slices (a quantized weight's
 qvalue and scale together), copies stored chunks as they are, and on process 0 merges the processes' databases

@@ -1,4 +1,4 @@
-"""Export stage 2, reading: the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
+"""Reading (export stage 2): the source arrays, slice by slice, from an Orbax checkpoint or the seeded random init.
 
 A checkpoint's arrays are opened through tensorstore (zarr3 or zarr, OCDBT or plain files; files on a local disk
 read by mapping them, `storage.mapped_reads`) without a chunk cache, `DECODING_CHUNKS` chunks decoded at once
