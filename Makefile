@@ -19,7 +19,7 @@ SHELL := /bin/bash
 IC := $(BIN)/python -m inspect_tool
 M671 := model_name=deepseek3-671b mtp_num_layers=1
 
-.PHONY: help demo test bench clean stack
+.PHONY: help demo test test-fast durations bench clean stack
 
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	touch $@
 
 help: ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/' | expand -t 14
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 18
 	@echo "  (PYTHON=python3.11 builds and uses the Python 3.11 stack in .venv-py3.11)"
 
 stack: $(BIN)/.installed ## create the virtual environment if needed and print the stack it holds
@@ -51,6 +51,13 @@ demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 
 test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
 	bash scripts/install_chromium.sh
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"
+
+durations: stack ## measure the whole suite again and rewrite tests/durations.json (what test-fast leaves out)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --junitxml=build/durations.xml
+	$(BIN)/python scripts/test_durations.py build/durations.xml > tests/durations.json
 
 bench: stack ## CLI wall time and peak RSS (bench/bench_cli.py); each bench/*.py also has --tiny
 	$(BIN)/python bench/bench_cli.py

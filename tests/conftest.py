@@ -1,11 +1,34 @@
 """Suite-wide settings: JAX's persistent compilation cache (on by default for `forward` and `export`) lives in a
-temporary directory of the test session, never in the user's ~/.cache."""
+temporary directory of the test session, never in the user's ~/.cache; the tests that took longest when last measured
+(`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out), and the files that
+take longest start first, so that the two workers of `make test` end together."""
 
+import collections
+import json
 import os
+import pathlib
 
 import pytest
 
 from inspect_tool.run import compile_cache
+
+
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+HEAVY_SECONDS = 1.5  # a test measured at this or more (setup included) is `heavy`
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the heavy tests and orders the files by their measured time, longest first (each file's tests keep their
+  order; a file or test not measured yet counts as quick)."""
+  del config
+  durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+  per_file = collections.Counter()
+  for item in items:
+    seconds = durations.get(item.nodeid, 0.0)
+    per_file[item.nodeid.split("::")[0]] += seconds
+    if seconds >= HEAVY_SECONDS:
+      item.add_marker(pytest.mark.heavy)
+  items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session", autouse=True)
