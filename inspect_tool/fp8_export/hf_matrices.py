@@ -29,7 +29,6 @@ CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their wo
 
 @functools.cache
 def _jitted_block_quantize():
-
   # Fused (~5x faster than op-by-op on CPU), the transpose to (out, in) inside: XLA's is faster than numpy's copy.
   return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))
 

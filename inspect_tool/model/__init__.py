@@ -1,6 +1,6 @@
 """The DeepSeek-V3/V2 Flax NNX model, name for name and shape for shape MaxText 0.2.5's.
 
-Public API (submodules import JAX/Flax; this package's import does not):
+Public API (the package imports its modules, and with them JAX and Flax; the metadata listings never import it):
   - `build_model(cfg, *, abstract=True, seed=None)` → `transformer.Transformer`
   - `qwix_init_inputs(cfg)` → (args, kwargs) of the call Qwix's `quantize_model` makes
   - `Transformer.__call__(tokens, positions, segment_ids=None, *, decoder_target_tokens=None,

@@ -365,7 +365,6 @@ class InitSource:
   """The seeded random init of the config's model (the whole model is built: for small models)."""
 
   def __init__(self, cfg, leaves):
-
     model = model_lib.build_model(cfg, abstract=False)
     values = {params.leaf_key(tuple(map(str, path)), variable): variable.get_value()
               for path, variable in nnx.to_flat_state(nnx.state(model))}
