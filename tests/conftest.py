@@ -1,5 +1,5 @@
 """Suite-wide settings: JAX's persistent compilation cache (on by default for `forward` and `export`) lives in a
-temporary directory of the test session, never in the user's ~/.cache; the tests that took longest when last measured
+temporary directory of the test session that its workers share, never in the user's ~/.cache; the tests that took longest when last measured
 (`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out), and the files that
 take longest start first, so that the two workers of `make test` end together."""
 
@@ -34,7 +34,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache_in_a_temporary_directory(tmp_path_factory):
   saved = os.environ.get(compile_cache.JAX_ENV)
-  os.environ[compile_cache.JAX_ENV] = str(tmp_path_factory.mktemp("jax-compilation-cache"))
+  # One cache for the session's workers (pytest-xdist gives each its own basetemp, under one shared parent): the
+  # programs one worker's exports compiled serve the other's. Entries are written whole, then renamed into place.
+  root = tmp_path_factory.getbasetemp()
+  shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "jax-compilation-cache"
+  shared.mkdir(exist_ok=True)
+  os.environ[compile_cache.JAX_ENV] = str(shared)
   yield
   if saved is None:
     os.environ.pop(compile_cache.JAX_ENV, None)
