@@ -50,13 +50,13 @@ demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 
 
 test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
 	bash scripts/install_chromium.sh
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not heavy"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"
 
 durations: stack ## measure the whole suite again and rewrite tests/durations.json (what test-fast leaves out)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --junitxml=build/durations.xml
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --junitxml=build/durations.xml
 	$(BIN)/python scripts/test_durations.py build/durations.xml > tests/durations.json
 
 bench: stack ## CLI wall time and peak RSS (bench/bench_cli.py); each bench/*.py also has --tiny

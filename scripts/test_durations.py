@@ -1,6 +1,6 @@
 """Writes tests/durations.json from a pytest JUnit XML report: the seconds of every test that took at least
 `MIN_SECONDS` (setup and teardown included), by test id. `tests/conftest.py` marks the tests over its threshold
-`heavy` (`make test-fast` leaves them out) and starts the files that take longest first.
+`heavy` (`make test-fast` leaves them out).
 
 Run: make durations (the whole suite with --junitxml, then this script), or
      python scripts/test_durations.py REPORT.xml > tests/durations.json

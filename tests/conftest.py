@@ -1,9 +1,7 @@
 """Suite-wide settings: JAX's persistent compilation cache (on by default for `forward` and `export`) lives in a
-temporary directory of the test session that its workers share, never in the user's ~/.cache; the tests that took longest when last measured
-(`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out), and the files that
-take longest start first, so that the two workers of `make test` end together."""
+temporary directory of the test session, never in the user's ~/.cache; the tests that took longest when last measured
+(`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out)."""
 
-import collections
 import json
 import os
 import pathlib
@@ -18,28 +16,18 @@ HEAVY_SECONDS = 1.5  # a test measured at this or more (setup included) is `heav
 
 
 def pytest_collection_modifyitems(config, items):
-  """Marks the heavy tests and orders the files by their measured time, longest first (each file's tests keep their
-  order; a file or test not measured yet counts as quick)."""
+  """Marks the heavy tests (a test not measured yet counts as quick)."""
   del config
   durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-  per_file = collections.Counter()
   for item in items:
-    seconds = durations.get(item.nodeid, 0.0)
-    per_file[item.nodeid.split("::")[0]] += seconds
-    if seconds >= HEAVY_SECONDS:
+    if durations.get(item.nodeid, 0.0) >= HEAVY_SECONDS:
       item.add_marker(pytest.mark.heavy)
-  items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache_in_a_temporary_directory(tmp_path_factory):
   saved = os.environ.get(compile_cache.JAX_ENV)
-  # One cache for the session's workers (pytest-xdist gives each its own basetemp, under one shared parent): the
-  # programs one worker's exports compiled serve the other's. Entries are written whole, then renamed into place.
-  root = tmp_path_factory.getbasetemp()
-  shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "jax-compilation-cache"
-  shared.mkdir(exist_ok=True)
-  os.environ[compile_cache.JAX_ENV] = str(shared)
+  os.environ[compile_cache.JAX_ENV] = str(tmp_path_factory.mktemp("jax-compilation-cache"))
   yield
   if saved is None:
     os.environ.pop(compile_cache.JAX_ENV, None)
