@@ -70,10 +70,14 @@ def _leaves():
   ]
 
 
+DRAW_TIMEOUT_S = 60
+
+
 def _visible_text(driver, path) -> str:
   driver.get(path.as_uri())
-  # Treescope's script builds the shadow root after load; wait until the tree is drawn.
-  wait.WebDriverWait(driver, 15).until(lambda d: "MoeBlock_0" in d.execute_script(VISIBLE_TEXT_JS))
+  # Treescope's script builds the shadow root after load; wait until the tree is drawn. The wait is long because a
+  # loaded machine (the suite's two workers busy) once took more than 15 s to draw it; the page is the same either way.
+  wait.WebDriverWait(driver, DRAW_TIMEOUT_S).until(lambda d: "MoeBlock_0" in d.execute_script(VISIBLE_TEXT_JS))
   return driver.execute_script(VISIBLE_TEXT_JS)
 
 
