@@ -203,7 +203,7 @@ def test_report_records_rules_coverage_weights_validation_and_provenance(exports
   assert wi_0["qtype"] == "float8_e4m3fn" and wi_0["scale_shape"] == [1, 3, 1, 64] and wi_0["kind"] == "grouped"
   assert len(weights) == 33 and len(report["copied"]) == 20
   validation = report["validation"]
-  assert validation["passed"] and validation["min_top1"] == 0.9 and validation["batch_shape"] == [2, 16]
+  assert validation["passed"] and validation["max_kl"] == 0.015 and validation["batch_shape"] == [2, 16]
   assert [r["head"] for r in validation["vs_quantized_source"]] == ["main", "mtp_1"]
   for row in validation["vs_quantized_source"]:  # the export reproduces the quantization-applied model: measured 0
     assert row["top1_agreement"] == 1.0 and row["rel_error"] == 0.0 and row["kl"] == 0.0
@@ -212,19 +212,19 @@ def test_report_records_rules_coverage_weights_validation_and_provenance(exports
     golden_parity.assert_same_cost(row, want)
 
 
-def test_validation_below_min_top1_exits_1_and_keeps_the_report(tmp_path, capsys, monkeypatch):
-  def failing(cfg, source, exported, data, *, min_top1, mesh=None, tokens="fixed"):
+def test_validation_above_max_kl_exits_1_and_keeps_the_report(tmp_path, capsys, monkeypatch):
+  def failing(cfg, source, exported, data, *, max_kl, mesh=None, tokens="fixed"):
     del cfg, source, exported, mesh
     row = metrics.HeadComparison("main", 0.9, 0.5, 0.1, 0.3, 32)
-    return export_validate.Validation((row,), (row,), min_top1, tuple(data.tokens.shape), tokens)
+    return export_validate.Validation((row,), (row,), max_kl, tuple(data.tokens.shape), tokens)
 
   monkeypatch.setattr(export_validate, "validate", failing)
   tokens = tmp_path / "tokens.npy"
   np.save(tokens, (np.arange(24).reshape(2, 12) * 7 % 1024).astype(np.int32))
   dst = tmp_path / "out"
   code, out, _ = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst), "--tokens",
-                      str(tokens), "--min-top1", "0.6")
-  assert code == 1 and "FAILED" in out
+                      str(tokens), "--max-kl", "0.05")
+  assert code == 1 and out.rstrip().endswith("FAILED: KL above 0.05 nats (main 0.1)")
   report = json.loads((dst / "quantization_report.json").read_text())
   assert report["validation"]["passed"] is False and report["validation"]["batch_shape"] == [2, 12]
   assert report["validation"]["tokens"] == str(tokens)
@@ -234,7 +234,7 @@ def test_validation_names_its_three_forward_passes_off_a_terminal(tmp_path, caps
   code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"))
   assert code == 0, err
   stages = [line.split("… ")[0] for line in err.splitlines() if "… " in line]  # capsys: stderr is no terminal
-  assert stages == ["validation 1/3: source under the rules (Qwix QT)", "validation 2/3: source unquantized",
+  assert stages == ["validation 1/3: source under the export's numerics", "validation 2/3: source unquantized",
                     "loading the exported checkpoint", "validation 3/3: the export read back"], err
 
 

@@ -16,7 +16,6 @@ pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack 
 
 MIB = 2**20
 ALLOWANCE = 32 * MIB  # the cgroup also charges the page cache of the files written (reclaimable)
-# (--min-top1 0: the gate of a random toy model is not what is tested here.)
 # A 68 MB float model (embedding and head 16.8 MB each, routed experts 8.4 MB each), one chunk per array.
 MODEL = ["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=256",
          "vocab_size=16384", "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=8",
@@ -33,7 +32,7 @@ def source(tmp_path_factory):
 def _export(source: str, dst: str, layout: str, *extra: str, cgroup=None):
   quant = ["quantization=fp8_full"] if layout == "orbax" else []
   return memory_cgroup.run_tool(["export", *MODEL, *quant, "--layout", layout, "--checkpoint", source, "--output",
-                                 dst, "--format", "json", "--no-compile-cache", "--min-top1", "0", *extra], cgroup, timeout=600)
+                                 dst, "--format", "json", "--no-compile-cache", *extra], cgroup, timeout=600)
 
 
 def _size(text: str) -> int:

@@ -204,7 +204,7 @@ BAD_NUMBERS = ["", " ", "nan", "-nan", "inf", "-inf", "1e400", "9" * 400, "-1", 
                "--", "1,5"]
 NUMBER_OPTIONS = {
     "--max-memory": ["export", "model_name=deepseek3-tiny", "--random-init", "--output", "{dst}", "--max-memory"],
-    "--min-top1": ["export", "model_name=deepseek3-tiny", "--random-init", "--output", "{dst}", "--min-top1"],
+    "--max-kl": ["export", "model_name=deepseek3-tiny", "--random-init", "--output", "{dst}", "--max-kl"],
     "--device-memory": ["maxtext", "model_name=deepseek3-tiny", "--devices", "4", "--device-memory"],
     "--devices": ["maxtext", "model_name=deepseek3-tiny", "--devices"],
     "import --max-memory": ["import", "--path", REF_CKPT, "--output", "{dst}", "--max-memory"],

@@ -53,10 +53,10 @@ def test_400_digit_sizes_through_the_cli_are_one_line(capsys, tmp_path):
   assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("value", ["nan", "-nan", "inf", "-inf", "1.5", "-0.1", "1e400", "x" * 5000])
-def test_min_top1_is_finite_and_in_range(capsys, tmp_path, value):
-  line = refused(capsys, ["export", *TINY, "--random-init", "--output", tmp_path / "d", "--min-top1", value],
-                 "--min-top1", "accepted: a number from 0.0 to 1.0")
+@pytest.mark.parametrize("value", ["nan", "-nan", "inf", "-inf", "100.5", "-0.1", "1e400", "x" * 5000])
+def test_max_kl_is_finite_and_in_range(capsys, tmp_path, value):
+  line = refused(capsys, ["export", *TINY, "--random-init", "--output", tmp_path / "d", "--max-kl", value],
+                 "--max-kl", "accepted: a number from 0.0 to 100.0")
   assert len(line) < 600
   assert not list(tmp_path.iterdir())
 

@@ -58,7 +58,7 @@ def test_quiet_silences_bars_lines_and_steps(monkeypatch):
   _work()
   with progress.step("tracing"):
     pass
-  with progress.step("validation 1/3: source under the rules (Qwix QT)", plain=True):
+  with progress.step("validation 1/3: source under the export's numerics", plain=True):
     pass
   progress.note("validation skipped")
   assert err.getvalue() == ""

@@ -31,8 +31,9 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
               help="Validation tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
 @click.option("--targets", "targets_file", type=click.Path(),
               help="Validation targets .npy (default: tokens shifted left).")
-@click.option("--min-top1", "--min_top1", "min_top1", type=param_types.Bounded(float, 0.0, 1.0), default=0.9,
-              show_default=True, help="Exit 1 when any head's top-1 agreement with the source (same rules) is lower.")
+@click.option("--max-kl", "--max_kl", "max_kl", type=param_types.Bounded(float, 0.0, 100.0), default=0.015,
+              show_default=True, help="Exit 1 when any head's KL divergence (nats) from the source run with the "
+                                      "export's own numerics is higher (MaxText's max_kl_div).")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Run source and export on the batch and compare them (recorded in the report).")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="orbax", show_default=True,
@@ -44,13 +45,13 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 @cli_options.report_options(overwrite=False)
 @cli_options.distributed_options
 @cli_options.compile_cache_option
-def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, min_top1, validate, layout,
+def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, max_kl, validate, layout,
            max_memory, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
   block with quantize_mtp=true) is written as float8_e4m3fn values plus scales at the forward pass's granularity;
-  everything else is copied. Exit 0 when validation passes, 1 when a head's top-1 agreement is below --min-top1.
+  everything else is copied. Exit 0 when validation passes, 1 when a head's KL from the source is above --max-kl.
 
   The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
   first line printed says which.
@@ -83,7 +84,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
                             max_target_length=cfg.max_target_length)
   used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
-  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
               run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes,
               batch_options=[*(["--tokens", tokens_file] if tokens_file else []),
                              *(["--targets", targets_file] if targets_file else [])])

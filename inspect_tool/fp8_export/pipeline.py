@@ -58,7 +58,7 @@ class ExportResult:
 
 
 def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False, data=None,
-           tokens_file: str | None = None, min_top1: float = validate_lib.DEFAULT_MIN_TOP1,
+           tokens_file: str | None = None, max_kl: float = validate_lib.DEFAULT_MAX_KL,
            run_validation: bool = True, mesh=None, command: str | None = None,
            max_memory: int | None = None, batch_options: Sequence[str] = ()) -> ExportResult:
   """Exports the quantization-applied model of `tokens` (key=value) from `source` (None: seeded init) to `dst`.
@@ -70,7 +70,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     overwrite: replace an existing `dst` (which survives any failure).
     data: `batch.Batch` for validation (default: the fixed 2x16 batch).
     tokens_file: where `data` came from (recorded in the report).
-    min_top1: the validation gate (top-1 agreement of every head with the source under the same rules).
+    max_kl: the validation gate (KL of every head from the source under the export's numerics, nats).
     run_validation: False skips validation (recorded as skipped).
     mesh: `jax.sharding.Mesh` for validation (default: all devices on one axis).
     command: the command line (recorded in the report).
@@ -85,7 +85,7 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
   cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
   max_memory = job_plan.agree_on_inputs(tokens, source, dst, overwrite, budget.resolve_max_memory(max_memory))
-  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, min_top1=min_top1,
+  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
               run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory,
               batch_options=batch_options)
   if distributed.process_index() != 0:
@@ -120,7 +120,7 @@ def _validation_memory(leaves) -> int:
   return validate_lib.memory_needed(sum(read.nbytes(leaf) for leaf in leaves)) + budget.current_rss()
 
 
-def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1, run_validation, mesh, command,
+def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, run_validation, mesh, command,
             max_memory, batch_options) -> ExportResult:
   """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
   plan = plan_lib.plan_export(cfg)
@@ -158,7 +158,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
     atomic.test_point("written")
     validation = None
     if not skipped:
-      validation = validate_lib.validate(cfg, source, step_dir, data, min_top1=min_top1, mesh=mesh,
+      validation = validate_lib.validate(cfg, source, step_dir, data, max_kl=max_kl, mesh=mesh,
                                          tokens=tokens_file or "fixed")
     atomic.test_point("validated")
     memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
@@ -182,7 +182,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, min_top1,
 
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
                         mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
-                        min_top1: float = validate_lib.DEFAULT_MIN_TOP1, run_validation: bool = True,
+                        max_kl: float = validate_lib.DEFAULT_MAX_KL, run_validation: bool = True,
                         command: str | None = None, fp8: bool = True,
                         batch_options: Sequence[str] = ()) -> ExportResult:
   """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales); with
@@ -193,8 +193,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
   (`budget.resolve_max_memory`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
   the output directory appears only when complete. Its quantization is the release's, not the config's rules.
-  Validation is the Orbax layout's (`export`'s arguments): the export is read back through the HF reader
-  (dequantized) and run under the config's rules beside the source (`validate.validate_hf`), when the models fit;
+  Validation takes `export`'s arguments: the export is read back through the HF reader (dequantized) and run
+  beside the source under the layout's own numerics (`validate.validate_hf`), when the models fit;
   `quantization_report.json` is written in DST either way.
   """
   tokens = list(tokens)
@@ -231,7 +231,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                       if hasattr(arrays, "stream_overhead") else None)
     skipped = "--no-validate"
     rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
-                                        batch_options=batch_options, min_top1=min_top1)
+                                        batch_options=batch_options, max_kl=max_kl)
     if run_validation:
       skipped = _validation_skip(sum(read.nbytes(leaf) for leaf in leaves), max_memory)
       if skipped:
@@ -254,7 +254,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       stores.clear()
       validation = None
       if not skipped:
-        validation = validate_lib.validate_hf(cfg, source, tmp, data, min_top1=min_top1,
+        validation = validate_lib.validate_hf(cfg, source, tmp, data, fp8=fp8, max_kl=max_kl,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
       summary = dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding)

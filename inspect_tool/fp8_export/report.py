@@ -121,13 +121,13 @@ def run_elsewhere(tokens: Sequence[str], dst: str | None, batch_options: Sequenc
 
 
 def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None, *, fp8: bool, max_memory: int,
-                     batch_options: Sequence[str] = (), min_top1: float | None = None) -> str:
+                     batch_options: Sequence[str] = (), max_kl: float | None = None) -> str:
   """A deepseek-fp8 (or -bf16) export is validated by exporting it again where the models fit (`forward --compare`
   would compare the read-back export with itself): the same export with `max_memory` bytes (rounded up to whole
-  GB), the user's --tokens/--targets (`batch_options`) and --min-top1."""
+  GB), the user's --tokens/--targets (`batch_options`) and --max-kl."""
   return shlex.join(["inspect_checkpoint", "export", *tokens, *(["--checkpoint", source] if source else []),
                      "--output", str(dst), "--layout", "deepseek-fp8" if fp8 else "deepseek-bf16",
-                     *batch_options, *(["--min-top1", f"{min_top1:g}"] if min_top1 is not None else []),
+                     *batch_options, *(["--max-kl", f"{max_kl:g}"] if max_kl is not None else []),
                      "--overwrite", "--max-memory", f"{max(1, -(-max_memory // 10**9))}GB"])
 
 
@@ -162,11 +162,16 @@ def validation_lines(v, record: dict) -> list[str]:
   if v is None:
     return [f"validation skipped ({record.get('reason', '--no-validate')})"]
   return [f"validation on a {v.batch_shape[0]}x{v.batch_shape[1]} batch ({v.tokens}):",
-          f"exported vs source under the same rules (gate: top-1 >= {v.min_top1:g} for every head):",
+          f"exported vs source under the export's numerics ({v.numerics}; gate: KL <= {v.max_kl:g} every head):",
           metrics.format_comparisons(list(v.vs_quantized)).rstrip("\n"),
           "exported vs unquantized source (information):",
           metrics.format_comparisons(list(v.vs_unquantized)).rstrip("\n"),
-          "PASSED" if v.passed else f"FAILED: top-1 agreement below {v.min_top1:g}"]
+          "PASSED" if v.passed else f"FAILED: KL above {v.max_kl:g} nats ({_worst(v)})"]
+
+
+def _worst(v) -> str:
+  row = max(v.vs_quantized, key=lambda r: r.kl)
+  return f"{row.head} {row.kl:.5g}"
 
 
 def _prod(shape) -> int:

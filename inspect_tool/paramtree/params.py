@@ -9,7 +9,7 @@ the `params/params` alias (MaxText's converter layout keeps the gate bias there)
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flax import nnx
 import jax.numpy as jnp
@@ -83,6 +83,19 @@ def assign_arrays(model, arrays: Mapping[tuple[str, ...], Any]) -> list[tuple[st
   for variable, value, dtype in plan:
     variable.set_value(jnp.asarray(value, dtype))
   return sorted((k for k in arrays if k not in used), key=lambda k: tree.natural_key(".".join(k)))
+
+
+def replace_values(model, replace: Callable[[tuple[str, ...], Any], Any]) -> int:
+  """Sets every variable of `model` for which `replace(leaf key, value)` is not None to that array (in the
+  variable's dtype); returns how many were replaced."""
+  count = 0
+  for path, variable in _variables(model):
+    value = variable.get_value()
+    new = replace(leaf_key(path, variable), value)
+    if new is not None:
+      variable.set_value(jnp.asarray(new, value.dtype))
+      count += 1
+  return count
 
 
 def model_leaves(cfg) -> list[tree.Leaf]:

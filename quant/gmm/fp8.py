@@ -7,7 +7,8 @@ With a `qwix.QtRule` it quantizes what the rule names, as MaxText's Megablox `gm
 * forward: lhs to `act_qtype` per row (scale [M,1]), rhs to `weight_qtype` per output column shared by all
   experts (scale [1,1,N]); each only when its qtype is set; `disable_channelwise_axes` makes both per-tensor.
   The grouped matmul runs on the fp8 values (exact products, float32 accumulation) and is then rescaled by
-  `lhs_scale[row] * rhs_scale[col]`.
+  `lhs_scale[row] * rhs_scale[col]`. Under an `act_tiles.ActTileRule` the rows are quantized per tile of 128
+  columns instead (DeepSeek's serving numerics) and enter the matmul dequantized.
 * backward (custom VJP, straight-through): the forward's (quantized) operands are the residuals. dlhs uses
   `g * rhs_scale[col]` quantized to `bwd_qtype` per row against the fp8 rhs; drhs uses `g * lhs_scale[row]`
   quantized per column against the fp8 lhs, summed per group. `bwd_qtype` None leaves the gradient unquantized.
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from quant import act_tiles
 from quant import calibration as calibration_lib
 from quant import compat
 from quant import errors
@@ -50,6 +52,7 @@ class GmmQuantConfig:
   act_calibration: str = "absmax"
   bwd_calibration: str = "absmax"
   channelwise: bool = True
+  act_tile: int | None = None  # activations quantized in tiles of this many columns (`quant.act_tiles`), fake
 
 
 def config_from_rule(rule) -> GmmQuantConfig | None:
@@ -59,6 +62,7 @@ def config_from_rule(rule) -> GmmQuantConfig | None:
   """
   if rule is None or all(getattr(rule, f, None) is None for f in ("weight_qtype", "act_qtype", "bwd_qtype")):
     return None
+  tiled = act_tiles.act_tile(rule)
   if not isinstance(rule, qwix.QtRule):
     raise errors.QuantError(
         f"grouped matmul quantization needs a qwix.QtRule, got {type(rule).__name__}; accepted: qwix.QtRule or None")
@@ -79,6 +83,7 @@ def config_from_rule(rule) -> GmmQuantConfig | None:
       act_calibration=calibration(rule.act_calibration_method),
       bwd_calibration=calibration(rule.bwd_calibration_method),
       channelwise=not rule.disable_channelwise_axes,
+      act_tile=None if tiled is None else tiled[1],
   )
 
 
@@ -191,7 +196,9 @@ def _fwd(lhs, rhs, group_sizes, spec: _Spec):
 def _fwd_with_rhs(lhs, rhs, rhs_scale, group_sizes, spec: _Spec):
   """Forward on rhs (fp8 with its float32 scale [1, 1, N|1], or float with None): (output, lhs used, its scale)."""
   cfg, lhs_scale = spec.config, None
-  if cfg is not None and cfg.act_qtype is not None:
+  if cfg is not None and cfg.act_qtype is not None and cfg.act_tile:  # DeepSeek's 1 x tile activations, dequantized
+    lhs = act_tiles.fake_quantize(lhs, (1,), cfg.act_tile, cfg.act_qtype)
+  elif cfg is not None and cfg.act_qtype is not None:
     lhs, lhs_scale = _quantize(lhs, cfg.act_qtype, 0, cfg.act_calibration, cfg.channelwise)  # scale [M|1, 1]
   acc = _matmul(spec, lhs, rhs, group_sizes)
   if lhs_scale is not None:
