@@ -120,3 +120,45 @@ def test_exported_files_have_the_permissions_open_gives(tmp_path):
   assert sum(n.endswith(".safetensors") for n in names) >= 2
   assert {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in names} == {n: 0o644 for n in names}
 
+
+
+# What transformers 5.24.0 (torch 2.13.0) computes from our config.json for each case: made by
+# scripts/transformers_rope_reference.py (its docstring says how), in a venv of its own.
+TRANSFORMERS_ROPE = os.path.join(os.path.dirname(__file__), "data", "transformers_rope.json")
+
+
+def _transformers_cases():
+  import json  # pylint: disable=import-outside-toplevel
+  with open(TRANSFORMERS_ROPE, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _rope_of(cfg):
+  """(inverse frequencies, q/k gain, softmax scale) the MaxText model of `cfg` runs."""
+  built = model.build_model(cfg, abstract=True)
+  return (np.asarray(rope.YarnRotaryEmbedding(cfg).frequencies(), np.float64), _maxtext_rotary_gain(cfg),
+          built.decoder.dense_layers.self_attention.softmax_scale)
+
+
+@pytest.mark.parametrize("name", list(_transformers_cases()))
+def test_transformers_and_our_reader_read_the_exported_rope_as_the_model_runs_it(name, tmp_path):
+  """For every key that enters config.json's rope (max_position_embeddings, rope factor, original length, mscale,
+  attention scaling, truncation, theta, betas): transformers 5.24's reading (recorded) and ours (`hf` keys of the
+  written directory) both give the rotary embedding and softmax scale of the model the export came from."""
+  case = _transformers_cases()[name]
+  cfg = config.resolve_config(TINY + case["keys"])
+  assert write_hf.hf_config(cfg) == case["config"], "config.json changed: remake tests/data/transformers_rope.json"
+  ours = _rope_of(cfg)
+  hf = case["transformers"]
+  assert hf["version"] == "5.24.0"
+  np.testing.assert_allclose(hf["inv_freq"], ours[0], rtol=1e-6)  # torch's float32 powers vs ours
+  assert hf["attention_factor"] == pytest.approx(ours[1], rel=1e-6)
+  assert hf["softmax_scale"] == pytest.approx(ours[2], rel=1e-12)
+  leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
+  write_hf.write_deepseek_fp8({leaf.key: np.ones(leaf.shape, np.float32) for leaf in leaves}, cfg, str(tmp_path))
+  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  read = config.resolve_config(hf_config.tokens(hf_config.derive_keys(str(tmp_path))))
+  back = _rope_of(read)
+  np.testing.assert_array_equal(back[0], ours[0])
+  assert back[1:] == ours[1:]
+  hf_config.check_keys(cfg, str(tmp_path))  # and the export's own keys agree with its config.json

@@ -161,13 +161,20 @@ def test_a_wrong_json_type_is_one_line_naming_the_field(tmp_path, capsys, edit, 
     (lambda d: d.update(norm_topk_prob=False), "norm_topk_prob=false cannot be expressed in MaxText"),
     (lambda d: d.update(hidden_act="gelu"), "hidden_act='gelu' cannot be expressed"),
     (lambda d: d["rope_parameters"].update(rope_type="linear", type="linear"), "rope type 'linear' cannot be"),
-    (lambda d: d["rope_parameters"].update(factor=8.0), "YaRN factor 8 differs from max_position_embeddings"),
     (lambda d: d["rope_parameters"].update(attention_factor=1.2), "rope attention factor 1.2 cannot be expressed"),
     (lambda d: d.update(model_type="llama"), "model_type 'llama' is not a DeepSeek model MaxText builds"),
 ])
 def test_a_setting_maxtext_cannot_express_is_one_line_exit_2(tmp_path, capsys, edit, named):
   code, out, err = _run(capsys, "hf", "--path", _copy(tmp_path, edit), "--keys")
   assert code == 2 and out == "" and err.count("\n") == 1 and named in err, err
+
+
+def test_a_yarn_factor_other_than_the_ratio_of_the_lengths_is_read_as_transformers_5_reads_it(tmp_path, capsys):
+  """transformers 5.24 keeps the factor written (with a warning) where older versions took the ratio of
+  max_position_embeddings to the original length (tests/data/transformers_rope.json records 5.24's reading)."""
+  code, out, _ = _run(capsys, "hf", "--path", _copy(tmp_path, lambda d: d["rope_parameters"].update(factor=8.0)),
+                      "--keys")
+  assert code == 0 and "rope_factor=8.0" in out.split()
 
 
 def test_mtp_layers_are_the_stored_ones_not_num_nextn_predict_layers(tmp_path, capsys):

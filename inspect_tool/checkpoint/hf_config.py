@@ -153,14 +153,10 @@ def _rope(path: str, doc: dict, get) -> dict[str, Any]:
   if rope_type != "yarn":
     raise _bad(path, f"rope type {errors.shown(rope_type)} cannot be expressed in MaxText's MLA; accepted: yarn, or no "
                "rope_scaling (plain RoPE)")
-  if "factor" not in params:
-    raise _bad(path, "YaRN rope parameters have no factor")
-  factor = float(params["factor"])
   original = params.get("original_max_position_embeddings", max_pos)
-  if "original_max_position_embeddings" in params and not math.isclose(factor, max_pos / original, rel_tol=1e-9):
-    raise _bad(path, f"YaRN factor {factor:g} differs from max_position_embeddings / "
-               f"original_max_position_embeddings = {max_pos}/{original}, which transformers uses instead; "
-               "MaxText cannot follow both readings: make them equal")
+  # As transformers 5 (and DeepSeek's and vLLM's code) read it: the factor written wins; without one, the ratio of
+  # the context lengths (transformers 4 took the ratio whenever the original length was given).
+  factor = float(params["factor"]) if params.get("factor") is not None else max_pos / original
 
   def m(scale: float, ms: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
