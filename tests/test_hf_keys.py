@@ -148,12 +148,18 @@ def test_the_published_keys_agree_with_diff(capsys):
     (lambda d: d.update(rope_interleave="false"), "rope_interleave is 'false'; expected true or false"),
     (lambda d: d["rope_parameters"].update(factor="4"), "rope_parameters.factor is '4'; expected a number"),
     (lambda d: d.update(q_lora_rank=0), "q_lora_rank is 0; expected a positive integer or null"),
+    (lambda d: d.update(quantization_config="fp8"), "quantization_config is 'fp8'; expected an object or null"),
+    (lambda d: d.update(quantization_config=7), "quantization_config is 7; expected an object or null"),
+    (lambda d: d.update(quantization_config=[128]), "quantization_config is list; expected an object or null"),
 ])
 def test_a_wrong_json_type_is_one_line_naming_the_field(tmp_path, capsys, edit, named):
   path = _copy(tmp_path, edit)
-  for argv in (["hf", "--path", path, "--keys"], ["diff", "model_name=deepseek3-tiny", "--path", path]):
+  for argv in (["hf", "--path", path, "--keys"], ["diff", "model_name=deepseek3-tiny", "--path", path],
+               ["import", "--path", path, "--output", str(tmp_path / "imported")],
+               ["forward", "model_name=deepseek3-tiny", "--checkpoint", path]):
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == "" and err == f"error: {os.path.join(path, 'config.json')}: {named}\n"
+  assert not (tmp_path / "imported").exists()
 
 
 @pytest.mark.parametrize("edit, named", [

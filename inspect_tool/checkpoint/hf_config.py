@@ -50,6 +50,7 @@ _TYPES = {
     "rope_theta": "float", "norm_topk_prob": "bool", "tie_word_embeddings": "bool", "rope_interleave": "bool",
     "attention_bias": "bool", "scoring_func": "str", "topk_method": "str", "hidden_act": "str",
     "model_type": "str", "architectures": "list", "rope_scaling": "dict?", "rope_parameters": "dict?",
+    "quantization_config": "dict?",
     "index_n_heads": "int", "index_head_dim": "int", "index_topk": "int",
 }
 _ROPE_TYPES = {"type": "str", "rope_type": "str", "factor": "float", "original_max_position_embeddings": "int",

@@ -37,7 +37,12 @@ def block_size(path: str) -> tuple[int, int]:
   """`quantization_config.weight_block_size` of `config.json` (DeepSeek's [128, 128] when absent)."""
   raw = files.read_bytes(paths.join(path, CONFIG_NAME), 1 << 20, "Hugging Face config")
   doc = files.parse_json(raw, lambda why: errors.CheckpointError(f"{path}/{CONFIG_NAME}: {why}"))
-  block = (doc.get("quantization_config") or {}).get("weight_block_size") if isinstance(doc, dict) else None
+  quantization = doc.get("quantization_config") if isinstance(doc, dict) else None
+  if quantization is not None and not isinstance(quantization, dict):
+    shown = repr(quantization) if not isinstance(quantization, list) else "list"
+    raise errors.CheckpointError(f"{path}/{CONFIG_NAME}: quantization_config is {shown[:40]}; expected an object or "
+                                 "null")
+  block = (quantization or {}).get("weight_block_size")
   if block is None:
     return hf_names.BLOCK
   if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
