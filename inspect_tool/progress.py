@@ -1,6 +1,7 @@
-"""Progress messages for long work on stderr: steps and bars on a terminal; otherwise the named forward passes of
-`forward` and `export` as plain lines (`step(..., plain=True)`) and a few lines of byte progress (`ByteProgress`);
-nothing with `--quiet` (`set_quiet`)."""
+"""Progress messages for long work on stderr: steps and bars on a terminal; otherwise, only for work that has run
+`PLAIN_AFTER_SECONDS`, the named passes of `forward` and `export` as plain lines (`step(..., plain=True)`) and a
+few lines of byte progress (`ByteProgress`), so that quick work in a pipe (and a refusal after it) prints nothing
+but its result; nothing with `--quiet` (`set_quiet`)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def step(message: str, *, plain: bool = False):
   """Prints `message…` before the work and the elapsed time after it on a terminal; with `plain`, off a terminal
-  too: the line `message… 3.2s` once the work is done (a failed step prints nothing: its error line speaks)."""
+  too when the work took `PLAIN_AFTER_SECONDS` or more: the line `message… 12.3s` once it is done (a failed step
+  prints nothing: its error line speaks)."""
   if not enabled():
     start = time.perf_counter()
     yield
-    if plain and not _QUIET:
-      note(f"{message}… {time.perf_counter() - start:.1f}s")
+    elapsed = time.perf_counter() - start
+    if plain and not _QUIET and elapsed >= PLAIN_AFTER_SECONDS:
+      note(f"{message}… {elapsed:.1f}s")
     return
   start = time.perf_counter()
   sys.stderr.write(f"{message}…")

@@ -230,7 +230,12 @@ def test_validation_above_max_kl_exits_1_and_keeps_the_report(tmp_path, capsys, 
   assert report["validation"]["tokens"] == str(tokens)
 
 
-def test_validation_names_its_three_forward_passes_off_a_terminal(tmp_path, capsys):
+def test_validation_names_its_three_forward_passes_off_a_terminal_when_they_take_long(tmp_path, capsys, monkeypatch):
+  from inspect_tool import progress  # pylint: disable=import-outside-toplevel
+
+  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "quick"))
+  assert code == 0 and err == "", err  # seconds each: nothing but the result in a pipe
+  monkeypatch.setattr(progress, "PLAIN_AFTER_SECONDS", 0.0)  # as passes of a large model take
   code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"))
   assert code == 0, err
   stages = [line.split("… ")[0] for line in err.splitlines() if "… " in line]  # capsys: stderr is no terminal

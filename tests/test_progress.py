@@ -64,9 +64,18 @@ def test_quiet_silences_bars_lines_and_steps(monkeypatch):
   assert err.getvalue() == ""
 
 
-def test_plain_steps_print_a_line_when_done_off_a_terminal_and_others_stay_silent(monkeypatch):
+def test_quick_plain_steps_stay_silent_off_a_terminal(monkeypatch):
   err = io.StringIO()
   monkeypatch.setattr("sys.stderr", err)
+  with progress.step("validation 2/3: source unquantized", plain=True):
+    pass
+  assert err.getvalue() == ""
+
+
+def test_long_plain_steps_print_a_line_when_done_off_a_terminal_and_others_stay_silent(monkeypatch):
+  err = io.StringIO()
+  monkeypatch.setattr("sys.stderr", err)
+  monkeypatch.setattr(progress, "PLAIN_AFTER_SECONDS", 0.0)
   with progress.step("tracing quantization rules"):
     pass
   assert err.getvalue() == ""

@@ -166,8 +166,17 @@ def _reclaim_local() -> list[str]:
   return done
 
 
+class WrittenMeanwhile(errors.InputError):
+  """Someone else wrote under DST while we published: ours are removed again, theirs left as they are."""
+
+
 def publish(staging: str, dst: str, names: Sequence[str]) -> None:
-  """Replaces DST by the staged objects `names` (module docstring, step 3); safe to run again after a kill."""
+  """Replaces DST by the staged objects `names` (module docstring, step 3); safe to run again after a kill.
+
+  Raises:
+    WrittenMeanwhile: objects that are not ours appeared under DST while ours were copied (another writer): the
+      commit markers are not written and ours are deleted again.
+  """
   old = objects.names(dst)
   if MARKER in old:
     objects.delete(paths.join(dst, MARKER))  # first: from now on readers see DST as incomplete
@@ -178,6 +187,12 @@ def publish(staging: str, dst: str, names: Sequence[str]) -> None:
   objects.copy(staging, dst, names[:half])
   hooks.test_point("publishing")
   objects.copy(staging, dst, names[half:])
+  foreign = sorted(set(objects.names(dst)) - set(names))
+  if foreign:
+    objects.delete_all(dst, names)
+    raise WrittenMeanwhile(f"output {dst!r} was written by someone else while this run published it ({len(foreign)} "
+                           f"object(s) not ours, e.g. {errors.shown(foreign[0])}); theirs are left as they are and "
+                           "ours removed; accepted: another --output, or run again once theirs is gone")
   for directory in sorted({n.rpartition("/")[0] for n in names if n.endswith(_ORBAX_DIRS)} - {""}):
     url = paths.join(dst, directory)  # Orbax's own marker in each step and item: Orbax reads them as finalized
     objects.write(paths.join(url, MARKER), f"Checkpoint commit was successful to {url}".encode())
@@ -228,6 +243,9 @@ def _publish_staged(tmp: str, staging: str, dst: str, lock: remote_lock.Lock, ov
     publish(staging, dst, names)
     hooks.test_point("published")
     objects.delete_all(staging)
+  except WrittenMeanwhile:
+    _abandon(staging, None)  # nothing of ours is left under DST to complete
+    raise
   except (OSError, ValueError, RuntimeError) as e:
     _abandon(staging, lock if publishing else None)
     raise _failure(dst, e) from None
