@@ -80,7 +80,7 @@ class MismatchError(InputError):
 
 
 class Interrupted(BaseException):
-  """SIGTERM, SIGHUP or SIGINT arrived: raised in the main thread so that partial outputs are removed."""
+  """SIGTERM, SIGHUP, SIGINT or SIGQUIT arrived: raised in the main thread so that partial outputs are removed."""
 
   def __init__(self, signum: int):
     super().__init__(signal.Signals(signum).name)

@@ -85,8 +85,10 @@ def test_kill_at_every_stage_leaves_no_output_or_the_previous_one(tmp_path, poin
     assert os.listdir(tmp_path) == ["dst"] and _is_new_export(dst)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_terminate_cleans_up_and_says_so_in_one_line(tmp_path, signum):
+@pytest.mark.parametrize("signum, point", [(signal.SIGTERM, "arrays"), (signal.SIGHUP, "arrays"),
+                                           (signal.SIGINT, "arrays"), (signal.SIGQUIT, "arrays"),
+                                           (signal.SIGQUIT, "swap"), (signal.SIGTERM, "swap")])
+def test_terminate_cleans_up_and_says_so_in_one_line(tmp_path, signum, point):
   dst, flag = _out_dir(tmp_path) / "dst", tmp_path / "paused"
   before = _previous(dst)
   # A shell without job control starts background jobs (CI runs the two stacks side by side) with SIGINT ignored,
@@ -94,7 +96,7 @@ def test_terminate_cleans_up_and_says_so_in_one_line(tmp_path, signum):
   previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
     proc = subprocess.Popen(_argv(dst, "--overwrite"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(**{atomic.PAUSE_ENV: f"arrays:{flag}"}), cwd=REPO)
+                            env=_env(**{atomic.PAUSE_ENV: f"{point}:{flag}"}), cwd=REPO)
   finally:
     signal.signal(signal.SIGINT, previous_handler)
   try:

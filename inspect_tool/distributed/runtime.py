@@ -117,7 +117,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
   finally:
-    stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT stop the run our way
+    stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT/SIGQUIT stop the run our way
   _started = True
   _keep_stdout_for_data()
 

@@ -1,4 +1,5 @@
-"""Stop signals: SIGTERM, SIGHUP and SIGINT end a run cleanly (outputs in progress removed, one line, 128+signal).
+"""Stop signals: SIGTERM, SIGHUP, SIGINT and SIGQUIT (Ctrl-\\, by default a core dump) end a run cleanly (outputs
+in progress removed, one line, 128+signal).
 
 `install_handlers` makes each of them raise `errors.Interrupted` in the main thread (called at start-up and again
 after JAX's distributed runtime, whose preemption notifier would take SIGTERM). The signal is also remembered:
@@ -25,7 +26,7 @@ import time
 
 from inspect_tool import errors
 
-NAMES = ("SIGTERM", "SIGHUP", "SIGINT")
+NAMES = ("SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT")
 GRACE_S = 3.0  # seconds the main thread has to take the signal (raise `Interrupted`)
 CLEANUP_S = 30.0  # then, seconds it has to remove its outputs and end
 _received: list[int] = []  # the first stop signal, kept until the run ends
