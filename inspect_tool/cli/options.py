@@ -220,6 +220,9 @@ def start_processes(coordinator, num_processes, process_id, quiet, timeout=None,
 def _configure_compile_cache(ctx, param, value):  # pylint: disable=unused-argument
   ctx.meta["inspect_checkpoint.compile_cache"] = value
   if not ctx.resilient_parsing:
+    if ctx.params.get("dst") is not None:  # export / import: a umask that forbids the output speaks first
+      from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
+      atomic.check_umask(ctx.params["dst"])
     from inspect_tool.run import compile_cache  # pylint: disable=import-outside-toplevel
     compile_cache.configure(value)
   return value

@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import tempfile
 from typing import Iterator
 
@@ -14,6 +13,7 @@ from inspect_tool import errors
 from inspect_tool.output import destination
 from inspect_tool.output import object_store
 from inspect_tool.output import stop
+from inspect_tool.output import trees
 from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
 from inspect_tool.storage import paths
 
@@ -29,6 +29,16 @@ def _umask() -> int:
   mask = os.umask(0)
   os.umask(mask)
   return mask
+
+
+def check_umask(dst: str) -> None:
+  """Refuses, in one line, a umask that takes the owner's read, write or search permission from what a run
+  writes (0777, 0200, ...): the output could not be written, nor read back."""
+  mask = _umask()
+  if mask & 0o700:
+    raise errors.InputError(f"umask {mask:04o} takes the owner's permissions from what this run writes, so {dst!r} "
+                            "could not be written or read back; accepted: a umask that leaves the owner rwx, e.g. "
+                            "0022 or 0077")
 
 
 def new_file_mode() -> int:
@@ -109,6 +119,7 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
       yield tmp
     return
   dst = destination.absolute(dst)
+  check_umask(dst)
   destination.check_replace(dst, overwrite)
   parent = os.path.dirname(dst)
   if not os.path.isdir(parent):
@@ -122,9 +133,9 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     with open(os.path.join(tmp, destination.TMP_MARKER), "w", encoding="utf-8") as f:
       f.write(f"{os.getpid()}\n")
   except OSError as e:  # a full disk: the directory was made, its marker could not be written
-    shutil.rmtree(tmp, ignore_errors=True)
+    trees.remove_tree(tmp)
     raise errors.InputError(_os_error_message(dst, e)) from None
-  cleanup = stop.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))  # if a stop cannot wait for us
+  cleanup = stop.add_cleanup(lambda: trees.remove_tree(tmp))  # if a stop cannot wait for us
   try:
     yield tmp
     stop.check()  # a stopped run never commits, even if its signal's exception was swallowed
@@ -134,16 +145,17 @@ def atomic_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     stop.check()
     if os.path.lexists(dst):
       destination.check_replace(dst, overwrite)  # it may have appeared (or changed) while we worked
+      _check_removable(dst)
       _swap_into_place(tmp, dst)
       test_point("swapped")
-      shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous dst
+      trees.remove_tree(tmp)  # now holds the previous dst
     else:
       _rename_no_replace(tmp, dst, overwrite)
   except OSError as e:
-    shutil.rmtree(tmp, ignore_errors=True)
+    trees.remove_tree(tmp)
     raise errors.InputError(_io_error_message(dst, tmp, e)) from None
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    trees.remove_tree(tmp)
     raise
   finally:
     stop.remove_cleanup(cleanup)
@@ -193,9 +205,20 @@ def _rename_no_replace(tmp: str, dst: str, overwrite: bool) -> None:
   if os.path.lexists(dst):
     destination.check_replace(dst, overwrite)
     _swap_into_place(tmp, dst)
-    shutil.rmtree(tmp, ignore_errors=True)
+    trees.remove_tree(tmp)
     return
   os.rename(tmp, dst)
+
+
+def _check_removable(dst: str) -> None:
+  """Refuses (before the swap) a previous DST that this process could not remove afterwards: a directory in it
+  that is neither writable by us nor ours to make writable."""
+  for directory in trees.directories(dst):
+    with contextlib.suppress(OSError):
+      if not os.access(directory, os.W_OK | os.X_OK) and os.lstat(directory).st_uid != os.geteuid():
+        raise errors.InputError(f"cannot replace {dst!r}: {directory!r} is not writable and not yours, so the "
+                                "previous output could not be removed; accepted: --output of a directory you can "
+                                "remove, or make it writable first")
 
 
 def _swap_into_place(tmp: str, dst: str) -> None:

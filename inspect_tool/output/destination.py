@@ -24,13 +24,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
 from inspect_tool.output import object_store
 from inspect_tool.output import ours
+from inspect_tool.output import trees
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 from inspect_tool.storage import paths
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
@@ -262,7 +262,7 @@ def reclaim_stale_temporaries(dst: str) -> list[str]:
       continue
     made_here = os.path.exists(os.path.join(path, TMP_MARKER)) or not os.listdir(path) or replaceable(path)
     if made_here:  # anything else is not a directory this tool made: never ours to delete
-      shutil.rmtree(path, ignore_errors=True)
+      trees.remove_tree(path)
       done.append(path)
   return done
 
