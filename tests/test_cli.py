@@ -45,7 +45,7 @@ def test_python_dash_m_runs_the_cli():
 def test_the_command_s_process_collects_garbage_less_often():
   """`inspect_checkpoint` (`cli.entry_point`) runs its command under `cli.GC_THRESHOLDS`, not Python's defaults."""
   code = ("import gc; from inspect_tool import cli; "
-          "cli.main = lambda: print(*gc.get_threshold()) or 0; cli.entry_point()")
+          "cli.main = lambda **kw: print(*gc.get_threshold()) or 0; cli.entry_point()")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
   assert result.returncode == 0 and result.stdout.split() == [str(n) for n in cli.GC_THRESHOLDS], result.stderr
   assert cli.GC_THRESHOLDS != (700, 10, 10)  # Python's defaults

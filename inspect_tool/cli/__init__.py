@@ -7,6 +7,7 @@ exit code 2 here, in one place. Commands return 1 for `--strict` findings (or di
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import click
@@ -100,12 +101,15 @@ def _library_errors() -> tuple[type[BaseException], ...]:
   return tuple(kinds)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
+  """Runs the command of `argv` (default: sys.argv) and returns its exit code; `fresh=False` (the process's own
+  run, `entry_point`) keeps a stop signal that arrived before."""
   from inspect_tool import errors  # pylint: disable=import-outside-toplevel
   from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  stop.clear()
+  if fresh:
+    stop.clear()
   stop.install_handlers()
   errors.quiet_closed_event_loop()
   code = _run(argv)
@@ -142,7 +146,16 @@ def _run(argv: list[str]) -> int:
       raise
     click.echo(f"error: {stdout.failure(e)}", err=True)
     return 2
+  except KeyboardInterrupt:  # SIGINT before our handlers were installed (the interpreter's own start-up)
+    stop.report("interrupted by SIGINT; nothing was left half-written")
+    runtime.abandon("interrupted by SIGINT")
+    return 130
   except Exception as e:  # pylint: disable=broad-except
+    if stop.received() is not None:  # the stop's exception, turned into another by C++ code (an import, a compile)
+      signum = stop.received()
+      stop.report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
+      runtime.abandon("interrupted")
+      return 128 + signum
     if isinstance(e, _library_errors()):
       click.echo(f"error: {e}", err=True)
       runtime.abandon(str(e))
@@ -160,13 +173,22 @@ def _run(argv: list[str]) -> int:
 def entry_point() -> None:
   """The `inspect_checkpoint` process: `main`, its exit code, the last of stdout flushed."""
   import gc  # pylint: disable=import-outside-toplevel
+  from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
+  stop.install_handlers()  # before anything heavy is imported
   gc.set_threshold(*GC_THRESHOLDS)
-  code = main()
+  try:
+    code = main(fresh=False)
+  except BaseException:  # a stop outside the command itself (setting up, finishing): its line, not a traceback
+    if stop.received() is None:
+      raise
+    stop.report(f"interrupted by {signal.Signals(stop.received()).name}; nothing was left half-written")
+    code = 128 + stop.received()
   from inspect_tool.output import stdout  # pylint: disable=import-outside-toplevel
   try:
     stdout.flush()  # the last buffered bytes can fail too (a full disk, a closed pipe): one line, not a traceback
   except stdout.errors.InputError as e:
     click.echo(f"error: {e}", err=True)
     code = 2
+  stop.ignore_from_now()  # the run is over: a signal during the interpreter's teardown changes nothing
   sys.exit(code)

@@ -3,8 +3,10 @@ in progress removed, one line, 128+signal).
 
 `install_handlers` makes each of them raise `errors.Interrupted` in the main thread (called at start-up and again
 after JAX's distributed runtime, whose preemption notifier would take SIGTERM). The signal is also remembered:
-- where Python would drop the exception: inside a gc callback (JAX's `_xla_gc_callback`) or a `__del__` the
-  handler raises nothing and the signal is delivered again 50 ms later; anywhere else Python drops it (a weakref
+- where Python would drop the exception: inside a gc callback (JAX's `_xla_gc_callback`), a `__del__` or an
+  asyncio callback (Orbax's event loop, which logs it and goes on), and
+  inside an import (where it can abort a C extension's initialisation or be printed as a traceback), the handler
+  raises nothing and the signal is delivered again 50 ms later; anywhere else Python drops it (a weakref
   callback run by the collector), the `sys.unraisablehook` installed here (again if something replaced it) takes
   the dropped `Interrupted` silently and does the same;
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
@@ -40,18 +42,33 @@ _watchdog: list[threading.Thread] = []
 def _handler(signum, frame):
   if not _received:
     _received.append(signum)
-  if _swallowing(frame):  # raised here, it would reach only `sys.unraisablehook` (if that is still ours)
+  if _swallowing(frame) or _importing(frame):  # raised here it would be dropped, or break a C extension's init
     _again_later(signum)
     return
   _raised.append(True)
   raise errors.Interrupted(signum)
 
 
+_ASYNCIO_EVENTS = os.path.join("asyncio", "events.py")
+
+
 def _swallowing(frame) -> bool:
-  """Whether `frame` runs inside a gc callback or a finalizer, where Python drops exceptions."""
+  """Whether `frame` runs inside a gc callback, a finalizer or an asyncio callback, where exceptions are dropped."""
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   while frame is not None:
     if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    if frame.f_code.co_name == "_run" and frame.f_code.co_filename.endswith(_ASYNCIO_EVENTS):
+      return True  # an asyncio callback (Orbax's loop): asyncio logs a BaseException there and goes on
+    frame = frame.f_back
+  return False
+
+
+def _importing(frame) -> bool:
+  """Whether `frame` runs inside an import: an exception raised there can abort a C extension's initialisation
+  (JAX's MLIR bindings) or be printed by the module's own handler, so the signal waits for the import to end."""
+  while frame is not None:
+    if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
       return True
     frame = frame.f_back
   return False
@@ -98,6 +115,14 @@ def install_handlers() -> None:
     _watchdog.append(thread)
 
 
+def ignore_from_now() -> None:
+  """The run is over (its output written, its exit code known): stop signals are ignored from now on, so one that
+  arrives while the interpreter tears down (which puts back the default, killing action) changes nothing."""
+  if threading.current_thread() is threading.main_thread():
+    for name in NAMES:
+      signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 def _watch(read: int) -> None:
   stops = {int(getattr(signal, name)) for name in NAMES}
   while True:
@@ -135,6 +160,9 @@ def report(line: str) -> bool:
       return False
     _reported.append(True)
   os.write(2, (line + "\n").encode())
+  # The stopped run's loops and files are torn down half-used: what their finalizers raise (an asyncio loop closed
+  # mid-read) is noise under the line.
+  sys.unraisablehook = lambda unraisable: None
   return True
 
 
@@ -147,6 +175,11 @@ def add_cleanup(fn) -> int:
 
 def remove_cleanup(key: int) -> None:
   _cleanups.pop(key, None)
+
+
+def received() -> int | None:
+  """The stop signal that arrived in this run, or None."""
+  return _received[0] if _received else None
 
 
 def check() -> None:
