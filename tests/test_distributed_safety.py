@@ -22,7 +22,7 @@ import pytest
 import memory_cgroup
 
 from inspect_tool import errors
-from inspect_tool.distributed import runtime
+from inspect_tool.distributed import job, runtime
 from inspect_tool.output import atomic
 from inspect_tool.output import stop
 from test_export_distributed import finish as _finish
@@ -113,10 +113,13 @@ def test_a_bad_budget_after_joining_ends_every_process_with_the_same_line(tmp_pa
 @pytest.mark.parametrize("bad, says", [(["quantize_mpt=true"], "quantize_mpt"),
                                        (["--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt")])
 def test_a_bad_input_on_one_process_is_refused_before_joining(tmp_path, bad, says):
-  """Once the peers waited forever; now the bad process ends at once, the others after --timeout, one line each."""
-  outs = _finish(_start(tmp_path / "dst", [[], bad], timeout=5))
+  """Once the peers waited forever; now the bad process ends at once and tells process 0, which ends with its line
+  (not after --timeout: a generous 60 s here, and the whole job must end well before it)."""
+  start = time.monotonic()
+  outs = _finish(_start(tmp_path / "dst", [[], bad], timeout=60))
+  assert time.monotonic() - start < 50
   assert outs[1][0] == 2 and says in _one_line(outs[1][2])
-  assert outs[0][0] == 2 and "process(es) 1 of --num-processes 2 did not join within 5 s" in _one_line(outs[0][2])
+  assert outs[0][0] == 2 and _one_line(outs[0][2]).startswith("error: process 1: ") and says in outs[0][2]
   assert os.listdir(tmp_path) == []
 
 
@@ -168,7 +171,20 @@ def test_a_closed_coordinator_port_is_one_line_within_the_timeout(tmp_path):
   proc = subprocess.run(_export(tmp_path / "dst", "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes",
                                 "2", "--process-id", "1", "--timeout", "2"),
                         capture_output=True, text=True, cwd=REPO, env=_env(), check=False, timeout=120)
-  assert proc.returncode == 2 and "cannot reach the coordinator" in _one_line(proc.stderr)
+  assert proc.returncode == 2 and "nobody listens at the coordinator" in _one_line(proc.stderr)
+
+
+def test_a_process_started_without_process_0_gives_up_in_one_line_without_a_timeout(tmp_path):
+  """No --timeout (300 s by default): a port that refuses (nobody listens) ends the wait after REFUSED_S."""
+  start = time.monotonic()
+  proc = subprocess.run(_export(tmp_path / "dst", "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes",
+                                "2", "--process-id", "1"),
+                        capture_output=True, text=True, cwd=REPO, env=_env(), check=False, timeout=120)
+  took = time.monotonic() - start
+  line = _one_line(proc.stderr)
+  assert proc.returncode == 2 and "nobody listens at the coordinator 127.0.0.1:" in line and "--timeout" in line
+  assert job.REFUSED_S <= took < job.REFUSED_S + 30, took
+  assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("address, says", [
@@ -324,7 +340,8 @@ def test_a_stop_swallowed_by_the_work_never_commits(tmp_path):
   assert os.listdir(tmp_path) == ["dst.written"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGQUIT, signal.SIGUSR1])
+# Signals we do not handle (SIGQUIT is a stop signal now, tested in test_export_kill): the default action kills.
+@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGUSR1])
 def test_an_unhandled_signal_leaves_only_what_the_next_run_cleans(tmp_path, signum):
   out = tmp_path / "out"
   out.mkdir()

@@ -5,7 +5,9 @@ checkpoint, and the processes exchange a few short texts (the plan's fingerprint
 `Job` does that with bounded waits and one-line failures, which `jax.distributed` cannot promise (a dead peer is
 a SIGABRT with a C++ trace there, an unreachable coordinator a 2-minute hang):
 
-- process 0 listens on the coordinator's port, the others connect to it (retrying until `timeout`);
+- process 0 listens on the coordinator's port, the others connect to it (retrying until `timeout`, or for
+  `REFUSED_S` while the port refuses, nobody listening, unless --timeout is given); a process that fails before
+  joining (a bad input of its own) tells process 0 (`notify_failure`), which ends the job with its line;
 - `exchange(tag, text)` is an all-gather through process 0: every process gets every process's text;
 - every process sends a heartbeat every few seconds from a thread, so a wait ends with `JobError` after
   `timeout` seconds of silence (a stopped or unreachable process), at once when a peer's connection closes (a
@@ -86,11 +88,36 @@ class _Peer:
       pass
 
 
+REFUSED_S = 15.0  # seconds a process keeps retrying a coordinator that refuses (nobody listens) without --timeout
+NOTIFY_S = 5.0  # seconds a process that failed before joining tries to tell process 0
+
+
+def notify_failure(host: str, port: int, count: int, index: int, message: str, wait_s: float = NOTIFY_S) -> bool:
+  """Process `index` failed before joining (a bad input): tells process 0, best effort, within `wait_s`."""
+  deadline = time.monotonic() + wait_s
+  while time.monotonic() < deadline:
+    try:
+      sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+    except OSError:
+      time.sleep(0.2)
+      continue
+    peer = _Peer(sock, "process 0")
+    try:
+      peer.send({"hello": index, "count": count, "fail": message})
+      return True
+    except (OSError, JobError):
+      return False
+    finally:
+      peer.close()
+  return False
+
+
 class Job:
   """Process `index` of `count`, coordinated by process 0 at `host:port` (see the module docstring)."""
 
-  def __init__(self, host: str, port: int, count: int, index: int, timeout: float):
+  def __init__(self, host: str, port: int, count: int, index: int, timeout: float, *, refused_s: float | None = None):
     self.index, self.count, self.timeout = index, count, float(timeout)
+    self.refused_s = self.timeout if refused_s is None else min(float(refused_s), self.timeout)
     self._peers: list[_Peer] = []
     self._closed = threading.Event()
     if index == 0:
@@ -133,6 +160,12 @@ class Job:
           peer.close()
           continue
         index, count = hello.get("hello"), hello.get("count")
+        if "fail" in hello and isinstance(index, int):  # it failed before joining: a bad input of its own
+          message = f"process {index}: {str(hello['fail'])[:500]}"
+          peer.close()
+          self._peers = list(waiting.values())
+          self.fail(message)
+          raise JobError(message)
         if count != self.count or not isinstance(index, int) or not 0 < index < self.count or index in waiting:
           what = (f"--num-processes {count}" if count != self.count else f"--process-id {index}")
           message = (f"a process joined with {what}, which does not fit this job (--num-processes {self.count}, "
@@ -151,10 +184,15 @@ class Job:
       server.close()
 
   def _connect(self, host: str, port: int) -> None:
-    deadline = time.monotonic() + self.timeout
+    start = time.monotonic()
+    deadline, refused_since = start + self.timeout, None
     reason = "no answer"
     while True:
-      left = deadline - time.monotonic()
+      now = time.monotonic()
+      left = deadline - now
+      if refused_since is not None and now - refused_since >= self.refused_s:
+        raise JobError(f"nobody listens at the coordinator {host}:{port} (connection refused for "
+                       f"{now - start:.0f} s); is process 0 running there? Start it, or give --timeout to wait longer")
       if left <= 0:
         raise JobError(f"cannot reach the coordinator {host}:{port} within {self.timeout:g} s ({reason}); is "
                        "process 0 running there? (see --timeout)")
@@ -163,6 +201,8 @@ class Job:
         break
       except OSError as e:
         reason = e.strerror or type(e).__name__
+        refused = isinstance(e, ConnectionRefusedError)
+        refused_since = (refused_since or now) if refused else None
         time.sleep(min(0.2, max(left, 0)))
     peer = _Peer(sock, "process 0")
     peer.send({"hello": self.index, "count": self.count})

@@ -59,6 +59,9 @@ def parse_coordinator(text: str) -> tuple[str, int]:
   return host, int(port)
 
 
+_planned: list[tuple] = []  # the job the flags name, until this process joins it: (host, port, count, index, timeout)
+
+
 def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
                 timeout: float | None = None) -> bool:
   """Checks the distributed flags without starting anything; True when they name a job of several processes.
@@ -79,7 +82,9 @@ def check_flags(coordinator: str | None, num_processes: int | None, process_id: 
   if not 0 <= process_id < num_processes:
     raise errors.InputError(f"--process-id {process_id} is not in [0, {num_processes}); accepted: 0 to "
                             f"{num_processes - 1} with --num-processes {num_processes}")
-  parse_coordinator(coordinator)
+  host, port = parse_coordinator(coordinator)
+  if num_processes > 1:
+    _planned[:] = [(host, port, num_processes, process_id, timeout)]
   return num_processes > 1
 
 
@@ -91,6 +96,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     errors.InputError: an incomplete or inconsistent set of flags, or the coordinator cannot be reached.
   """
   global _started, _job  # pylint: disable=global-statement
+  given_timeout = timeout
   timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
   several = check_flags(coordinator, num_processes, process_id, timeout)
   if coordinator is not None and not several:
@@ -99,7 +105,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return
   if several and not jax_runtime:
     host, port = parse_coordinator(coordinator)
-    _job = job.Job(host, port, num_processes, process_id, timeout)
+    _planned.clear()
+    _job = job.Job(host, port, num_processes, process_id, timeout,
+                   refused_s=timeout if given_timeout is not None else job.REFUSED_S)
     return
   # lazy: JAX, ~0.6 s to import: `--help`, `export --help` load this module without it
   import jax  # pylint: disable=import-outside-toplevel
@@ -123,11 +131,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def abandon(message: str) -> None:
-  """Tells the other processes of an export or import job that this one failed (`message`); best effort."""
+  """Tells the other processes of an export or import job that this one failed (`message`); best effort. A
+  process that failed before joining (a bad input of its own) tells process 0, which would otherwise wait for it."""
   global _job  # pylint: disable=global-statement
   if _job is not None:
     _job.fail(message)
     _job = None
+  elif _planned:
+    host, port, count, index, _ = _planned.pop()
+    if index != 0:
+      job.notify_failure(host, port, count, index, message)
 
 
 def finish() -> None:
