@@ -28,6 +28,7 @@ FLOORS = (
     ("inspect_tool.coverage",),
     ("inspect_tool.checkpoint",),
     ("inspect_tool.run", "inspect_tool.streaming", "inspect_tool.listings"),
+    ("inspect_tool.manifest",),
     ("inspect_tool.fp8_export", "inspect_tool.hf_import"),
     ("inspect_tool.cli",),
     ("inspect_tool",),
@@ -127,7 +128,7 @@ def test_the_floor_check_sees_an_import_that_runs_up_or_across(tmp_path):
     modules[name].write_text("")
   assert upward_imports(modules) == [
       "inspect_tool.run.runner (floor 8) -> inspect_tool.streaming.read (floor 8)",
-      "inspect_tool.storage.paths (floor 1) -> inspect_tool.cli.options (floor 10)"]
+      "inspect_tool.storage.paths (floor 1) -> inspect_tool.cli.options (floor 11)"]
 
 
 def test_below_the_cli_own_modules_and_the_standard_library_are_imported_at_module_top():

@@ -166,7 +166,8 @@ def _parse(name, *args):
   group_ctx = click.Context(cli.cli, info_name="inspect_checkpoint")
   command = _commands()[name]
   required = [a for p in command.params if isinstance(p, click.Option) and p.required for a in (p.opts[0], "x")]
-  _, _, rest = cli.cli.resolve_command(group_ctx, [name, *required, *args])
+  positional = ["x" for p in command.params if isinstance(p, click.Argument) and p.required]  # verify's DST
+  _, _, rest = cli.cli.resolve_command(group_ctx, [name, *positional, *required, *args])
   return command.make_context(name, rest, parent=group_ctx)
 
 

@@ -73,7 +73,7 @@ class Tensors:
     dtype = np.dtype(FP8.get(entry["dtype"]) or FLOATS[entry["dtype"]])
     count = math.prod(entry["shape"])
     _check_fits(file, name, entry["shape"], count * (dtype.itemsize + 4))
-    data = _read_span(file, name, entry["start"], count * dtype.itemsize)
+    data = read_span(file, name, entry["start"], count * dtype.itemsize)
     if len(data) != count * dtype.itemsize:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape(entry["shape"])
@@ -98,13 +98,13 @@ class Tensors:
     dtype = np.dtype(FLOATS[entry["dtype"]])
     row = math.prod(entry["shape"][1:]) * dtype.itemsize
     _check_fits(file, name, entry["shape"], (stop - start) * row // dtype.itemsize * (dtype.itemsize + 4))
-    data = _read_span(file, name, entry["start"] + start * row, (stop - start) * row)
+    data = read_span(file, name, entry["start"] + start * row, (stop - start) * row)
     if len(data) != (stop - start) * row:
       raise errors.CheckpointError(f"{file}: tensor {name!r} is truncated")
     return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(entry["shape"][1:])).astype(np.float32)
 
 
-def _read_span(file: str, name: str, start: int, count: int) -> bytes:
+def read_span(file: str, name: str, start: int, count: int) -> bytes:
   """`count` bytes of `file` from offset `start` (a gs:// object: one ranged read) for tensor `name`."""
   if paths.is_remote(file):
     return remote.read_range(file, start, count) if count else b""

@@ -31,6 +31,8 @@ _COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
     "rules": ("inspect_tool.cli.rules_cmd", "rules", "Report which Qwix rules match which ops and weights."),
     "export": ("inspect_tool.cli.export_cmd", "export",
                "Export an FP8 quantized checkpoint (Orbax or DeepSeek FP8 safetensors) and validate it."),
+    "verify": ("inspect_tool.cli.verify_cmd", "verify",
+               "Check an export against its export_manifest.json: every tensor's shape, dtype and sha256."),
     "import": ("inspect_tool.cli.import_cmd", "import_", "Import a Hugging Face DeepSeek release into MaxText."),
     "presets": ("inspect_tool.cli.discovery_cmds", "presets", "List the model presets (model_name=...)."),
     "keys": ("inspect_tool.cli.discovery_cmds", "keys", "List MaxText's keys: default and what each changes here."),

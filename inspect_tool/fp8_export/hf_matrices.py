@@ -87,7 +87,7 @@ def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing
 
 
 def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
-               fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0) -> None:
+               fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0, tally=None) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
   The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
@@ -99,7 +99,7 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   block's matrices are all written before the next block is taken. Each routed expert is quantized alone, not in
   a batch: quant/fp8's scales for a batch of matrices can differ by an ulp from those of each matrix alone (XLA
   computes absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its
-  neighbours.
+  neighbours. `tally` (`manifest.tally.Tally`) sees every quantized matrix beside its source.
   """
   regions = _fp8_regions(writer, entry, cfg, fp8)
   layer_axis = entry.layer_axis
@@ -121,6 +121,8 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   def convert(kernel, places) -> None:
     matrix = hf_names.kernel_matrix(kernel, entry.rule, cfg)  # (in, out)
     arrays = _block_quantize_transposed(matrix) if fp8 else (hf_rows.cast(matrix.T, ml_dtypes.bfloat16),)
+    if fp8 and tally is not None:
+      tally.observe_quantized(places[0].name, matrix.T, arrays[0], arrays[1], BLOCK)
     for region, array in zip(places, arrays):
       region.write(array)
 

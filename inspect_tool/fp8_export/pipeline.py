@@ -30,6 +30,9 @@ from inspect_tool.fp8_export import quantize
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_hf
+from inspect_tool.manifest import build as manifest_lib
+from inspect_tool.manifest import stored as stored_lib
+from inspect_tool.manifest import tally as tally_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import stop
@@ -148,9 +151,12 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   with job_plan.temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
     step_dir = os.path.join(tmp, str(report_lib.STEP))
+    tally = tally_lib.Tally()
     written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
-                                           quantizers=quantize.Quantizers)
+                                           quantizers=quantize.Quantizers, tally=tally)
+    distributed.barrier("finalized")  # process 0 has merged the databases: every process hashes its share
+    manifest = _write_manifest(tmp, manifest_lib.orbax_described(jobs), tally, "orbax", max_memory)
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
       return ExportResult(paths.absolute(dst), {}, None)
@@ -173,11 +179,28 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
                                      mesh_devices=int(mesh.size), validation=validation,
                                      validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
+    report["manifest"] = manifest
     atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
   return ExportResult(paths.absolute(dst), report, validation)
+
+
+def _write_manifest(tmp: str, described: dict, tally: tally_lib.Tally, layout: str, max_memory: int) -> dict:
+  """Every process hashes its share of the stored tensors and hands over its tally; process 0 writes
+  `tmp/export_manifest.json` and returns its summary for the report (others: {})."""
+  merged = tally_lib.Tally()
+  for text in distributed.gather_text(tally.to_json()):
+    merged.merge(text)
+  tensors = stored_lib.StoredTensors(tmp)
+  with progress.step(f"hashing {len(tensors.names())} stored tensors for {manifest_lib.NAME}", plain=True):
+    doc = manifest_lib.manifest(tensors, described, merged, layout,
+                                manifest_lib.piece_bytes_for(max_memory, budget.current_rss()))
+  if distributed.process_index() != 0:
+    return {}
+  atomic.atomic_write_text(os.path.join(tmp, manifest_lib.NAME), json.dumps(doc, indent=1) + "\n")
+  return manifest_lib.summary(doc)
 
 
 def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
@@ -239,10 +262,11 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       elif data is None:
         data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
+      tally = tally_lib.Tally()
       with progress.step(f"writing DeepSeek {'FP8' if fp8 else 'bf16'} safetensors ({len(arrays)} arrays)"):
         try:
           summary = write_hf.write_deepseek_fp8(_Views(arrays), cfg, tmp, work_bytes=work_bytes, fp8=fp8,
-                                                chunk_shape=chunk_shape, read_overhead=read_overhead)
+                                                chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally)
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
         finally:
@@ -252,6 +276,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       stores.clear()
+      manifest = _write_manifest(tmp, manifest_lib.hf_described(summary.pop("origins")), tally,
+                                 "deepseek-fp8" if fp8 else "deepseek-bf16", max_memory)
       validation = None
       if not skipped:
         validation = validate_lib.validate_hf(cfg, source, tmp, data, fp8=fp8, max_kl=max_kl,
@@ -262,6 +288,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
                                           validation=validation, validation_skipped=skipped, fp8=fp8,
                                           rerun=rerun)
+      report["manifest"] = manifest
       atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)
 

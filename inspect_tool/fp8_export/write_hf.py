@@ -239,7 +239,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                        read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       fp8: bool = True) -> dict[str, Any]:
+                       fp8: bool = True, tally=None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
   checkpoint in `dst_dir`.
 
@@ -264,9 +264,12 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     chunk_shape: the source's chunk shape of a leaf key (None: unknown), which the blocks read align to.
     read_overhead: (key, block shape) -> bytes the source holds beyond a block while decoding it (default 0).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
+    fp8: False writes bfloat16, unquantized (`--layout deepseek-bf16`).
+    tally: a `manifest.tally.Tally` that sees every quantized matrix beside its source.
 
   Returns:
-    {"files": shard names, "num_tensors", "num_fp8", "total_size" (bytes of tensor data), "config": config.json}.
+    {"files": shard names, "num_tensors", "num_fp8", "total_size" (bytes of tensor data), "config": config.json,
+    "origins": tensor name -> (MaxText key, its shape, its dtype)}.
 
   Raises:
     errors.ConfigError: a model feature with no Hugging Face DeepSeek equivalent.
@@ -281,6 +284,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
       value, entry = arrays[key], plan[target]
+      writer.origin = (key, tuple(value.shape), np.dtype(value.dtype).name)
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
@@ -288,7 +292,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       overhead = functools.partial(read_overhead, key) if read_overhead else (lambda box: 0)
       if entry.rule.kind in (FP8, EXPERTS_FP8):
         spare = work_bytes - budget.SLICE_FACTOR * hf_matrices.unit_bytes(entry)
-        hf_matrices.write_leaf(writer, value, entry, cfg, spare, chunk, fp8, overhead)
+        hf_matrices.write_leaf(writer, value, entry, cfg, spare, chunk, fp8, overhead, tally)
         continue
       # Rows are converted in blocks of `row_bytes`, read in boxes of about as much beside a stream's windows (what
       # `SLICE_FACTOR` blocks leave): boxes of a streamed array are not cut down to single rows.
@@ -296,6 +300,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
                          work_bytes - budget.SLICE_FACTOR * max(row_bytes, hf_matrices.unit_bytes(entry)), overhead)
+    writer.origin = None
     for name, array in _synthesized(cfg):
       writer.add(name, array)
     weight_map = writer.close()
@@ -311,4 +316,4 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
   files = sorted(set(weight_map.values()))
   return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
-          "config": config}
+          "config": config, "origins": writer.origins}

@@ -263,6 +263,7 @@ class ArrayView:
   def __init__(self, source: CheckpointSource, store, origin: tuple[slice, ...] | None = None):
     self._source, self._store, self._origin = source, store, origin
     self.shape = tuple(int(d) for d in store.shape) if origin is None else tuple(s.stop - s.start for s in origin)
+    self.dtype = np.dtype(store.dtype.numpy_dtype)
 
   def cached(self, index: tuple[slice, ...]) -> "ArrayView":
     """The chunk-aligned box `index` of this array, read through a chunk cache of its own

@@ -158,6 +158,8 @@ class ShardedWriter:
     self.shards: list[_Shard] = []
     self.total_size = 0
     self.seen: set[str] = set()
+    self.origin = None  # set by the caller: what the tensors reserved from now on come from
+    self.origins: dict[str, object] = {}  # tensor name -> `origin` when it was reserved
 
   def __enter__(self) -> "ShardedWriter":
     return self
@@ -180,6 +182,8 @@ class ShardedWriter:
     if name in self.seen:
       raise AssertionError(f"tensor {name!r} produced twice")
     self.seen.add(name)
+    if self.origin is not None:
+      self.origins[name] = self.origin
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     shard = self.shards[-1] if self.shards else self._new_shard()

@@ -243,7 +243,7 @@ def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, 
 
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None,
-                 quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None):
+                 quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None, tally=None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
   `quantizers(jobs)` gives the quantizers of the quantized jobs (`fp8_export.quantize.Quantizers`: `quantize`,
@@ -257,7 +257,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
   array (progress). The checkpoint is complete once every process has returned and process 0 has called
   `finalize` on the returned writer. With several processes, process `i` owns every unit whose running number is
-  `i` modulo the process count.
+  `i` modulo the process count. `tally` (`manifest.tally.Tally`) sees every quantized slice, its source beside it.
 
   Returns:
     (`orbax_writer.OrbaxArrayWriter`, Written).
@@ -292,9 +292,9 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     for number, (job, units) in enumerate(zip(jobs, owned)):
       for unit in units:
         if job.two_pass:
-          source_bytes += _two_pass(job, unit, reads, quantizers, writer, outputs[id(job)], progress, ahead)
+          source_bytes += _two_pass(job, unit, reads, quantizers, writer, outputs[id(job)], progress, ahead, tally)
         else:
-          source_bytes += _one_slice(job, unit, reads, quantizers, writer, outputs[id(job)], progress)
+          source_bytes += _one_slice(job, unit, reads, quantizers, writer, outputs[id(job)], progress, tally)
       progress(0, 1)
       if number == len(jobs) // 2:
         atomic.test_point("arrays", before=writer.wait)
@@ -331,7 +331,7 @@ def _relative(index: tuple[slice, ...], box: tuple[slice, ...]) -> tuple[slice, 
 
 
 def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter,
-               outputs: list, progress) -> int:
+               outputs: list, progress, tally=None) -> int:
   """Reads the one box of `unit` and quantizes (or copies) and writes it slice by slice (cut in memory); returns
   its source bytes."""
   box = unit[0]
@@ -349,17 +349,18 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
     if wq is None:
       writer.write_slice([(outputs[0], index, part)])
     else:
-      part = read_lib.to_jax(part)  # the box itself when aligned and whole, else a copy of the slice
-      qvalue, scale = quantizers.quantize(part, wq)  # one call: the slice is already within budget
+      qvalue, scale = quantizers.quantize(read_lib.to_jax(part), wq)  # one call: the slice is within budget
+      qvalue, scale = np.asarray(qvalue), np.asarray(scale)
+      if tally is not None:
+        tally.observe_shared(".".join(wq.qvalue_key), part, qvalue, scale)
       part = None
-      writer.write_slice([(outputs[0], index, np.asarray(qvalue)),
-                          (outputs[1], _scale_index(index, wq), np.asarray(scale))])
+      writer.write_slice([(outputs[0], index, qvalue), (outputs[1], _scale_index(index, wq), scale)])
     progress(_slice_bytes(job, index), 0)
   return _slice_bytes(job, box)
 
 
 def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer: orbax_writer.OrbaxArrayWriter,
-              outputs: list, progress, ahead: absmax_ahead.AbsmaxAhead) -> int:
+              outputs: list, progress, ahead: absmax_ahead.AbsmaxAhead, tally=None) -> int:
   """Quantizes one group of boxes that share channels in two passes (the absmax of every slice, gathered per
   channels, or by `ahead` for the whole weight; then each slice quantized with it); writes every slice's qvalue
   and, once per channels, the scale. The last box of pass 1 stays in memory for pass 2. Returns the source bytes of
@@ -388,11 +389,15 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
       value, taken = taken, None
     for index in job.slices_in(box):
       channels = _channels(index, wq)
-      qvalue, scale = quantizers.quantize_block(read_lib.to_jax(value[_relative(index, box)]), amax[channels], wq)
-      parts = [(outputs[0], index, np.asarray(qvalue))]
+      part = value[_relative(index, box)]
+      qvalue, scale = quantizers.quantize_block(read_lib.to_jax(part), amax[channels], wq)
+      qvalue, scale = np.asarray(qvalue), np.asarray(scale)
+      if tally is not None:
+        tally.observe_shared(".".join(wq.qvalue_key), part, qvalue, scale)
+      parts = [(outputs[0], index, qvalue)]
       if channels not in scaled:
         scaled.add(channels)
-        parts.append((outputs[1], _scale_index(index, wq), np.asarray(scale)))
+        parts.append((outputs[1], _scale_index(index, wq), scale))
       writer.write_slice(parts)
     nbytes = _slice_bytes(job, box)
     progress(nbytes - nbytes // 2, 0)
@@ -403,10 +408,10 @@ STEP, ITEM = 0, "items"  # MaxText's converter layout: DST/0/items
 
 
 def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, label: str,
-                     step: bool = False, quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None) -> Written:
+                     step: bool = False, quantizers: Callable | None = None, tally=None) -> Written:
   """Writes the arrays of `jobs` as the Orbax checkpoint `tmp/0/items`, every process its share, process 0 the
   metadata once all have written (and, with `step`, MaxText's scalar `step` = 0 as its converter does); a progress
-  bar named `label`; `quantizers` as `write_arrays` takes them. A write error names `dst`, not `tmp`."""
+  bar named `label`; `quantizers` and `tally` as `write_arrays` takes them. A write error names `dst`, not `tmp`."""
   index, count = distributed.process_index(), distributed.process_count()
   step_dir = os.path.join(tmp, str(STEP))
   items_dir = os.path.join(step_dir, ITEM)
@@ -415,7 +420,7 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
   try:
     with progress.ByteProgress(label, total, len(jobs)) as bar:
       writer, written = write_arrays(jobs, source, items_dir, process_index=index, process_count=count,
-                                     on_slice=bar.update, quantizers=quantizers)
+                                     on_slice=bar.update, quantizers=quantizers, tally=tally)
     distributed.barrier("checkpoint written")
     if index == 0:
       if step:

@@ -1,0 +1,150 @@
+"""`DST/export_manifest.json`: per stored tensor what the quantizer did, and a sha256 of what was stored.
+
+Every tensor of the export has an entry (`tensors`, in the order of the names): `name`, `shape` and `dtype` as
+stored, `sha256` (`stored.StoredTensors.digest`), `source` (the MaxText leaf it came from: key, shape, dtype; null
+for a tensor the layout adds) and `quantized`. A quantized weight also has `scale` (the scale tensor's name, its
+layout, its count of blocks, and how many of its scales are zero, NaN or inf) and `error` (`tally.Tally.error`: the
+largest and mean absolute dequantization error against the source, and the largest relative to the block's
+absmax); a scale tensor names the weight it scales (`scale_of`) with the same counts.
+
+With several processes, each hashes every tensor whose running number is its index modulo the process count and
+process 0 gathers the rest (`distributed.gather_text`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from inspect_tool.distributed import runtime as distributed
+from inspect_tool.manifest import stored as stored_lib
+from inspect_tool.manifest import tally as tally_lib
+
+NAME = "export_manifest.json"
+KIND = "inspect_checkpoint export manifest"
+VERSION = 1
+HASH = "sha256 of each tensor's elements in C order, as stored (little-endian)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+  """What the writer knows of one stored tensor: where it came from and, quantized, its scale."""
+
+  source: dict | None = None  # {"key", "shape", "dtype"} of the MaxText leaf
+  quantized: bool = False
+  scale: str | None = None  # a quantized weight: its scale tensor's name
+  layout: str = ""  # a quantized weight: how its scales are laid out
+  scale_of: str | None = None  # a scale tensor: the weight it scales
+
+
+def source_of(key, shape, dtype) -> dict:
+  return {"key": "/".join(key), "shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
+
+
+def counts(values: np.ndarray) -> list[int]:
+  """[zero, NaN, inf] counts of an array of scales."""
+  values = np.asarray(values, np.float32)
+  return [int(np.count_nonzero(values == 0)), int(np.count_nonzero(np.isnan(values))),
+          int(np.count_nonzero(np.isinf(values)))]
+
+
+def _scale_counts(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int) -> tuple[str, list[int]]:
+  total = [0, 0, 0]
+
+  def add(piece):
+    for i, n in enumerate(counts(piece)):
+      total[i] += n
+
+  return tensors.digest(name, piece_bytes, add), total
+
+
+def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], piece_bytes: int) -> dict:
+  """name -> [sha256, zero, NaN, inf scale counts] of every stored tensor, this process's share hashed here."""
+  index, count = distributed.process_index(), distributed.process_count()
+  mine = {}
+  for number, name in enumerate(tensors.names()):
+    if number % count != index:
+      continue
+    if described.get(name, Described()).scale_of is not None:
+      digest, found = _scale_counts(tensors, name, piece_bytes)
+      mine[name] = [digest, *found]
+    else:
+      mine[name] = [tensors.digest(name, piece_bytes)]
+  out = {}
+  for text in distributed.gather_text(json.dumps(mine)):
+    out.update(json.loads(text))
+  return out
+
+
+def manifest(tensors: stored_lib.StoredTensors, described: dict[str, Described], tally: tally_lib.Tally,
+             layout: str, piece_bytes: int) -> dict:
+  """The manifest of the export `tensors` (every process calls this; only process 0's result is complete)."""
+  found = hashes(tensors, described, piece_bytes)
+  entries = []
+  for name in tensors.names():
+    about = described.get(name, Described())
+    entry = {"name": name, "shape": list(tensors.shape(name)), "dtype": tensors.dtype(name).name,
+             "sha256": found[name][0], "source": about.source, "quantized": about.quantized}
+    if about.quantized:
+      scale = found.get(about.scale, [None, 0, 0, 0])
+      entry["scale"] = {"name": about.scale, "layout": about.layout,
+                        "blocks": math.prod(tensors.shape(about.scale)) if about.scale in found else 0,
+                        "zero": scale[1], "nan": scale[2], "inf": scale[3]}
+      entry["error"] = tally.error(name)
+    if about.scale_of is not None:
+      entry.update(scale_of=about.scale_of, zero=found[name][1], nan=found[name][2], inf=found[name][3])
+    entries.append(entry)
+  return {"kind": KIND, "version": VERSION, "layout": layout, "hash": HASH,
+          "totals": {"tensors": len(entries), "bytes": sum(tensors.nbytes(n) for n in tensors.names()),
+                     "quantized": sum(e["quantized"] for e in entries)},
+          "tensors": entries}
+
+
+def piece_bytes_for(max_memory: int, held: int) -> int:
+  """Bytes read at once by a hash pass under `max_memory` with `held` bytes resident: a quarter of what is left
+  (the piece, its decoded copy and tensorstore's buffers), between 64 KiB and 256 MiB."""
+  return int(min(256 << 20, max(64 << 10, (max_memory - held) // 4)))
+
+
+def orbax_described(jobs) -> dict[str, Described]:
+  """What an Orbax export's writer planned (`streaming.write_orbax.ArrayJob`s), by stored array name."""
+  out = {}
+  for job in jobs:
+    source = source_of(job.leaf.key, job.leaf.shape, job.leaf.dtype)
+    wq = job.quant
+    if wq is None:
+      out[".".join(job.out_key)] = Described(source=source)
+      continue
+    weight, scale = ".".join(wq.qvalue_key), ".".join(wq.scale_key)
+    shared = [axis for axis in range(len(job.leaf.shape)) if axis not in wq.channel_axes]
+    out[weight] = Described(source=source, quantized=True, scale=scale,
+                            layout=f"per channel: one {wq.compute_dtype} scale per index of axes "
+                                   f"{list(wq.channel_axes)}, shared over axes {shared} (Qwix PTQ)")
+    out[scale] = Described(source=source, scale_of=weight)
+  return out
+
+
+def hf_described(origins: dict, scale_suffix: str = "_scale_inv") -> dict[str, Described]:
+  """What a DeepSeek safetensors export's writer recorded (tensor name -> (MaxText key, shape, dtype)), by name."""
+  out = {}
+  for name, (key, shape, dtype) in origins.items():
+    source = source_of(key, shape, dtype)
+    if name.endswith(scale_suffix):
+      out[name] = Described(source=source, scale_of=name[:-len(scale_suffix)])
+    elif name + scale_suffix in origins:
+      out[name] = Described(source=source, quantized=True, scale=name + scale_suffix,
+                            layout="128x128 blocks: one float32 weight_scale_inv per block (DeepSeek-V3's release)")
+    else:
+      out[name] = Described(source=source)
+  return out
+
+
+def summary(doc: dict) -> dict:
+  """The report's lines about the manifest: its name, tensors, and the largest errors over every tensor."""
+  errors_ = [e["error"] for e in doc["tensors"] if e.get("error")]
+  return {"name": NAME, "tensors": doc["totals"]["tensors"], "quantized": doc["totals"]["quantized"],
+          "largest_error_over_block_absmax": max((e["max_over_block_absmax"] for e in errors_), default=0.0),
+          "zero_nan_inf_scales": sum(e["zero"] + e["nan"] + e["inf"] for e in doc["tensors"] if "scale_of" in e)}

@@ -1,0 +1,91 @@
+"""`verify DST`: re-reads an export (local or gs://) and checks it against its `export_manifest.json`.
+
+Every tensor the manifest lists must be stored with its shape, dtype and sha256, and no other; a scale tensor's
+zero / NaN / inf counts must be those the manifest gives. The first difference, in manifest order, is the finding.
+A manifest that is missing or malformed is a bad input (`errors.CheckpointError`), not a finding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from inspect_tool import errors
+from inspect_tool.checkpoint import files
+from inspect_tool.manifest import build
+from inspect_tool.manifest import stored as stored_lib
+from inspect_tool.storage import paths
+
+MAX_MANIFEST_BYTES = 512 << 20
+_FIELDS = {"name": str, "shape": list, "dtype": str, "sha256": str}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+  path: str
+  tensors: int
+  nbytes: int
+  finding: str | None  # the first difference; None: the export is what its manifest says
+
+  @property
+  def passed(self) -> bool:
+    return self.finding is None
+
+
+def read_manifest(path: str) -> dict:
+  """The manifest of the export at `path`, its structure checked (one line naming what is wrong)."""
+  where = paths.join(path, build.NAME)
+  if files.kind(where) != "file":
+    raise errors.CheckpointError(f"{path}: no {build.NAME}; accepted: a directory written by inspect_checkpoint "
+                                 "export (version 2026.12 or later)")
+  doc = files.parse_json(files.read_bytes(where, MAX_MANIFEST_BYTES, "export manifest"),
+                         lambda why: errors.CheckpointError(f"{where}: {why}"))
+  if not isinstance(doc, dict) or doc.get("kind") != build.KIND or not isinstance(doc.get("tensors"), list):
+    raise errors.CheckpointError(f"{where}: not an export manifest (kind {build.KIND!r} with a tensors list)")
+  if doc.get("version") != build.VERSION:
+    raise errors.CheckpointError(f"{where}: manifest version {str(doc.get('version'))[:20]}; accepted: "
+                                 f"{build.VERSION}")
+  seen = set()
+  for i, entry in enumerate(doc["tensors"]):
+    bad = [f for f, kind in _FIELDS.items() if not isinstance(entry, dict) or not isinstance(entry.get(f), kind)]
+    if bad:
+      raise errors.CheckpointError(f"{where}: tensors[{i}] lacks {bad[0]!r} (each entry has name, shape, dtype, "
+                                   "sha256)")
+    if entry["name"] in seen:
+      raise errors.CheckpointError(f"{where}: tensor {entry['name']!r} is listed twice")
+    seen.add(entry["name"])
+  return doc
+
+
+def verify(path: str, piece_bytes: int) -> Verified:
+  """Checks the export at `path` against its manifest, reading at most `piece_bytes` of a tensor at once."""
+  doc = read_manifest(path)
+  tensors = stored_lib.StoredTensors(path)
+  listed = [entry["name"] for entry in doc["tensors"]]
+  total = sum(tensors.nbytes(n) for n in tensors.names())
+  result = lambda finding: Verified(path, len(listed), total, finding)  # noqa: E731
+  extra = sorted(set(tensors.names()) - set(listed))
+  for entry in doc["tensors"]:
+    name = entry["name"]
+    if name not in tensors.names():
+      return result(f"tensor {name} of the manifest is not stored in {path}")
+    shape, dtype = list(tensors.shape(name)), tensors.dtype(name).name
+    if [shape, dtype] != [entry["shape"], entry["dtype"]]:
+      return result(f"tensor {name} is stored as {dtype} {shape}; the manifest says {entry['dtype']} "
+                    f"{entry['shape']}")
+    found = [0, 0, 0]
+
+    def add(piece, found=found):
+      for i, n in enumerate(build.counts(piece)):
+        found[i] += n
+
+    digest = tensors.digest(name, piece_bytes, add if "scale_of" in entry else None)
+    if digest != entry["sha256"]:
+      return result(f"tensor {name} differs from the manifest: sha256 {digest[:16]}... stored, "
+                    f"{entry['sha256'][:16]}... listed")
+    if "scale_of" in entry and found != [entry.get("zero"), entry.get("nan"), entry.get("inf")]:
+      return result(f"scale tensor {name} has {found[0]} zero, {found[1]} NaN, {found[2]} inf scales; the "
+                    f"manifest says {entry.get('zero')}, {entry.get('nan')}, {entry.get('inf')}")
+  if extra:
+    return result(f"{path} stores tensor {extra[0]}, which the manifest does not list")
+  return result(None)

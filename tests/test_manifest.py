@@ -1,0 +1,203 @@
+"""`DST/export_manifest.json` and `verify`: every hash against hashlib over the arrays read with tensorstore or the
+safetensors bytes parsed here, every error field against numpy over the source and the stored values."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from hostile import TINY_CKPT_MODEL, check_one_line
+from test_export_distributed import CKPT, _arrays
+
+from inspect_tool.manifest import stored
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENS = [*TINY_CKPT_MODEL, "quantization=fp8_full", "quantize_mtp=true"]
+E4M3_MAX = 448.0
+
+
+def _cli(*argv, timeout=300):
+  return subprocess.run([sys.executable, "-m", "inspect_tool", *map(str, argv)], capture_output=True, text=True,
+                        cwd=REPO, check=False, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.fixture(scope="module")
+def orbax_export(tmp_path_factory):
+  dst = tmp_path_factory.mktemp("orbax") / "dst"
+  done = _cli("export", *TOKENS, "--checkpoint", CKPT, "--output", dst, "--no-validate", "--quiet")
+  assert done.returncode == 0, done.stderr[-2000:]
+  return dst
+
+
+@pytest.fixture(scope="module")
+def hf_export(tmp_path_factory):
+  dst = tmp_path_factory.mktemp("hf") / "dst"
+  done = _cli("export", *TOKENS, "--checkpoint", CKPT, "--output", dst, "--layout", "deepseek-fp8", "--no-validate",
+              "--quiet")
+  assert done.returncode == 0, done.stderr[-2000:]
+  return dst
+
+
+def _manifest(dst) -> dict:
+  return json.loads((dst / "export_manifest.json").read_text())
+
+
+def _safetensors(dst) -> dict[str, tuple[str, bytes]]:
+  """name -> (dtype tag, its bytes), parsed from the shards here (8-byte length, JSON header, data)."""
+  out = {}
+  for shard in sorted(dst.glob("*.safetensors")):
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    for name, entry in header.items():
+      if name != "__metadata__":
+        begin, end = entry["data_offsets"]
+        out[name] = (entry["dtype"], raw[8 + length + begin:8 + length + end])
+  return out
+
+
+def _error(source: np.ndarray, dequantized: np.ndarray, absmax: np.ndarray) -> dict:
+  error = np.abs(dequantized.astype(np.float64) - source.astype(np.float64))
+  return {"max_abs": error.max(), "mean_abs": error.mean(), "max_over_block_absmax": (error / absmax).max()}
+
+
+def _check_error(entry: dict, expected: dict) -> None:
+  got = entry["error"]
+  for field, value in expected.items():
+    assert got[field] == pytest.approx(value, rel=2e-6, abs=1e-12), (entry["name"], field, got[field], value)
+
+
+def test_the_orbax_manifest_hashes_every_stored_array_and_measures_every_quantized_one(orbax_export):
+  doc = _manifest(orbax_export)
+  stored_arrays, source = _arrays(str(orbax_export)), _arrays(CKPT)
+  entries = {e["name"]: e for e in doc["tensors"]}
+  assert sorted(entries) == sorted(stored_arrays) and len(entries) == 86 and doc["layout"] == "orbax"
+  quantized = 0
+  for name, entry in entries.items():
+    array = stored_arrays[name]
+    assert entry["sha256"] == hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(), name
+    assert (entry["shape"], entry["dtype"]) == (list(array.shape), array.dtype.name), name
+    if "scale_of" in entry:
+      assert [entry["zero"], entry["nan"], entry["inf"]] == [int((array == 0).sum()), int(np.isnan(array).sum()),
+                                                             int(np.isinf(array).sum())]
+    if not entry["quantized"]:
+      continue
+    quantized += 1
+    assert name.endswith(".array.qvalue") and array.dtype == ml_dtypes.float8_e4m3fn
+    original = source[entry["source"]["key"].replace("/", ".")]
+    assert entry["source"]["shape"] == list(original.shape) == list(array.shape)
+    scale = stored_arrays[entry["scale"]["name"]].astype(np.float32)
+    assert entry["scale"]["blocks"] == scale.size and entry["scale"]["layout"].startswith("per channel")
+    # Against the float32 source as stored (Qwix's PTQ casts it to bfloat16 first: that rounding is in the error).
+    dequantized = array.astype(np.float32) * scale
+    _check_error(entry, _error(original, dequantized,
+                               np.broadcast_to(np.abs(scale) * E4M3_MAX, array.shape)))
+    assert 0 < entry["error"]["max_over_block_absmax"] <= 1 / 16 + 1e-6  # e4m3's rounding: half of 2^-3
+  assert quantized == doc["totals"]["quantized"] == sum(n.endswith(".array.qvalue") for n in stored_arrays) == 33
+
+
+def test_the_deepseek_fp8_manifest_hashes_the_shard_bytes_and_measures_the_128_blocks(hf_export):
+  doc = _manifest(hf_export)
+  tensors = _safetensors(hf_export)
+  entries = {e["name"]: e for e in doc["tensors"]}
+  assert sorted(entries) == sorted(tensors) and doc["layout"] == "deepseek-fp8"
+  for name, (dtype, data) in tensors.items():
+    assert entries[name]["sha256"] == hashlib.sha256(data).hexdigest(), name
+    assert entries[name]["quantized"] == (dtype == "F8_E4M3"), name
+  # One routed expert, by hand: layer 1 is the first MoE layer (stack index 0), expert 3's gate_proj = wi_0[3, 0].T.
+  name = "model.layers.1.mlp.experts.3.gate_proj.weight"
+  entry = entries[name]
+  assert entry["source"]["key"].endswith("moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0")
+  original = _arrays(CKPT)[entry["source"]["key"].replace("/", ".")][3, 0].T
+  qvalue = np.frombuffer(tensors[name][1], ml_dtypes.float8_e4m3fn).reshape(entry["shape"]).astype(np.float32)
+  scale = np.frombuffer(tensors[name + "_scale_inv"][1], np.float32).reshape(entries[name + "_scale_inv"]["shape"])
+  assert entry["scale"]["blocks"] == scale.size and entry["scale"]["layout"].startswith("128x128 blocks")
+  block = np.kron(scale, np.ones((128, 128), np.float32))[:qvalue.shape[0], :qvalue.shape[1]]
+  _check_error(entry, _error(original, qvalue * block, np.abs(block) * E4M3_MAX))
+  fp8 = [e for e in entries.values() if e["quantized"]]
+  assert len(fp8) == doc["totals"]["quantized"] > 50
+  assert all(0 < e["error"]["max_over_block_absmax"] <= 1 / 16 + 1e-6 for e in fp8)
+
+
+@pytest.mark.parametrize("shape, piece", [((7, 5, 3), 24), ((4, 9), 4), ((3, 2, 2, 5), 1000), ((11,), 8), ((), 4),
+                                          ((2, 0, 3), 8), ((5, 6), 7)])
+def test_slabs_cover_every_element_once_in_c_order(shape, piece):
+  value = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+  pieces = [value[box].reshape(-1) for box in stored.slabs(shape, 4, piece)]
+  assert all(p.nbytes <= max(piece, 4) for p in pieces)
+  assert np.concatenate(pieces or [np.zeros(0, np.float32)]).tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("layout", ["orbax", "deepseek-fp8"])
+def test_verify_passes_an_untouched_export_in_small_pieces(orbax_export, hf_export, layout):
+  dst = orbax_export if layout == "orbax" else hf_export
+  done = _cli("verify", dst, "--max-memory", "400MB")
+  assert done.returncode == 0, done.stderr[-2000:]
+  lines = done.stdout.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"verified {dst}: {len(_manifest(dst)['tensors'])} tensors")
+
+
+def test_verify_names_the_changed_safetensors_tensor(hf_export, tmp_path):
+  dst = tmp_path / "dst"
+  shutil.copytree(hf_export, dst)
+  name = "model.layers.2.mlp.experts.5.down_proj.weight"
+  shard = dst / json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
+  raw = bytearray(shard.read_bytes())
+  (length,) = struct.unpack("<Q", raw[:8])
+  begin = json.loads(raw[8:8 + length])[name]["data_offsets"][0] + 8 + length
+  raw[begin + 100] ^= 0x01  # one bit of one value
+  shard.write_bytes(bytes(raw))
+  done = _cli("verify", dst)
+  assert done.returncode == 1 and done.stdout.startswith(f"FAILED: {dst}: tensor {name} differs"), done.stdout
+
+
+def test_verify_names_the_changed_orbax_array_and_a_tensor_the_manifest_lacks(orbax_export, tmp_path):
+  dst = tmp_path / "dst"
+  shutil.copytree(orbax_export, dst)
+  name = "params.params.decoder.moe_layers.self_attention.wq_b.kernel.array.qvalue"
+  base = {"driver": "ocdbt", "base": {"driver": "file", "path": str(dst / "0" / "items") + "/"}}
+  array = ts.open({"driver": "zarr3", "kvstore": dict(base, path=name + "/")}, open=True).result()
+  value = array[0, 0, 0, :1].read().result()
+  array[0, 0, 0, :1].write(-value.astype(np.float32).astype(value.dtype)
+                           if float(value[0]) else np.ones(1, value.dtype)).result()
+  done = _cli("verify", dst)
+  assert done.returncode == 1 and done.stdout.startswith(f"FAILED: {dst}: tensor {name} differs"), done.stdout
+  shutil.rmtree(dst)
+  shutil.copytree(orbax_export, dst)
+  doc = _manifest(dst)
+  dropped = doc["tensors"].pop(5)["name"]
+  (dst / "export_manifest.json").write_text(json.dumps(doc))
+  done = _cli("verify", dst)
+  assert done.returncode == 1 and f"stores tensor {dropped}, which the manifest does not list" in done.stdout
+
+
+@pytest.mark.parametrize("manifest, says", [(None, "no export_manifest.json"), ("{", "export_manifest.json"),
+                                            ('{"kind": "x", "tensors": []}', "not an export manifest")])
+def test_verify_of_a_directory_without_a_good_manifest_is_one_line(hf_export, tmp_path, manifest, says):
+  dst = tmp_path / "dst"
+  shutil.copytree(hf_export, dst)
+  (dst / "export_manifest.json").unlink()
+  if manifest is not None:
+    (dst / "export_manifest.json").write_text(manifest)
+  done = _cli("verify", dst)
+  check_one_line(done.returncode, done.stdout, done.stderr, says)
+
+
+def test_verify_reads_an_export_on_gs(gcs, orbax_export, hf_export):
+  gcs.create_bucket("manifest-bucket")
+  for layout, dst in (("orbax", orbax_export), ("hf", hf_export)):
+    url = gcs.upload(dst, f"gs://manifest-bucket/{layout}")
+    done = subprocess.run([sys.executable, "-m", "inspect_tool", "verify", url], capture_output=True, text=True,
+                          cwd=REPO, check=False, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0 and done.stdout.startswith(f"verified {url}: "), done.stderr[-2000:]
