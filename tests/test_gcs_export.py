@@ -48,7 +48,8 @@ def test_an_export_to_gs_reproduces_maxtexts_fp8_golden(gcs, capsys, tmp_path):
   assert code == 0, err
   assert f"\nwrote {dst}\n" in out
   names = gcs.listing(dst)
-  assert names[-2:] == ["commit_success.txt", "quantization_report.json"] and "0/commit_success.txt" in names
+  assert names[-3:] == ["commit_success.txt", "export_manifest.json", "quantization_report.json"]
+  assert "0/commit_success.txt" in names
   assert commit.committed(dst) and commit.committed(dst + "/0/items")
   assert gcs.listing(f"gs://{BUCKET}/golden") == [f"fp8/{n}" for n in names]  # no staging prefix, no lock left
   # The published objects, read from the bucket by `forward`, reproduce MaxText's fp8_full golden.
@@ -79,7 +80,7 @@ def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
   _assert_same_arrays(_arrays(one), _arrays(two), count=86)
   listed = gcs.listing(two)
   assert {"0/items/ocdbt.process_0/manifest.ocdbt", "0/items/ocdbt.process_1/manifest.ocdbt"} <= set(listed)
-  assert listed[-2:] == ["commit_success.txt", "quantization_report.json"]
+  assert listed[-3:] == ["commit_success.txt", "export_manifest.json", "quantization_report.json"]
   assert gcs.listing(f"gs://{BUCKET}/dist") == sorted([f"one/{n}" for n in gcs.listing(one)]
                                                       + [f"two/{n}" for n in listed])
 

@@ -50,7 +50,8 @@ def _siblings(gcs, dst: str) -> list[str]:
 
 def _is_new_export(gcs, dst: str) -> bool:
   names = gcs.listing(dst)
-  return names[-2:] == [commit.MARKER, "quantization_report.json"] and "0/items/_METADATA" in names
+  return (names[-3:] == [commit.MARKER, "export_manifest.json", "quantization_report.json"]
+          and "0/items/_METADATA" in names)
 
 
 def _env_tmp(tmp_path, **extra):

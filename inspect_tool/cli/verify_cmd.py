@@ -43,5 +43,5 @@ def verify(dst, max_memory, fmt, output_file):
             f"{build.NAME} lists it")
   else:
     text = f"FAILED: {dst}: {result.finding}"
-  options.emit_text(text, output_file)
+  options.emit_text(text + "\n", output_file)
   return 0 if result.passed else 1

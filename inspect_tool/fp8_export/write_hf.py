@@ -284,7 +284,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
       value, entry = arrays[key], plan[target]
-      writer.origin = (key, tuple(value.shape), np.dtype(value.dtype).name)
+      dtype = getattr(value, "dtype", None)  # an array-like may not say (the manifest then has null)
+      writer.origin = (key, tuple(value.shape), None if dtype is None else np.dtype(dtype).name)
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")

@@ -41,7 +41,8 @@ class Described:
 
 
 def source_of(key, shape, dtype) -> dict:
-  return {"key": "/".join(key), "shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
+  return {"key": "/".join(key), "shape": [int(d) for d in shape],
+          "dtype": None if dtype is None else np.dtype(dtype).name}
 
 
 def counts(values: np.ndarray) -> list[int]:

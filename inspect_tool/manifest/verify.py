@@ -8,7 +8,6 @@ A manifest that is missing or malformed is a bad input (`errors.CheckpointError`
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
