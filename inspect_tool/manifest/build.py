@@ -52,7 +52,8 @@ def counts(values: np.ndarray) -> list[int]:
           int(np.count_nonzero(np.isinf(values)))]
 
 
-def _scale_counts(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int) -> tuple[str, list[int]]:
+def scale_digest(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int) -> tuple[str, list[int]]:
+  """(sha256, [zero, NaN, inf] counts) of the scale tensor `name`, read once."""
   total = [0, 0, 0]
 
   def add(piece):
@@ -70,7 +71,7 @@ def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], p
     if number % count != index:
       continue
     if described.get(name, Described()).scale_of is not None:
-      digest, found = _scale_counts(tensors, name, piece_bytes)
+      digest, found = scale_digest(tensors, name, piece_bytes)
       mine[name] = [digest, *found]
     else:
       mine[name] = [tensors.digest(name, piece_bytes)]

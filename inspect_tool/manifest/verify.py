@@ -63,26 +63,24 @@ def verify(path: str, piece_bytes: int) -> Verified:
   listed = [entry["name"] for entry in doc["tensors"]]
   total = sum(tensors.nbytes(n) for n in tensors.names())
   result = lambda finding: Verified(path, len(listed), total, finding)  # noqa: E731
-  extra = sorted(set(tensors.names()) - set(listed))
+  names = set(tensors.names())
+  extra = sorted(names - set(listed))
   for entry in doc["tensors"]:
     name = entry["name"]
-    if name not in tensors.names():
+    if name not in names:
       return result(f"tensor {name} of the manifest is not stored in {path}")
     shape, dtype = list(tensors.shape(name)), tensors.dtype(name).name
     if [shape, dtype] != [entry["shape"], entry["dtype"]]:
       return result(f"tensor {name} is stored as {dtype} {shape}; the manifest says {entry['dtype']} "
                     f"{entry['shape']}")
-    found = [0, 0, 0]
-
-    def add(piece, found=found):
-      for i, n in enumerate(build.counts(piece)):
-        found[i] += n
-
-    digest = tensors.digest(name, piece_bytes, add if "scale_of" in entry else None)
+    if "scale_of" in entry:
+      digest, found = build.scale_digest(tensors, name, piece_bytes)
+    else:
+      digest, found = tensors.digest(name, piece_bytes), None
     if digest != entry["sha256"]:
       return result(f"tensor {name} differs from the manifest: sha256 {digest[:16]}... stored, "
                     f"{entry['sha256'][:16]}... listed")
-    if "scale_of" in entry and found != [entry.get("zero"), entry.get("nan"), entry.get("inf")]:
+    if found is not None and found != [entry.get("zero"), entry.get("nan"), entry.get("inf")]:
       return result(f"scale tensor {name} has {found[0]} zero, {found[1]} NaN, {found[2]} inf scales; the "
                     f"manifest says {entry.get('zero')}, {entry.get('nan')}, {entry.get('inf')}")
   if extra:
