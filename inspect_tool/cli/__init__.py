@@ -177,9 +177,9 @@ def entry_point() -> None:
   import gc  # pylint: disable=import-outside-toplevel
   from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
-  stop.install_handlers()  # before anything heavy is imported
-  gc.set_threshold(*GC_THRESHOLDS)
   try:
+    stop.install_handlers()  # before anything heavy is imported (again: `__main__.run` did it first)
+    gc.set_threshold(*GC_THRESHOLDS)
     code = main(fresh=False)
   except BaseException:  # a stop outside the command itself (setting up, finishing): its line, not a traceback
     if stop.received() is None:
