@@ -9,6 +9,10 @@ from the formula of `inspect_tool/sharding/activations.py` written out with the 
 import json
 import math
 import os
+import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -102,7 +106,10 @@ def test_a_plan_that_does_not_fit_names_the_devices_it_needs_and_whether_bf16_fi
   # bfloat16 weights: params, mu (mu_dtype unset: the weight dtype), nu and gradients at 2 bytes each.
   assert advice["bf16_weights_bytes_per_device"] == 8 * total + ACTIVATIONS and advice["bf16_weights_fit"] is True
   assert len(err.strip().splitlines()) == 1
-  assert "needs 16 devices of this kind (fsdp=8 instead of 4, the other axes unchanged" in err
+  line = _lines(err)["16 devices (fsdp=8)"]
+  assert line == _cmd(*TINY[:2], TINY[3], *SMALL, "ici_fsdp_parallelism=8", "--summary", "--train", "adamw", "--devices", "16",
+                      "--device-memory", f"{doubled}B")
+  assert _plans_as_fitting(line)
   assert "weight_dtype=bfloat16 would fit on these devices" in err
   # A third of the fsdp-sharded bytes is needed: fsdp 12 does not divide the embedding's 64 and fsdp 16 × expert 2
   # does not divide wkv_b's kv_lora_rank 16 (nor does any larger fsdp): no device count of this shape fits.
@@ -118,3 +125,94 @@ def test_no_device_count_fits_when_the_unsharded_bytes_and_activations_do_not(ca
                          f"{16 * (total - on_fsdp) + ACTIVATIONS}B")
   assert code == 1 and mem["advice"]["devices_needed"] is None
   assert "no number of devices fits by growing fsdp" in err and "is not sharded over fsdp" in err
+
+
+def _cmd(*argv) -> str:
+  return shlex.join(["inspect_checkpoint", "maxtext", *argv])
+
+
+def _lines(err: str) -> dict[str, str]:
+  """The advice's ways in the one stderr line: change -> command line."""
+  return dict(re.findall(r"fits with ([^;:]+): (inspect_checkpoint [^;]+)", err))
+
+
+def _plans_as_fitting(line: str) -> bool:
+  """Runs `line` as printed (the installed `inspect_checkpoint` script) and says whether its plan fits."""
+  argv = shlex.split(line)
+  script = os.path.join(os.path.dirname(sys.executable), argv[0])
+  proc = subprocess.run([script, *argv[1:]], capture_output=True, text=True, timeout=300, check=False,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  return proc.returncode == 0 and proc.stderr == "" and re.search(r": fits\n", proc.stdout) is not None
+
+
+def test_when_the_activations_do_not_fit_beside_the_state_the_advice_names_the_batch_and_length_that_do(capsys):
+  """Every part of the estimate grows with the tokens (flash attention keeps no scores): at batch b and length S
+  the activations are b·S/64 × ACTIVATIONS. With room for 2 × ACTIVATIONS beside the state, batch 4 at length 64
+  fits as batch 2, or as length 32 at batch 4."""
+  total, _ = _per_device_elements()
+  limit = 16 * total + 2 * ACTIVATIONS + 1000
+  keys = [*TINY, "per_device_batch_size=4", "max_target_length=64"]
+  flags = ["--devices", "8", "--device-memory", f"{limit}B"]
+  code, _, err = run(capsys, "maxtext", *keys, "--summary", "--train", "adamw", *flags)
+  assert code == 1 and len(err.strip().splitlines()) == 1
+  # 4 x ACTIVATIONS (511.77 MiB) exceed the whole device (the state's 65.12 MiB + 2 x ACTIVATIONS): said so.
+  assert ("the activations alone fill a device: 511.77 MiB (estimate, per_device_batch_size=4, max_target_length=64, "
+          "remat_policy=full) of its 321.01 MiB") in err
+  lines = _lines(err)
+  assert list(lines) == ["per_device_batch_size=2 instead of 4", "max_target_length=32 instead of 64"]
+  assert lines["per_device_batch_size=2 instead of 4"] == _cmd(
+      *TINY, "max_target_length=64", "per_device_batch_size=2", "--summary", "--train", "adamw", *flags)
+  assert lines["max_target_length=32 instead of 64"] == _cmd(
+      *TINY, "per_device_batch_size=4", "max_target_length=32", "--summary", "--train", "adamw", *flags)
+  assert all(_plans_as_fitting(line) for line in lines.values())
+  code, mem, _ = _json(capsys, *keys, "--train", "adamw", *flags)
+  ways = mem["advice"]["ways"]
+  assert [w["bytes_per_device"] for w in ways] == [16 * total + 2 * ACTIVATIONS] * 2
+  assert [w["command"] for w in ways] == list(lines.values())
+
+
+def test_a_remat_policy_that_saves_every_layer_is_named_with_the_batch_that_fits_under_full(capsys):
+  """remat_policy=full keeps ACTIVATIONS per unit of batch at length 64: room for 3 of them fits batch 3."""
+  total, _ = _per_device_elements()
+  limit = 16 * total + 3 * ACTIVATIONS + 1000
+  flags = ["--devices", "8", "--device-memory", f"{limit}B"]
+  code, _, err = run(capsys, "maxtext", *TINY, *SMALL, "per_device_batch_size=4", "remat_policy=minimal", "--train",
+                     "adamw", *flags)
+  assert code == 1
+  line = _lines(err)["remat_policy=full instead of minimal, per_device_batch_size=3"]
+  assert line == _cmd(*TINY, "max_target_length=64", "remat_policy=full", "per_device_batch_size=3", "--summary",
+                      "--train", "adamw", *flags)
+  assert _plans_as_fitting(line)
+
+
+def test_when_the_activations_alone_fill_a_device_the_batch_and_the_devices_change_together(capsys):
+  """At length 16 (the shortest the advice offers) and a batch whose activations exceed a device, nothing fits on
+  8 devices: not a smaller batch, not a shorter length; at batch 1, fsdp 4 -> 8 does, exactly."""
+  total, on_fsdp = _per_device_elements()
+  act16 = ACTIVATIONS // 4  # every term of the estimate is linear in the tokens: 16 of them instead of 64
+  limit = 16 * (total - on_fsdp + on_fsdp // 2) + act16
+  batch = limit // act16 + 1
+  flags = ["--devices", "8", "--device-memory", f"{limit}B"]
+  code, mem, err = _json(capsys, *TINY, "max_target_length=16", f"per_device_batch_size={batch}", "--train", "adamw",
+                         *flags)
+  assert code == 1 and mem["advice"]["devices_needed"] is None
+  assert "the activations alone fill a device" in err and "on any number of devices" in err
+  assert list(_lines(err)) == ["per_device_batch_size=1 on 16 devices (fsdp=8)"]
+  line = _lines(err)["per_device_batch_size=1 on 16 devices (fsdp=8)"]
+  assert line == _cmd(*TINY[:2], "ici_expert_parallelism=2", "max_target_length=16", "per_device_batch_size=1",
+                      "ici_fsdp_parallelism=8", "--summary", "--train", "adamw", "--devices", "16",
+                      "--device-memory", f"{limit}B")
+  assert mem["advice"]["ways"][0]["bytes_per_device"] == limit
+  assert _plans_as_fitting(line)
+
+
+def test_the_671b_on_v5p_8_gets_a_line_that_fits_and_says_the_activations_fill_the_device(capsys):
+  """The case users met: MaxText's default batch (12) on a v5p-8; every line the advice prints plans as fitting."""
+  code, out, err = run(capsys, "maxtext", "model_name=deepseek3-671b", "mtp_num_layers=1", "--topology", "v5p-8",
+                       "--summary", "--train", "adamw")
+  assert code == 1
+  assert "The activations take 94.97 GiB (estimate, per_device_batch_size=12" in out
+  commands = [line.strip() for line in out.splitlines() if line.strip().startswith("inspect_checkpoint maxtext")]
+  assert commands == list(_lines(err).values()) and commands
+  assert all("per_device_batch_size=1" in c and "--topology v5p-256" in c for c in commands)
+  assert all(_plans_as_fitting(c) for c in commands)

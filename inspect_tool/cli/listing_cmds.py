@@ -51,7 +51,7 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
                                          key_filter=key_filter, fp8_column=summary or fmt != "text")
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
-                               topology=topology)
+                               topology=topology, overrides=overrides)
   report = options.listing_view(report, collapse=collapse)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:

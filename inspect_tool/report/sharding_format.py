@@ -28,7 +28,7 @@ def _verdict(memory) -> list[str]:
   if memory.limit is not None:
     out.append(f"{memory.limit_source}: {hb(memory.limit)}: " + ("fits" if memory.fits else "DOES NOT FIT"))
   if memory.advice is not None:
-    out.append(f"To fit: {memory.advice.describe()}")
+    out += memory.advice.report_lines()
   return out
 
 

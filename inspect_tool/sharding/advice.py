@@ -1,10 +1,18 @@
-"""What would make a plan that does not fit fit: more devices of the same kind, or bfloat16 weights.
+"""What would make a plan that does not fit fit, each way as a whole `inspect_checkpoint maxtext ...` line whose
+own plan (made again from that line, `invocation`) fits; a way whose line does not plan as fitting is not offered.
 
-More devices keep the parallelism's shape: one mesh axis grows (`fsdp`, or the largest axis when `fsdp` is 1),
-the others stay, and each device keeps its `per_device_batch_size` (activations unchanged). The fewest devices
-are found by planning the grown mesh as MaxText would (every sharded dimension must divide) and summing its bytes
-exactly, from the lower bound the bytes sharded over that axis give. `weight_dtype=bfloat16` halves the float32
-parameters, their gradients and (`mu_dtype` unset) adamw's mu, on the same mesh.
+- The batch, on these devices, when the state fits but the activations (an estimate, `activations`) do not: the
+  largest integer `per_device_batch_size` that fits, `remat_policy=full` (when another policy is set) with the
+  largest batch that fits under it, and the largest power-of-two `max_target_length` that fits at the batch
+  (at `per_device_batch_size=1` when even that batch does not fit).
+- More devices of the same kind, keeping the parallelism's shape: one mesh axis grows (`fsdp`, or the largest axis
+  when `fsdp` is 1), the others stay, and each device keeps its `per_device_batch_size` (activations unchanged). The
+  fewest devices are found by planning the grown mesh as MaxText would (every sharded dimension must divide) and
+  summing its bytes exactly, from the lower bound the bytes sharded over that axis give. When the activations alone
+  fill a device at the configured batch, the devices are grown at `per_device_batch_size=1` instead: the batch and
+  the device count together.
+- `weight_dtype=bfloat16` halves the float32 parameters, their gradients and (`mu_dtype` unset) adamw's mu, on the
+  same mesh (a figure, not a line: the checkpoint's dtype is the user's choice).
 """
 
 from __future__ import annotations
@@ -13,11 +21,28 @@ import dataclasses
 import math
 
 from inspect_tool.paramtree import summary as summary_lib
+from inspect_tool.sharding import activations
+from inspect_tool.sharding import invocation as invocation_lib
 from inspect_tool.sharding import memory as memory_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement
 
 MAX_TRIES = 64  # grown meshes planned before giving up on divisibility
+MIN_LENGTH = 16  # the shortest max_target_length offered
+MAX_DEVICES = 1 << 16  # no device count above this is searched (beyond any slice or multi-slice job)
+
+
+@dataclasses.dataclass(frozen=True)
+class Way:
+  """One way to fit: what changes, the line that plans it, and its bytes per device (checked: they fit)."""
+
+  change: str
+  line: str | None  # None when the plan's command line is unknown (`annotate` called without overrides)
+  devices: int
+  needed: float
+
+  def to_dict(self) -> dict:
+    return {"change": self.change, "command": self.line, "devices": self.devices, "bytes_per_device": self.needed}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,24 +55,46 @@ class Advice:
   why_not: str | None  # when `devices` is None
   bf16_needed: float | None  # bytes per device with weight_dtype=bfloat16 (None: the weights are already bf16)
   bf16_fits: bool | None
+  activations_fill: str | None = None  # when the activations are what does not fit: how much they take of what
+  ways: tuple[Way, ...] = ()
+
+  def notes(self) -> list[str]:
+    """What the advice found, besides the ways with a command line."""
+    hb = summary_lib.human_bytes
+    out = [f"fits with {w.change}" for w in self.ways if not w.line]
+    if self.devices is not None and not any(w.devices == self.devices for w in self.ways):
+      grown = self.axis_size * self.devices // self.devices_now
+      out.append(f"needs {self.devices} devices of this kind ({self.axis}={grown} instead of {self.axis_size}, the "
+                 f"other axes unchanged: {hb(self.needed_there)} per device)")
+    elif self.devices is None and self.why_not:
+      out.append(f"at this batch no number of devices fits by growing {self.axis}: {self.why_not}")
+    if self.bf16_needed is not None:
+      out.append(f"weight_dtype=bfloat16 would {'fit' if self.bf16_fits else 'not fit'} on these devices "
+                 f"({hb(self.bf16_needed)} per device)")
+    return out
 
   def describe(self) -> str:
-    hb = summary_lib.human_bytes
-    if self.devices is not None:
-      grown = self.axis_size * self.devices // self.devices_now
-      out = (f"needs {self.devices} devices of this kind ({self.axis}={grown} instead of {self.axis_size}, the "
-             f"other axes unchanged: {hb(self.needed_there)} per device)")
-    else:
-      out = f"no number of devices fits by growing {self.axis}: {self.why_not}"
-    if self.bf16_needed is not None:
-      out += (f"; weight_dtype=bfloat16 would {'fit' if self.bf16_fits else 'not fit'} on these devices "
-              f"({hb(self.bf16_needed)} per device)")
+    """One line: why, each way with its command line, then the other notes."""
+    why = [self.activations_fill] if self.activations_fill else []
+    return "; ".join(why + [f"fits with {w.change}: {w.line}" for w in self.ways if w.line] + self.notes())
+
+  def report_lines(self) -> list[str]:
+    """The report's lines: each way's command on a line of its own, then the notes."""
+    ways = [w for w in self.ways if w.line]
+    out = [self.activations_fill[0].upper() + self.activations_fill[1:] + "."] if self.activations_fill else []
+    out += ["To fit (each command runs as printed; its plan fits):"] if ways else []
+    for w in ways:
+      out += [f"  {w.change}:", f"    {w.line}"]
+    notes = self.notes()
+    if notes:
+      out.append(("Also: " if ways else "To fit: ") + "; ".join(notes))
     return out
 
   def to_dict(self) -> dict:
     return {"axis": self.axis, "axis_size": self.axis_size, "devices_needed": self.devices,
             "bytes_per_device_there": self.needed_there, "why_not": self.why_not,
-            "bf16_weights_bytes_per_device": self.bf16_needed, "bf16_weights_fit": self.bf16_fits}
+            "bf16_weights_bytes_per_device": self.bf16_needed, "bf16_weights_fit": self.bf16_fits,
+            "activations_fill": self.activations_fill, "ways": [w.to_dict() for w in self.ways]}
 
 
 def _axis(mesh: mesh_lib.Mesh) -> str:
@@ -79,6 +126,11 @@ def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, f
       return axis, size, None, None, (f"{hb(mem.total.total - sharded)} per device is not sharded over {axis} and "
                                       f"the activations take {hb(mem.activation_bytes)} (estimate)")
     start = max(2, math.ceil(sharded / room))
+    if devices * start > MAX_DEVICES:
+      hb = summary_lib.human_bytes
+      return axis, size, None, None, (f"{hb(sharded)} per device is sharded over {axis} and {hb(room)} is left for "
+                                      f"it beside the activations ({hb(mem.activation_bytes)}, estimate): more than "
+                                      f"{MAX_DEVICES} devices")
   planned = []
   for factor in range(start, start + MAX_TRIES):
     grown_cfg, grown_devices = mesh_lib.scaled(cfg, devices, axis, factor)
@@ -97,10 +149,119 @@ def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, f
                                   "do not fit")
 
 
-def advise(leaves, cfg, devices: int, mem) -> Advice:
-  """The advice for `mem` (which does not fit) of `leaves` sharded for `cfg` on `devices` devices."""
+def _largest(fits, low: int, high: int) -> int | None:
+  """The largest n in [low, high] with `fits(n)`, for `fits` true up to some n and false above it."""
+  if high < low or not fits(low):
+    return None
+  while low < high:
+    mid = (low + high + 1) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid - 1)
+  return low
+
+
+def _number(value: float) -> int | float:
+  return int(value) if float(value).is_integer() else value
+
+
+def _batch_changes(cfg, room: float) -> list[tuple[str, dict]]:
+  """(what changes, the keys) that bring the activation estimate within `room` bytes on these devices."""
+  batch, seq = float(cfg.per_device_batch_size), int(cfg.max_target_length)
+  policy = str(getattr(cfg, "remat_policy", "full"))
+
+  def fits(**kw):
+    return activations.estimate(cfg, **kw).total <= room
+
+  out = []
+  smaller = _largest(lambda b: fits(batch=b), 1, math.ceil(batch) - 1)
+  if smaller is not None:
+    out.append((f"per_device_batch_size={smaller} instead of {_number(batch)}", {"per_device_batch_size": smaller}))
+  if policy != "full":
+    under_full = _largest(lambda b: fits(batch=b, remat_policy="full"), 1, math.floor(batch)) if batch >= 1 else None
+    if under_full is not None and under_full > (smaller or 0):
+      keys = {"remat_policy": "full"} | ({} if under_full == batch else {"per_device_batch_size": under_full})
+      out.append((f"remat_policy=full instead of {policy}"
+                  + ("" if under_full == batch else f", per_device_batch_size={under_full}"), keys))
+  at = batch if smaller is None and batch <= 1 or fits(batch=batch, seq=MIN_LENGTH) else 1.0
+  exponent = _largest(lambda e: fits(batch=at, seq=2 ** e), MIN_LENGTH.bit_length() - 1,
+                      max(seq - 1, 1).bit_length() - 1)
+  if exponent is not None:
+    keys = {"max_target_length": 2 ** exponent} | ({} if at == batch else {"per_device_batch_size": _number(at)})
+    out.append((f"max_target_length={2 ** exponent} instead of {seq}"
+                + ("" if at == batch else f", per_device_batch_size={_number(at)}"), keys))
+  return out
+
+
+def _fill_note(mem, room: float) -> str | None:
+  """Says so when the activations are what does not fit: alone, beside a state that fits by itself, or taking
+  most of a device."""
+  if mem.activations is None or (room >= mem.activation_bytes and 2 * mem.activation_bytes < mem.limit):
+    return None
+  hb = summary_lib.human_bytes
+  est = mem.activations
+  at = (f"(estimate, per_device_batch_size={_number(est.batch)}, max_target_length={est.seq}, "
+        f"remat_policy={est.remat_policy})")
+  if mem.activation_bytes >= mem.limit:
+    return (f"the activations alone fill a device: {hb(mem.activation_bytes)} {at} of its {hb(mem.limit)}, on "
+            "any number of devices")
+  return (f"the activations take {hb(mem.activation_bytes)} {at} of a device's {hb(mem.limit)}, leaving "
+          f"{hb(mem.limit - mem.activation_bytes)} for the parameters, optimizer state and gradients, which need "
+          f"{hb(mem.total.total)} here")
+
+
+def _checked(ways, leaves, call) -> list[Way]:
+  """The ways whose line, planned again, fits (`call` None: the ways as planned here, without lines)."""
+  out = []
+  for change, keys, devices, needed in ways:
+    if call is None:
+      out.append(Way(change, None, devices, needed))
+      continue
+    try:
+      line = call.with_keys(keys)
+      line = line.with_devices(devices) if devices is not None else line
+      _, planned_devices, mem = line.memory(leaves)
+    except mesh_lib.ShardingError:
+      continue
+    if mem.fits:
+      out.append(Way(change, line.line(), planned_devices, mem.needed))
+  return out
+
+
+def _axis_keys(call, axis: str, grown: int) -> dict:
+  """The grown axis's `ici_*_parallelism` key when the command line sets it (else MaxText fills it in)."""
+  key = f"ici_{mesh_lib.AXIS_KEYS[axis]}_parallelism"
+  given = call is not None and any(t.split("=", 1)[0] == key for t in call.overrides)
+  return {key: grown} if given else {}
+
+
+def _at_batch_one(leaves, cfg, plan, mem):
+  one = dataclasses.replace(cfg, per_device_batch_size=1.0)
+  return one, memory_lib.device_memory(leaves, plan, one, optimizer=mem.optimizer, limit=mem.limit,
+                                       limit_source=mem.limit_source)
+
+
+def advise(leaves, cfg, devices: int, mem, call: invocation_lib.Invocation | None = None) -> Advice:
+  """The advice for `mem` (which does not fit) of `leaves` sharded for `cfg` on `devices` devices; `call` is the
+  command line that planned it (each way's line is that line changed)."""
   plan = placement.plan(leaves, cfg, devices)
-  axis, size, needed_devices, needed_there, why_not = _grow(leaves, cfg, devices, mem, plan)
+  room = mem.limit - mem.total.total
+  ways = []  # (change, keys, devices or None, bytes per device)
+  if mem.activations is not None and room > 0:
+    ways += [(change, keys, None, None) for change, keys in _batch_changes(cfg, room)]
+  if mem.activations is not None and mem.activation_bytes >= mem.limit:  # more devices cannot help at this batch
+    axis = _axis(plan.mesh)
+    size, needed_devices, needed_there, why_not = plan.mesh.shape[axis], None, None, None  # the fill note says why
+  else:
+    axis, size, needed_devices, needed_there, why_not = _grow(leaves, cfg, devices, mem, plan)
+    if needed_devices is not None:
+      ways.append((f"{needed_devices} devices ({axis}={size * needed_devices // devices})",
+                   _axis_keys(call, axis, size * needed_devices // devices), needed_devices, needed_there))
+  if not ways and mem.activations is not None and cfg.per_device_batch_size > 1:  # the batch and the devices
+    one, one_mem = _at_batch_one(leaves, cfg, plan, mem)
+    _, _, one_devices, one_there, _ = _grow(leaves, one, devices, one_mem, plan)
+    if one_devices is not None:
+      grown = size * one_devices // devices
+      ways.append((f"per_device_batch_size=1 on {one_devices} devices ({axis}={grown})",
+                   {"per_device_batch_size": 1} | _axis_keys(call, axis, grown), one_devices, one_there))
   bf16_needed = bf16_fits = None
   if any(leaf.is_param and leaf.dtype == "float32" for leaf in leaves):
     bf16_leaves = [dataclasses.replace(leaf, dtype="bfloat16") if leaf.is_param and leaf.dtype == "float32"
@@ -108,4 +269,5 @@ def advise(leaves, cfg, devices: int, mem) -> Advice:
     bf16_cfg = dataclasses.replace(cfg, weight_dtype="bfloat16")
     bf16 = memory_lib.device_memory(bf16_leaves, plan, bf16_cfg, optimizer=mem.optimizer, limit=mem.limit)
     bf16_needed, bf16_fits = bf16.needed, bf16.fits
-  return Advice(axis, size, devices, needed_devices, needed_there, why_not, bf16_needed, bf16_fits)
+  return Advice(axis, size, devices, needed_devices, needed_there, why_not, bf16_needed, bf16_fits,
+                _fill_note(mem, room), tuple(_checked(ways, leaves, call)))
