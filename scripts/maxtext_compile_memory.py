@@ -8,9 +8,9 @@ Runs ONLY in MaxText's venv (MaxText 0.2.5 with its pins, plus `libtpu==0.0.50.1
 It calls `maxtext.trainers.pre_train.train_compile.main` unchanged (the same path as
 `python -m maxtext.trainers.pre_train.train_compile KEYS`), keeps the compiled object it returns from
 `jit_and_compile`, and writes one JSON: the keys, the equivalent MaxText command, every integer field of
-`compiled.memory_analysis()`, the peak they imply, wall time and peak RSS of this process. When the compile fails
-(XLA's HBM OOM, or a MaxText/Qwix error) the JSON holds the error's type, its telling line and XLA's figures parsed
-from an OOM message instead of the stats; the exit status is then 1.
+`compiled.memory_analysis()`, the peak they imply, wall time, CPU time, load average and peak RSS of this process.
+When the compile fails (XLA's HBM OOM, or a MaxText/Qwix error) the JSON holds the error's type, its telling line
+and XLA's figures parsed from an OOM message instead of the stats; the exit status is then 1.
 """
 
 import json
@@ -84,6 +84,7 @@ def main():
   except Exception:  # pylint: disable=broad-except
     pass
   start = time.monotonic()
+  record["loadavg_start"] = list(os.getloadavg())
   status = 0
   try:
     train_compile.main(["train_compile", *keys])
@@ -110,7 +111,10 @@ def main():
     frames = traceback.extract_tb(exc.__traceback__)
     record["error_frames"] = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:]]
   record["wall_s"] = round(time.monotonic() - start, 1)
-  record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  record["peak_rss_mb"] = round(usage.ru_maxrss / 1024)
+  record["cpu_user_s"], record["cpu_system_s"] = round(usage.ru_utime, 1), round(usage.ru_stime, 1)
+  record["loadavg_end"] = list(os.getloadavg())
   tmp = out_path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(record, f, indent=1, sort_keys=True)
