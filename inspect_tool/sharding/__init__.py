@@ -17,6 +17,7 @@ from inspect_tool.sharding import invocation
 from inspect_tool.sharding import memory
 from inspect_tool.sharding import mesh
 from inspect_tool.sharding import placement
+from inspect_tool.sharding import xla_grid
 
 devices_for = invocation.devices_for
 
@@ -31,7 +32,10 @@ def annotate(report, cfg, *, devices: int, train: str | None = None, device_memo
   limit, limit_source = invocation.limit_of(device_memory, topology)
   optimizer = memory.optimizer_of(cfg, train)
   plan = placement.plan(report.leaves, cfg, devices)
-  mem = memory.device_memory(report.leaves, plan, cfg, optimizer=optimizer, limit=limit, limit_source=limit_source)
+  mem = memory.device_memory(report.leaves, plan, cfg, optimizer=optimizer, limit=limit, limit_source=limit_source,
+                             tpu=invocation.on_tpu(topology))
+  if optimizer is not None and overrides is not None:
+    mem = dataclasses.replace(mem, grid_point=xla_grid.nearest(overrides, topology))
   if mem.fits is False:
     call = None
     if overrides is not None:

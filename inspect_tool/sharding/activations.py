@@ -1,50 +1,141 @@
-"""An ESTIMATE of the activation bytes one device holds in MaxText's training step (forward + backward).
+"""An ESTIMATE of what one device holds in MaxText's training step besides its state (parameters, optimizer
+state) and gradients, calibrated on XLA's own TPU figures for MaxText 0.2.5's `train_compile`.
 
-Not exact (parameters, optimizer state and gradients are: `memory`): XLA decides what lives when. The formula
-counts the tensors the backward pass needs, per device, from the config alone. With
+XLA's peak for the step is code + arguments + temporaries (outputs alias the arguments: the state is donated).
+The arguments are the state (`memory`, exact, with TPU tile padding: `tpu_layout`); the temporaries are the
+gradients (exact) and what this module estimates, from the config and the per-device layout (`StepLayout`):
 
-  B = per_device_batch_size, S = max_target_length, T = B·S tokens, a = bytes of `dtype` (bf16: 2), f = 4,
-  E = emb_dim, H = num_query_heads, dq = qk_nope_head_dim + qk_rope_head_dim, dv = v_head_dim,
-  rq = q_lora_rank, rkv = kv_lora_rank, dr = qk_rope_head_dim, X = num_experts, K = num_experts_per_tok,
-  M = moe_mlp_dim, D = mlp_dim, V = vocab_size,
+  B = per_device_batch_size, S = max_target_length, T = B·S tokens per device, a = bytes of `dtype` (bf16: 2),
+  f = 4 (float32), E = emb_dim, V = vocab_size, K = num_experts_per_tok, M = moe_mlp_dim (per tensor shard),
+  h = 1 + mtp_num_layers output heads; every array sized as XLA lays it out on TPU (`tpu_layout`).
 
-one layer saves, per token, in the compute dtype (elements):
-  attention (MLA)  A = 4E + 2·rq + 3·H·dq + (rkv + dr) + rkv + H·(dnope + dv) + H·dv
-  dense MLP        4·D + E
-  MoE              2·(f/a)·X + K·(2E + 4M) + 2·(f/a)·K·E + 4·shared_experts·M + E
-and, with `attention=dot_product` (scores materialised), B·H·S² attention scores in the compute dtype and float32
-(a + f bytes each); flash attention (MaxText's `autoselected` on TPU and GPU) keeps none. The output head (main,
-and each MTP depth) holds T·V float32 logits and their gradient: 2·f·T·V. The MTP block (not rematerialised)
-saves, per depth, its layer's activations plus 3E per token (the two norms and the projection input).
+- bf16 weights: XLA casts each scanned stack's float32 weights to `dtype` once, before the layer loops, and keeps
+  the copy for the whole step (the per-device shards: `StepLayout.stack_copies`).
+- saved for the backward pass: each scanned layer's input (T·E, `decoder_layer_input`), and what `remat_policy`
+  names besides (`SAVED`: q, k, v projections T·H·(dq|dv), out_proj T·E, the MLP's wi_0/wi_1/wo outputs; in a MoE
+  layer wi_0 and wo are the expert-sorted rows, R·M and R·E), stacked over the layers.
+- the MoE layer whose backward runs: `MOE_E` buffers of R·E and `MOE_M` of R·M, with R the expert-sorted rows:
+  T·K, and with expert parallelism MaxText's worst-case ragged all-to-all buffer T·K·min(EP, experts/K); plus the
+  layer's routed-expert matrices gathered over fsdp (`StepLayout.layer_gathered`).
+- the MTP block (not rematerialised) keeps its MoE buffers (`MTP_E`, `MTP_M` per depth) through the decoder's
+  backward; each output head's logits gradient (T·V in `dtype`) is held until the head's weight gradient.
+- RoPE: MaxText's yarn embedding computes its table for max_position_embeddings positions (two float32 arrays of
+  max_position_embeddings × qk_rope_head_dim/2, laid out 128 lanes wide); two are live whenever a layer runs.
+- the loss: the head's logits in float32 and in `dtype` (T·V·(f + a)), and with MTP and B > 1 the MTP head's
+  `dtype` logits beside them; the head's kernel gathered (E·V·a); the RoPE tables' space is not reused there.
+- compiler scratch: XLA's TPU backend adds scoped HBM to its buffer assignment (`SCOPED`, measured), and
+  `temp_size_in_bytes` counts the vector memory's scratch (`VMEM`); the generated code (`CODE`).
 
-  remat_policy=full   L·T·E·a (each scanned layer's input) + max(the largest decoder layer's activations,
-                      recomputed for its backward; the MTP block's) + heads. The backward pass meets the MTP
-                      block's activations and a recomputed layer's one after the other, not together.
-  any other policy    every layer's activations + the MTP block + heads (an upper bound: MaxText's other
-                      policies save a subset; `minimal` e.g. keeps only the matmul outputs)
-
-Activations are taken per device for the batch only: tensor, sequence and context parallelism would divide some
-of them further, so with those the figure is an upper bound. `tests/test_activations.py` checks it against
-XLA's `memory_analysis().temp_size_in_bytes` of the forward + backward step (`run.runner.grad_step`) on CPU.
+The peak is the larger of the two phases: the decoder's backward loop (gradients, bf16 weights, saved tensors,
+the MoE layer, held logits gradients, MTP buffers, RoPE tables) and the loss (bf16 weights, saved tensors, MTP
+buffers, logits, the gathered head, RoPE tables: the gradients are not allocated yet, so that phase's parts
+carry them as a negative part). `tests/test_xla_grid.py` holds the estimate to MaxText 0.2.5's XLA figures on the
+grid of `xla_grid.json` (docs/sharding-and-memory.md has the table): within 15 % of XLA's peak on every point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from inspect_tool.paramtree import summary as summary_lib
+from inspect_tool.sharding import tpu_layout
 
 F32 = 4
+SAVED = {  # what each remat_policy saves per layer besides the layer input (MaxText 0.2.5's checkpoint names)
+    "full": (),
+    "save_out_proj": ("out",),
+    "save_qkv_proj": ("q", "k", "v"),
+    "qkv_proj_offloaded": (),
+    "minimal_offloaded": (),
+    "save_dot_except_mlp": ("q", "k", "v", "out"),
+    "save_dot_except_mlpwi": ("q", "k", "v", "out", "wo"),
+    "save_dot_with_context_except_mlp": ("q", "k", "v", "out", "context"),
+    "minimal": ("q", "k", "v", "out", "wi_0", "wi_1", "wo"),
+    "minimal_with_context": ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context"),
+    "minimal_flash": ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context"),
+}
+ALL_SAVED = ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context")  # `none` / unknown policies: an upper bound
+MOE_E, MOE_M = 5, 3  # R·E and R·M buffers live in a MoE layer's backward (XLA's buffer assignment, v5p)
+MTP_E, MTP_M = 1, 2  # the MTP block's MoE buffers held through the decoder's backward, per depth
+HELD_LOGITS_TOKENS = 1024  # from this many tokens (at batch 1) XLA holds the logits gradients through the backward
+VMEM = 48 * 2**20  # vector-memory scratch XLA counts in temp_size_in_bytes on TPU
+CODE_BASE, CODE_PER_ROOT_TOKEN = 24 * 2**20, 0.8 * 2**20  # generated code: fit on deepseek3-tiny (0.04-0.07 GiB)
+SCOPED_GRADS, SCOPED_GRADS_EP, SCOPED_EP = 0.2, 1.1, 8  # per byte of the stacks' gradients (expert parallelism >= 8)
+SCOPED_INPUTS = 2.5  # per byte of the saved layer inputs
+SCOPED_SAVED = 1  # ... per byte the remat policy saves beyond the layer inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+  """Per-device quantities of the sharded tree that the step's temporaries depend on (bytes)."""
+
+  mesh: dict
+  tpu: bool
+  stack_copies: float  # the scanned stacks' weights in `dtype`
+  stack_grads: float  # their gradients (float32)
+  layer_gathered: float  # one MoE layer's routed-expert matrices, gathered over fsdp, in `dtype`
+  state_padding: float = 0.0  # TPU tile padding of the state (parameters, optimizer state): what XLA adds
+  grads_padding: float = 0.0  # ... of the gradients
+
+  @property
+  def padding(self) -> float:
+    return self.state_padding + self.grads_padding
+
+  def size(self, shape, itemsize: int) -> float:
+    """Bytes of a temporary of `shape` as laid out on the target (TPU tiles, row-major; else dense)."""
+    return tpu_layout.default_bytes(shape, itemsize) if self.tpu else math.prod(shape) * itemsize
+
+
+def _gathered(leaf, placement, mesh: dict, layers: int) -> tuple[int, ...]:
+  """One layer's shape of a stacked leaf with the fsdp axes gathered (other shardings kept)."""
+  dims = []
+  for full, entry in zip(leaf.shape, tuple(placement.spec) + (None,) * len(leaf.shape)):
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    dims.append(full // math.prod(mesh[a] for a in axes if a not in ("fsdp", "fsdp_transpose")))
+  if layers in dims:
+    dims.remove(layers)
+  return tuple(dims)
+
+
+def layout_of(leaves, plan, cfg, *, optimizer: str | None, tpu: bool = True,
+              mu_dtype: str | None = None) -> StepLayout:
+  """The `StepLayout` of the Param `leaves` placed by `plan`; `tpu`: size arrays in TPU tiles; `mu_dtype`: adamw's
+  first moment's dtype (else the parameter's)."""
+  a = _dtype_bytes(cfg.dtype)
+  mesh = plan.mesh.shape
+  copies = grads = gathered = state_padding = grads_padding = 0.0
+  n_moe = cfg.num_moe_layers
+  for leaf in leaves:
+    if not leaf.is_param:
+      continue
+    placed = plan.of(leaf)
+    shard, item = placed.shard_shape, summary_lib.dtype_bytes(leaf.dtype)
+    group, part = summary_lib.group_of(leaf)
+    size = tpu_layout.padded_bytes if tpu else (lambda s, i: math.prod(s) * i)
+    if tpu:
+      pad = size(shard, item) - math.prod(shard) * item
+      mu = summary_lib.dtype_bytes(mu_dtype) if optimizer == "adamw" and mu_dtype else item
+      state_padding += pad + (0 if optimizer in (None, "sgd") else pad + size(shard, mu) - math.prod(shard) * mu)
+      grads_padding += bool(optimizer) * pad
+    if group in ("moe stack", "dense stack"):
+      copies += size(shard, a)
+      grads += size(shard, F32)
+    if group == "moe stack" and part == "routed experts":
+      gathered += size(_gathered(leaf, placed, mesh, n_moe), a)
+  return StepLayout(mesh, tpu, copies, grads, gathered, state_padding, grads_padding)
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationEstimate:
-  """Bytes per device by part; `total` is their sum. An estimate (see the module docstring)."""
+  """Bytes per device by part for the phase that peaks; `total` is their sum. An estimate (module docstring)."""
 
   batch: float
   seq: int
   remat_policy: str
+  phase: str  # "backward" or "loss"
   parts: tuple[tuple[str, float], ...]
+  layout: StepLayout | None = None
 
   @property
   def total(self) -> float:
@@ -52,7 +143,8 @@ class ActivationEstimate:
 
   def to_dict(self) -> dict:
     return {"estimate": True, "per_device_batch_size": self.batch, "max_target_length": self.seq,
-            "remat_policy": self.remat_policy, "parts": dict(self.parts), "total_bytes": self.total}
+            "remat_policy": self.remat_policy, "peak_phase": self.phase, "parts": dict(self.parts),
+            "total_bytes": self.total}
 
 
 def _dtype_bytes(name) -> int:
@@ -63,52 +155,104 @@ def _dtype_bytes(name) -> int:
   return np.dtype(str(name)).itemsize
 
 
-def _attention_width(cfg) -> float:
-  e, h = cfg.emb_dim, cfg.num_query_heads
+def moe_rows(cfg, mesh: dict, tokens: float) -> int:
+  """Expert-sorted rows per device: T·K, times MaxText's worst-case ragged buffer factor with expert parallelism."""
+  ep = mesh.get("expert", 1)
+  factor = min(ep, cfg.num_experts / cfg.num_experts_per_tok) if ep > 1 else 1
+  return int(tokens * cfg.num_experts_per_tok * factor)
+
+
+def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float:
+  """Bytes the scanned layers save for the backward pass under `policy` (stacked over the layers)."""
+  a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
+  b, e, h = max(1, round(batch)), cfg.emb_dim, cfg.num_query_heads
   dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-  rq, rkv, dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-  return 4 * e + 2 * rq + 3 * h * dq + (rkv + dr) + rkv + h * (cfg.qk_nope_head_dim + dv) + h * dv
+  names = SAVED.get(policy, ALL_SAVED)
+  rows = moe_rows(cfg, mesh, batch * seq)
+  m = cfg.moe_mlp_dim // mesh.get("tensor", 1)
+  total = 0.0
+  for n, moe in ((cfg.first_num_dense_layers, False), (cfg.num_moe_layers, True)):
+    if not n:
+      continue
+    total += size((n, b, seq, e), a) * (1 + ("out" in names))
+    total += size((n, b, seq, h, dq), a) * (("q" in names) + ("k" in names))
+    total += size((n, b, seq, h, dv), a) * (("v" in names) + ("context" in names))
+    if moe:
+      total += size((n, rows, m), a) * ("wi_0" in names) + size((n, rows, e), a) * ("wo" in names)
+    else:
+      total += size((n, b, seq, cfg.mlp_dim), a) * (("wi_0" in names) + ("wi_1" in names))
+      total += size((n, b, seq, e), a) * ("wo" in names)
+  return total
 
 
-def _mlp_width(cfg, moe: bool, a: int) -> float:
-  e = cfg.emb_dim
-  if not moe:
-    return 4 * cfg.mlp_dim + e
-  x, k, m = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_mlp_dim
-  return 2 * (F32 / a) * x + k * (2 * e + 4 * m) + 2 * (F32 / a) * k * e + 4 * cfg.shared_experts * m + e
+def rope_tables(cfg, layout: StepLayout) -> float:
+  """MaxText's yarn tables: two float32 arrays of max_position_embeddings × qk_rope_head_dim/2, 128 lanes wide."""
+  if str(cfg.rope_type) != "yarn":
+    return 0.0
+  half = cfg.qk_rope_head_dim // 2
+  lanes = -(-half // 128) * 128 if layout.tpu else half
+  return 2.0 * cfg.max_position_embeddings * lanes * F32
 
 
-def estimate(cfg, *, batch: float | None = None, seq: int | None = None,
-             remat_policy: str | None = None) -> ActivationEstimate:
-  """The activation estimate for `cfg` (batch, seq and policy default to the config's keys)."""
+def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | None = None,
+             seq: int | None = None, remat_policy: str | None = None) -> ActivationEstimate:
+  """The estimate for `cfg` on `layout` (batch, seq and policy default to the config's keys); `gradients`: the
+  exact gradient bytes, which the loss phase, before they exist, subtracts."""
   batch = float(cfg.per_device_batch_size if batch is None else batch)
   seq = int(cfg.max_target_length if seq is None else seq)
   policy = str(remat_policy if remat_policy is not None else getattr(cfg, "remat_policy", "full"))
-  a = _dtype_bytes(cfg.dtype)
-  tokens = batch * seq
-  scores = (a + F32) * batch * cfg.num_query_heads * seq * seq if str(cfg.attention) == "dot_product" else 0.0
-  attention = tokens * a * _attention_width(cfg) + scores
-  dense = attention + tokens * a * _mlp_width(cfg, False, a)
-  moe = attention + tokens * a * _mlp_width(cfg, True, a)
-  n_dense, n_moe = cfg.first_num_dense_layers, cfg.num_moe_layers
-  layers = n_dense * dense + n_moe * moe
+  a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
+  tokens, e, v = batch * seq, cfg.emb_dim, cfg.vocab_size
   depths = int(cfg.mtp_num_layers)
-  mtp_block = depths * (moe if n_moe else dense) + depths * tokens * a * 3 * cfg.emb_dim
-  if policy == "full":
-    largest = max([dense] * bool(n_dense) + [moe] * bool(n_moe), default=0.0)
-    parts = [("layer inputs (remat_policy=full)", (n_dense + n_moe) * tokens * cfg.emb_dim * a),
-             ("one layer recomputed" if largest >= mtp_block else "MTP block", max(largest, mtp_block))]
-  else:
-    parts = [(f"decoder layers (remat_policy={policy}: all saved)", layers)]
-    if depths:
-      parts.append(("MTP block", mtp_block))
-  parts.append(("output heads (float32 logits and gradient)", (1 + depths) * 2 * F32 * tokens * cfg.vocab_size))
-  return ActivationEstimate(batch, seq, policy, tuple(parts))
+  rows = moe_rows(cfg, mesh, tokens) if cfg.num_moe_layers else 0
+  m = cfg.moe_mlp_dim // mesh.get("tensor", 1)
+  common = [("weights cast to " + str(cfg.dtype) + " (the scanned stacks, kept for the step)", layout.stack_copies),
+            (f"saved for the backward pass (remat_policy={policy})", saved(cfg, layout, batch, seq, policy))]
+  if layout.tpu and policy != "full":
+    common.append(("scoped HBM: what the policy saves, a second time",
+                   SCOPED_SAVED * (common[-1][1] - saved(cfg, layout, batch, seq, "full"))))
+  if depths and rows:
+    common.append(("MTP block's MoE buffers (held through the decoder's backward)",
+                   depths * (MTP_E * size((rows, e), a) + MTP_M * size((rows, m), a))))
+  rope = ("RoPE tables (yarn, max_position_embeddings positions)", rope_tables(cfg, layout))
+  fixed = [("vector-memory scratch", VMEM if layout.tpu else 0.0),
+           ("generated code", CODE_BASE + CODE_PER_ROOT_TOKEN * math.sqrt(tokens))]
+  if layout.padding:
+    fixed.append(("TPU tile padding of the state and gradients", layout.padding))
+  backward = common + [
+      ("MoE layer in its backward (expert-sorted buffers, gathered experts)",
+       (MOE_E * size((rows, e), a) + MOE_M * size((rows, m), a) + layout.layer_gathered) if rows else 0.0),
+      _held(cfg, layout, batch, tokens, depths, a), rope,
+      ("scoped HBM of the layer loop", _loop_scoped(cfg, layout, batch, seq) if layout.tpu else 0.0)]
+  extra = size((tokens, v), a) if depths and batch > 1 else 0.0
+  loss = common + [
+      (f"logits of the loss (float32 and {cfg.dtype})", size((tokens, v), F32) + size((tokens, v), a) + extra),
+      ("output head's kernel gathered", size((e, v), a)),
+      ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths else [])
+  if sum(b for _, b in backward) >= sum(b for _, b in loss):
+    return ActivationEstimate(batch, seq, policy, "backward", tuple(backward + fixed), layout)
+  return ActivationEstimate(batch, seq, policy, "loss", tuple(loss + fixed), layout)
+
+
+def _loop_scoped(cfg, layout: StepLayout, batch: float, seq: int) -> float:
+  """Scoped HBM XLA's TPU backend adds to the backward layer loop, beyond its buffer assignment (measured)."""
+  per_grad = SCOPED_GRADS_EP if layout.mesh.get("expert", 1) >= SCOPED_EP else SCOPED_GRADS
+  return per_grad * layout.stack_grads + SCOPED_INPUTS * saved(cfg, layout, batch, seq, "full")
+
+
+def _held(cfg, layout: StepLayout, batch: float, tokens: float, depths: int, a: int) -> tuple[str, float]:
+  """What each output head leaves for the decoder's backward: its logits gradient (T·V) when XLA defers the head's
+  weight gradient past the layer loop (seen with per_device_batch_size=1 and 1024 tokens or more), else that weight
+  gradient (E·V, gathered)."""
+  heads, v = 1 + depths, cfg.vocab_size
+  if batch == 1 and tokens >= HELD_LOGITS_TOKENS:
+    return f"logits gradients held for {heads} output head(s)", heads * layout.size((tokens, v), a)
+  return f"output head kernel gradients ({heads} head(s), gathered)", heads * layout.size((cfg.emb_dim, v), a)
 
 
 def describe(est: ActivationEstimate) -> str:
   """One line: the figure, labelled an estimate, with what it assumed."""
   batch = int(est.batch) if float(est.batch).is_integer() else est.batch
-  return (f"activations (estimate, per_device_batch_size={batch}, max_target_length={est.seq}, "
-          f"remat_policy={est.remat_policy}): {summary_lib.human_bytes(est.total)}")
-
+  return (f"XLA's temporaries beyond the gradients, and its code (estimate, per_device_batch_size={batch}, "
+          f"max_target_length={est.seq}, remat_policy={est.remat_policy}, peak in the {est.phase}): "
+          f"{summary_lib.human_bytes(est.total)}")

@@ -1,16 +1,16 @@
 """What would make a plan that does not fit fit, each way as a whole `inspect_checkpoint maxtext ...` line whose
 own plan (made again from that line, `invocation`) fits; a way whose line does not plan as fitting is not offered.
 
-- The batch, on these devices, when the state fits but the activations (an estimate, `activations`) do not: the
-  largest integer `per_device_batch_size` that fits, `remat_policy=full` (when another policy is set) with the
-  largest batch that fits under it, and the largest power-of-two `max_target_length` that fits at the batch
+- The batch, on these devices, when the state fits but the step's temporaries (an estimate, `activations`) do
+  not: the largest integer `per_device_batch_size` that fits, `remat_policy=full` (when another policy is set) with
+  the largest batch that fits under it, and the largest power-of-two `max_target_length` that fits at the batch
   (at `per_device_batch_size=1` when even that batch does not fit).
 - More devices of the same kind, keeping the parallelism's shape: one mesh axis grows (`fsdp`, or the largest axis
-  when `fsdp` is 1), the others stay, and each device keeps its `per_device_batch_size` (activations unchanged). The
-  fewest devices are found by planning the grown mesh as MaxText would (every sharded dimension must divide) and
-  summing its bytes exactly, from the lower bound the bytes sharded over that axis give. When the activations alone
-  fill a device at the configured batch, the devices are grown at `per_device_batch_size=1` instead: the batch and
-  the device count together.
+  when `fsdp` is 1), the others stay, and each device keeps its `per_device_batch_size`. The fewest devices are
+  found by planning the grown mesh as MaxText would (every sharded dimension must divide) and summing its bytes, from
+  the lower bound the bytes sharded over that axis give (the estimate's bf16 weight copies among them). When the
+  step's temporaries alone fill a device at the configured batch, the devices are grown at
+  `per_device_batch_size=1` instead: the batch and the device count together.
 - `weight_dtype=bfloat16` halves the float32 parameters, their gradients and (`mu_dtype` unset) adamw's mu, on the
   same mesh (a figure, not a line: the checkpoint's dtype is the user's choice).
 """
@@ -55,7 +55,7 @@ class Advice:
   why_not: str | None  # when `devices` is None
   bf16_needed: float | None  # bytes per device with weight_dtype=bfloat16 (None: the weights are already bf16)
   bf16_fits: bool | None
-  activations_fill: str | None = None  # when the activations are what does not fit: how much they take of what
+  activations_fill: str | None = None  # when the step's temporaries do not fit: how much they take of what
   ways: tuple[Way, ...] = ()
 
   def notes(self) -> list[str]:
@@ -111,25 +111,26 @@ def _on_axis(spec, axis: str) -> bool:
 def _memory(leaves, cfg, devices, mem):
   plan = placement.plan(leaves, cfg, devices)
   return memory_lib.device_memory(leaves, plan, cfg, optimizer=mem.optimizer, limit=mem.limit,
-                                  limit_source=mem.limit_source), plan
+                                  limit_source=mem.limit_source, tpu=_tpu(mem)), plan
 
 
 def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, float | None, str | None]:
   axis = _axis(plan.mesh)
   size = plan.mesh.shape[axis]
   start = 2
-  if size > 1:  # bytes(k) = rest + sharded / k: the lower bound on k
+  if size > 1:  # bytes(k) = rest + sharded / k (the bf16 weight copies shrink with the axis too): the lower bound
     sharded = sum(b for key, b in mem.contributors if _on_axis(plan.placements[key].spec, axis))
-    room = mem.limit - mem.activation_bytes - (mem.total.total - sharded)
+    step = mem.activation_bytes - _copies(mem)
+    room = mem.limit - step - (mem.total.total - sharded)
     if room <= 0:
       hb = summary_lib.human_bytes
       return axis, size, None, None, (f"{hb(mem.total.total - sharded)} per device is not sharded over {axis} and "
-                                      f"the activations take {hb(mem.activation_bytes)} (estimate)")
-    start = max(2, math.ceil(sharded / room))
+                                      f"the step's temporaries take {hb(step)} (estimate)")
+    start = max(2, math.ceil((sharded + _copies(mem)) / room))
     if devices * start > MAX_DEVICES:
       hb = summary_lib.human_bytes
       return axis, size, None, None, (f"{hb(sharded)} per device is sharded over {axis} and {hb(room)} is left for "
-                                      f"it beside the activations ({hb(mem.activation_bytes)}, estimate): more than "
+                                      f"it beside the step's temporaries ({hb(step)}, estimate): more than "
                                       f"{MAX_DEVICES} devices")
   planned = []
   for factor in range(start, start + MAX_TRIES):
@@ -163,13 +164,22 @@ def _number(value: float) -> int | float:
   return int(value) if float(value).is_integer() else value
 
 
-def _batch_changes(cfg, room: float) -> list[tuple[str, dict]]:
-  """(what changes, the keys) that bring the activation estimate within `room` bytes on these devices."""
+def _tpu(mem) -> bool:
+  return mem.activations.layout.tpu if mem.activations is not None else True
+
+
+def _copies(mem) -> float:
+  """The estimate's bf16 weight copies: sharded like the weights, they shrink as a mesh axis grows."""
+  return mem.activations.layout.stack_copies if mem.activations is not None else 0.0
+
+
+def _batch_changes(cfg, room: float, mem) -> list[tuple[str, dict]]:
+  """(what changes, the keys) that bring the step's estimate within `room` bytes on these devices."""
   batch, seq = float(cfg.per_device_batch_size), int(cfg.max_target_length)
   policy = str(getattr(cfg, "remat_policy", "full"))
 
   def fits(**kw):
-    return activations.estimate(cfg, **kw).total <= room
+    return activations.estimate(cfg, mem.activations.layout, gradients=mem.total.gradients, **kw).total <= room
 
   out = []
   smaller = _largest(lambda b: fits(batch=b), 1, math.ceil(batch) - 1)
@@ -192,18 +202,18 @@ def _batch_changes(cfg, room: float) -> list[tuple[str, dict]]:
 
 
 def _fill_note(mem, room: float) -> str | None:
-  """Says so when the activations are what does not fit: alone, beside a state that fits by itself, or taking
-  most of a device."""
+  """Says so when the step's temporaries are what does not fit: alone (less the weight copies, which more devices
+  would shrink), beside a state that fits by itself, or taking most of a device."""
   if mem.activations is None or (room >= mem.activation_bytes and 2 * mem.activation_bytes < mem.limit):
     return None
   hb = summary_lib.human_bytes
   est = mem.activations
   at = (f"(estimate, per_device_batch_size={_number(est.batch)}, max_target_length={est.seq}, "
         f"remat_policy={est.remat_policy})")
-  if mem.activation_bytes >= mem.limit:
-    return (f"the activations alone fill a device: {hb(mem.activation_bytes)} {at} of its {hb(mem.limit)}, on "
-            "any number of devices")
-  return (f"the activations take {hb(mem.activation_bytes)} {at} of a device's {hb(mem.limit)}, leaving "
+  if mem.activation_bytes - _copies(mem) >= mem.limit:
+    return (f"the step's temporaries alone fill a device: {hb(mem.activation_bytes)} {at} of its {hb(mem.limit)}, "
+            "on any number of devices")
+  return (f"the step's temporaries take {hb(mem.activation_bytes)} {at} of a device's {hb(mem.limit)}, leaving "
           f"{hb(mem.limit - mem.activation_bytes)} for the parameters, optimizer state and gradients, which need "
           f"{hb(mem.total.total)} here")
 
@@ -235,7 +245,7 @@ def _axis_keys(call, axis: str, grown: int) -> dict:
 
 def _at_batch_one(leaves, cfg, plan, mem):
   one = dataclasses.replace(cfg, per_device_batch_size=1.0)
-  return one, memory_lib.device_memory(leaves, plan, one, optimizer=mem.optimizer, limit=mem.limit,
+  return one, memory_lib.device_memory(leaves, plan, one, optimizer=mem.optimizer, limit=mem.limit, tpu=_tpu(mem),
                                        limit_source=mem.limit_source)
 
 
@@ -246,8 +256,8 @@ def advise(leaves, cfg, devices: int, mem, call: invocation_lib.Invocation | Non
   room = mem.limit - mem.total.total
   ways = []  # (change, keys, devices or None, bytes per device)
   if mem.activations is not None and room > 0:
-    ways += [(change, keys, None, None) for change, keys in _batch_changes(cfg, room)]
-  if mem.activations is not None and mem.activation_bytes >= mem.limit:  # more devices cannot help at this batch
+    ways += [(change, keys, None, None) for change, keys in _batch_changes(cfg, room, mem)]
+  if mem.activations is not None and mem.activation_bytes - _copies(mem) >= mem.limit:  # more devices cannot help
     axis = _axis(plan.mesh)
     size, needed_devices, needed_there, why_not = plan.mesh.shape[axis], None, None, None  # the fill note says why
   else:
@@ -267,7 +277,8 @@ def advise(leaves, cfg, devices: int, mem, call: invocation_lib.Invocation | Non
     bf16_leaves = [dataclasses.replace(leaf, dtype="bfloat16") if leaf.is_param and leaf.dtype == "float32"
                    else leaf for leaf in leaves]
     bf16_cfg = dataclasses.replace(cfg, weight_dtype="bfloat16")
-    bf16 = memory_lib.device_memory(bf16_leaves, plan, bf16_cfg, optimizer=mem.optimizer, limit=mem.limit)
+    bf16 = memory_lib.device_memory(bf16_leaves, plan, bf16_cfg, optimizer=mem.optimizer, limit=mem.limit,
+                                    tpu=_tpu(mem))
     bf16_needed, bf16_fits = bf16.needed, bf16.fits
   return Advice(axis, size, devices, needed_devices, needed_there, why_not, bf16_needed, bf16_fits,
                 _fill_note(mem, room), tuple(_checked(ways, leaves, call)))

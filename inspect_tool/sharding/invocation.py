@@ -14,6 +14,7 @@ from inspect_tool.configuration import config as config_lib
 from inspect_tool.sharding import memory as memory_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement
+from inspect_tool.sharding import topology_table
 
 
 def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
@@ -34,6 +35,11 @@ def devices_for(cfg, devices: int | None, topology: str | None) -> int | None:
     raise mesh_lib.ShardingError(f"--devices {devices} disagrees with --topology {topology} ({per_slice} devices per "
                                  f"slice{times}); give one of them, or both agreeing")
   return from_topology
+
+
+def on_tpu(topology: str | None) -> bool:
+  """Whether arrays are sized in TPU tiles: a TPU `--topology`, or none given (MaxText's own target)."""
+  return topology is None or mesh_lib.topology_chip(topology).name not in topology_table.GPU_CHIPS
 
 
 def limit_of(device_memory: str | None, topology: str | None) -> tuple[int | None, str | None]:
@@ -91,4 +97,4 @@ class Invocation:
     plan = placement.plan(leaves, cfg, devices)
     optimizer = memory_lib.optimizer_of(cfg, self.train)
     return cfg, devices, memory_lib.device_memory(leaves, plan, cfg, optimizer=optimizer, limit=limit,
-                                                  limit_source=source)
+                                                  limit_source=source, tpu=on_tpu(self.topology))

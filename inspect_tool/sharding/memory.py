@@ -83,6 +83,7 @@ class DeviceMemory:
   activations: object = None  # activations.ActivationEstimate (with an optimizer), else None
   limit_source: str | None = None  # where `limit` came from: "--device-memory" or the --topology's chip
   advice: object = None  # advice.Advice when the plan does not fit
+  grid_point: object = None  # xla_grid.GridPoint: the calibration grid's point nearest this plan
 
   @property
   def activation_bytes(self) -> float:
@@ -103,6 +104,7 @@ class DeviceMemory:
             "activations": self.activations.to_dict() if self.activations is not None else None,
             "needed_bytes": self.needed, "device_memory_bytes": self.limit, "device_memory_source": self.limit_source,
             "fits": self.fits, "advice": self.advice.to_dict() if self.advice is not None else None,
+            "xla_grid_point": self.grid_point.to_dict() if self.grid_point is not None else None,
             "largest_contributors": [{"key": k, "bytes": b} for k, b in self.contributors[:10]]}
 
 
@@ -118,9 +120,9 @@ def _per_leaf(leaf, placement, optimizer: str | None, mu_dtype: str) -> tuple[fl
 
 
 def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int | None = None,
-                  limit_source: str | None = None, classify=summary_lib.group_of) -> DeviceMemory:
+                  limit_source: str | None = None, classify=summary_lib.group_of, tpu: bool = True) -> DeviceMemory:
   """Sums one device's bytes over the Param `leaves` of `plan`, by the summary's groups; with an optimizer, adds
-  the training step's activation estimate."""
+  the training step's estimate (`activations`; `tpu`: arrays sized in TPU tiles, as XLA lays them out there)."""
   mu_dtype = str(cfg.mu_dtype or cfg.weight_dtype)
   sums: dict[tuple[str, str], list[float]] = {}
   contributors = []
@@ -142,9 +144,12 @@ def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int
   total = MemoryRow("total", "", sum(r.params for r in top), sum(r.optimizer for r in top),
                     sum(r.gradients for r in top))
   contributors.sort(key=lambda kv: -kv[1])
+  estimate = None
+  if optimizer:
+    layout = activations.layout_of(leaves, plan, cfg, optimizer=optimizer, tpu=tpu, mu_dtype=mu_dtype)
+    estimate = activations.estimate(cfg, layout, gradients=total.gradients)
   return DeviceMemory(rows, total, optimizer, mu_dtype if optimizer == "adamw" else None, tuple(contributors),
-                      limit, activations.estimate(cfg) if optimizer else None,
-                      limit_source or ("--device-memory" if limit is not None else None))
+                      limit, estimate, limit_source or ("--device-memory" if limit is not None else None))
 
 
 def overflow_message(mem: DeviceMemory, n: int = 3) -> str:

@@ -2,12 +2,14 @@
 2 or 1 rows for fewer rows; 16-bit types pack two rows per 32-bit word, so their smallest tile is 2 rows), and for
 an entry array it picks which two dimensions are the minor ones so that the padding is least.
 
-`padded_bytes(shape, itemsize)`: over every ordered pair (minor m, second-minor s) of dimensions, the shape with m
-rounded up to 128 and s up to its tile rows (a power of two below 8, else a multiple of 8), the others as they are; the least of these. A 1-D array is tiled by the power of two from 128 to 1024
-elements that covers it; no array takes less than 512 bytes. Checked against the sizes of every parameter in XLA's
-buffer assignments of MaxText's step on v5p (`tests/test_tpu_layout.py`) and against its `argument_size_in_bytes`
-on every grid point (`tests/test_xla_grid.py`: deepseek3-tiny's 64-wide dimensions pad to 128, so its training
-state takes 1.39 × its elements' bytes).
+`padded_bytes(shape, itemsize)` (an entry array: the state): over every ordered pair (minor m, second-minor s) of
+dimensions, the shape with m rounded up to 128 and s up to its tile rows (a power of two below 8, else a multiple of
+8), the others as they are; the least of these. A 1-D array is tiled by the power of two from 128 to 1024 elements
+that covers it; no array takes less than 512 bytes. Checked against the sizes of every parameter in XLA's buffer
+assignments of MaxText's step on v5p (`tests/test_tpu_layout.py`) and against its `argument_size_in_bytes` on every
+grid point (`tests/test_xla_grid.py`: deepseek3-tiny's 64-wide dimensions pad to 128, so its training state takes
+1.39 × its elements' bytes). `default_bytes`: a temporary in the row-major layout XLA gives most of them (the last
+dimension minor: yarn's float32[163840, 32] RoPE table takes 80 MiB, not 20).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ def _rows(size: int, itemsize: int) -> int:
   while rows < size:
     rows *= 2
   return rows
+
+
+def default_bytes(shape, itemsize: int) -> int:
+  """Bytes of a temporary XLA lays out row-major: the last dimension minor (128 lanes), the one before it in rows."""
+  dims = [int(d) for d in shape]
+  if len(dims) <= 1:
+    return padded_bytes(dims, itemsize)
+  rest = math.prod(dims[:-2])
+  return max(GRANULE, -(-dims[-1] // LANES) * LANES * _rows(dims[-2], itemsize) * rest * itemsize)
 
 
 def padded_bytes(shape, itemsize: int) -> int:

@@ -1,0 +1,118 @@
+"""The plan (`maxtext KEYS --topology T --train adamw`, instant, no compile) against XLA's own figures for MaxText
+0.2.5's `train_compile` of the same keys on v5p (`tests/data/xla/*.json`: how they were made is in its README):
+
+- the training state the plan sizes in TPU tiles is XLA's `argument_size_in_bytes` (within 0.1 %: the rest is the
+  batch and the step counter);
+- the plan's peak per device (state, gradients and the estimate of `inspect_tool/sharding/activations.py`) is
+  within 15 % of XLA's (code + arguments + outputs - aliases + temporaries) on every grid point; where XLA refused
+  the step (its compile-time HBM OOM), the plan does not fit either and is within 15 % of XLA's own figure;
+- the package's table (`inspect_tool/sharding/xla_grid.json`, which `--summary` names its nearest point from)
+  holds these XLA figures and our estimate as it is now.
+"""
+
+import glob
+import json
+import os
+
+import pytest
+
+from inspect_tool import cli
+from inspect_tool import sharding
+from inspect_tool.configuration import config
+from inspect_tool.listings import model_listing
+from inspect_tool.sharding import mesh as mesh_lib
+from inspect_tool.sharding import xla_grid
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "xla")
+TOLERANCE = 0.15
+
+
+def _results() -> dict:
+  out = {}
+  for path in sorted(glob.glob(os.path.join(DATA, "*.json"))):
+    with open(path, encoding="utf-8") as f:
+      out[os.path.basename(path)[:-5]] = json.load(f)
+  return out
+
+
+RESULTS = _results()
+COMPILED = sorted(name for name, d in RESULTS.items() if d["ok"])
+REFUSED = sorted(name for name, d in RESULTS.items() if not d["ok"] and d.get("oom"))
+_LISTINGS = {}
+
+
+def _plan(keys):
+  """Our memory record for MaxText's keys (compile_topology=T becomes --topology T)."""
+  topology = next(k.split("=", 1)[1] for k in keys if k.startswith("compile_topology="))
+  overrides = [k for k in keys if not k.startswith("compile_topology")]
+  cfg = config.resolve_config(overrides)
+  model_keys = tuple(k for k in overrides if k.split("=", 1)[0] not in
+                     ("per_device_batch_size", "max_target_length", "remat_policy"))
+  if model_keys not in _LISTINGS:
+    _LISTINGS[model_keys] = model_listing.model_listing(cfg, include_all=False, source="", key_filter=None,
+                                                        fp8_column=False)[0]
+  devices = sharding.devices_for(cfg, None, topology)
+  return sharding.annotate(_LISTINGS[model_keys], cfg, devices=devices, train="adamw", topology=topology).memory
+
+
+def test_the_grid_spans_models_batches_lengths_policies_and_a_refusal():
+  keys = [dict(k.split("=", 1) for k in RESULTS[n]["keys"]) for n in COMPILED]
+  assert {k["model_name"] for k in keys} >= {"deepseek3-tiny", "deepseek2-16b", "deepseek3-671b"}
+  assert len({k.get("per_device_batch_size") for k in keys}) >= 3
+  assert len({k.get("max_target_length") for k in keys}) >= 4
+  assert {k.get("remat_policy", "full") for k in keys} >= {"full", "minimal", "save_qkv_proj"}
+  assert REFUSED, "no grid point where XLA refused the step"
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_state_sized_in_tpu_tiles_is_xlas_arguments(name):
+  mem = _plan(RESULTS[name]["keys"])
+  state = mem.total.params + mem.total.optimizer + mem.activations.layout.state_padding
+  xla = RESULTS[name]["memory_analysis"]["argument_size_in_bytes"]
+  assert abs(state / xla - 1) < 0.001, (state, xla)
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_planned_peak_is_within_15_percent_of_xlas(name):
+  d = RESULTS[name]
+  m = d["memory_analysis"]
+  xla = (m["generated_code_size_in_bytes"] + m["argument_size_in_bytes"] + m["output_size_in_bytes"]
+         - m["alias_size_in_bytes"] + m["temp_size_in_bytes"])
+  assert xla == d["peak_bytes"]
+  ours = _plan(d["keys"]).needed
+  assert abs(ours / xla - 1) <= TOLERANCE, (name, ours / 2**30, xla / 2**30, ours / xla)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_where_xla_refuses_the_step_the_plan_does_not_fit_either(name):
+  d = RESULTS[name]
+  topology = next(k.split("=", 1)[1] for k in d["keys"] if k.startswith("compile_topology="))
+  mem = _plan(d["keys"])
+  assert mem.needed > mesh_lib.topology_chip(topology).memory
+  used = (d.get("oom_figures") or {}).get("used_bytes")
+  if used:
+    assert abs(mem.needed / used - 1) <= TOLERANCE, (name, mem.needed / 2**30, used / 2**30)
+
+
+def test_the_package_table_holds_these_figures_and_the_current_estimate():
+  points = {p.name: p for p in xla_grid.points()}
+  assert set(points) == set(COMPILED) | set(REFUSED)
+  for name, point in points.items():
+    d = RESULTS[name]
+    assert list(point.keys) == d["keys"]
+    assert point.xla_peak == (d["peak_bytes"] if d["ok"] else None)
+    assert point.ours == int(_plan(d["keys"]).needed), f"{name}: rerun scripts/xla_grid_table.py --write"
+
+
+def test_summary_names_the_nearest_grid_point_and_the_ratio_there(capsys):
+  keys = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=1", "max_target_length=300"]
+  assert cli.main(["maxtext", *keys, "--topology", "v5p-8", "--summary", "--train", "adamw"]) == 0
+  out = capsys.readouterr().out
+  point = xla_grid.nearest(keys, "v5p-8")
+  assert point.name == "tiny_v5p-8_b1_s256_mtp1"  # same model, topology, batch, policy; 256 the closest length
+  ratio = point.ours / point.xla_peak
+  assert (f"Against XLA at the nearest calibration point: tiny_v5p-8_b1_s256_mtp1 (MaxText 0.2.5 train_compile on "
+          f"v5p-8): this estimate ") in out and f"(ours/XLA {ratio:.2f})" in out
+  assert cli.main(["maxtext", *keys, "--topology", "v5p-8", "--summary", "--train", "adamw", "--format", "json"]) == 0
+  grid = json.loads(capsys.readouterr().out)["device_memory"]["xla_grid_point"]
+  assert grid["name"] == "tiny_v5p-8_b1_s256_mtp1" and grid["xla_peak_bytes"] == point.xla_peak
