@@ -24,7 +24,7 @@ grep -v '^\s*\(#\|$\)' "$cases" | while read -r name keys; do
   if [ "${DUMP:-0}" = 1 ]; then
     find "$dir/dumps/$name" -type f ! \( -name '*after_optimizations.txt' -o -name '*buffer-assignment.txt' \
       -o -name '*live-range.txt' -o -name '*memory-usage-report.txt' \) -delete
-    gzip -f "$dir/dumps/$name"/*
+    find "$dir/dumps/$name" -type f ! -name "*.gz" -exec gzip -f {} +
   fi
   tail -1 "$dir/logs/$name.log" >&2
 done

@@ -22,7 +22,10 @@ def _verdict(memory) -> list[str]:
   out = [f"Largest device: {hb(memory.total.total)} ({int(memory.total.total)} B) exact; every device holds the "
          "same (shards divide evenly)."]
   if memory.activations is not None:
-    out.append(f"Plus {activations.describe(memory.activations)} = {hb(memory.needed)} needed per device.")
+    out.append(f"Plus {activations.describe(memory.activations)} = {hb(memory.needed)} needed per device:")
+    out += [f"  {hb(b):>10s}  {part}" for part, b in memory.activations.parts if b]
+    if memory.grid_point is not None:
+      out.append(f"Against XLA at the nearest calibration point: {memory.grid_point.describe()}.")
   else:
     out.append("Not counted: activations (add --train for the training step's estimate), XLA temporaries.")
   if memory.limit is not None:
