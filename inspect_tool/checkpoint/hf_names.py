@@ -47,6 +47,7 @@ class Rule:
   kind: str
   n_in: int = 1  # leading kernel axes that are the Linear's input
   rope: bool = False  # the last dr output columns are rope (of each head's dq for q; of kr+dr for kv_a)
+  part: int = -1  # DeepSeek-V4's mHC: which of the three parts of one HF tensor (pre, post, res) the leaf is
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
@@ -44,7 +45,7 @@ class HfSource:
     self.items_dir = paths.absolute(path)  # named in error lines, as the export's sources do
     self._cfg = cfg
     self._tensors = hf_restore.Tensors(path)
-    plan = hf_names.leaf_plan(cfg)
+    plan = hf_names_v4.plan(cfg, self._tensors.table)
     problems, self.known_names = hf_restore.check(self._tensors, plan, cfg)
     if problems:
       more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -70,14 +71,15 @@ class HfSource:
     """The HF tensors the leaf `key` is read from (`{i}` and `{j}` filled in; scales of FP8 ones included)."""
     entry = self._entries[key]
     names = []
-    for layer in entry.layers or (None,):
+    for layer in (entry.layers or (None,)) if entry.rule.names else ():
       name = entry.rule.names[0].replace("{i}", str(layer))
       experts = range(_layer_shape(entry)[0]) if "{j}" in name else (None,)
       for j in experts:
         one = name.replace("{j}", str(j))
         names.append(one)
-        if one + hf_restore.SCALE_SUFFIX in self._tensors:
-          names.append(one + hf_restore.SCALE_SUFFIX)
+        scale = self._tensors.scale_name(one) if one in self._tensors else None
+        if scale:
+          names.append(scale)
     return names
 
   def unused_names(self) -> list[str]:
