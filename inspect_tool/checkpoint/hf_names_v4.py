@@ -31,10 +31,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, EXPERTS_FP8, F32, FP8, Entry, Rule
+from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, EXPERTS_FP8, F32, F32_LINEAR, FP8, Entry, Rule
 from inspect_tool.paramtree import tree
 
-F32_LINEAR = "f32_linear"  # kernel (in, out) -> (out, in) float32 (`hc_head_fn`)
 GROUPED_FP8 = "grouped_fp8"  # o_a_proj (G, I, O) -> (G*O, I), quantized in the release
 MHC_FN, MHC_BASE, MHC_SCALE = "mhc_fn", "mhc_base", "mhc_scale"  # one part (Rule.part) of an mHC tensor
 ONES = "ones"  # no HF tensor: MaxText's mhc_norm scale, ones

@@ -126,7 +126,7 @@ def _check_tensor(tensors: Tensors, key, name: str, want: tuple[int, ...], rule)
     scale = tensors.scale_name(name)
     grid = scale_shape(want, tensors.block) if len(want) == 2 else None
     if scale is None:
-      return Problem(key, name + SCALE_SUFFIX, f"{name} is {dtype} but its scale ({name}{SCALE_SUFFIX}) is missing")
+      return Problem(key, name + SCALE_SUFFIX, f"{name} is {dtype} but its scale {name}{SCALE_SUFFIX} is missing")
     if tensors.shape(scale) != grid or tensors.kind(scale) == "fp4" or tensors.dtype(scale) not in (
         *hf_tensors.FLOATS, hf_tensors.E8M0):
       return Problem(key, scale, f"{scale} is {tensors.dtype(scale)} {tensors.shape(scale)}; {want} in "

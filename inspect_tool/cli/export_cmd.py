@@ -9,7 +9,7 @@ import click
 from inspect_tool.cli import options as cli_options
 from inspect_tool.cli import param_types
 
-LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
+LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16", "deepseek-v4")
 
 
 @click.command(epilog=cli_options.example("export model_name=deepseek3-tiny mtp_num_layers=1 "
@@ -38,7 +38,11 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
               help="Run source and export on the batch and compare them (recorded in the report).")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="orbax", show_default=True,
               help="orbax: Qwix PTQ layout loadable by `forward`; deepseek-fp8: HF safetensors, 128x128 block scales; "
-                   "deepseek-bf16: HF safetensors in the release's names, bf16, unquantized (back from `import`).")
+                   "deepseek-bf16: HF safetensors in the release's names, bf16, unquantized (back from `import`); "
+                   "deepseek-v4: DeepSeek-V4's release (FP4 experts, FP8 rest, ue8m0 scales).")
+@click.option("--scale-fmt", "--scale_fmt", "scale_fmt", type=click.Choice(("float", "ue8m0")),
+              help="With --layout deepseek-fp8: ue8m0 writes power-of-two scales and scale_fmt ue8m0 (DeepSeek-V3.1's "
+                   "layout); float (default): absmax / 448. deepseek-v4 is always ue8m0.")
 @click.option("--max-memory", "--max_memory", "max_memory", type=str,
               help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); arrays "
                    "are read, quantized and written by slices that fit.")
@@ -46,7 +50,7 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 @cli_options.distributed_options
 @cli_options.compile_cache_option
 def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, max_kl, validate, layout,
-           max_memory, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
+           scale_fmt, max_memory, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
@@ -68,6 +72,12 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   if source is not None and random_init:
     raise errors.InputError(f"--random-init and --checkpoint {source!r} exclude each other; accepted: one of them")
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
+  if scale_fmt is not None and layout == "orbax":
+    raise errors.InputError(f"--scale-fmt {scale_fmt} applies to the Hugging Face layouts; accepted: --layout "
+                            "deepseek-fp8 --scale-fmt ue8m0, or no --scale-fmt with --layout orbax")
+  if layout != "orbax":
+    from inspect_tool.fp8_export import hf_layouts  # pylint: disable=import-outside-toplevel
+    hf_layouts.resolve(layout, scale_fmt)
   cli_options.check_output_files(output_file)
   several = distributed.check_flags(coordinator, num_processes, process_id, timeout)
   if several and layout != "orbax":
@@ -88,11 +98,11 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
               run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes,
               batch_options=[*(["--tokens", tokens_file] if tokens_file else []),
                              *(["--targets", targets_file] if targets_file else [])])
-  if layout in ("deepseek-fp8", "deepseek-bf16"):
+  if layout != "orbax":
     if distributed.process_count() > 1:  # a job JAX's cluster detection found
       raise errors.InputError(f"--layout {layout} is written by one process; this job has "
                               f"{distributed.process_count()}; accepted: --layout orbax")
-    result = pipeline.export_deepseek_fp8(overrides, dst, fp8=layout == "deepseek-fp8", **args)
+    result = pipeline.export_deepseek_fp8(overrides, dst, layout=layout, scale_fmt=scale_fmt, **args)
   else:
     result = pipeline.export(overrides, dst, **args)
   if distributed.process_index() != 0:

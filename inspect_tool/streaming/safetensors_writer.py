@@ -30,7 +30,8 @@ from inspect_tool.paramtree import tree
 DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
 METADATA = {"format": "pt"}
 DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16",
-          np.dtype(np.float32): "F32"}
+          np.dtype(np.float32): "F32", np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",  # DeepSeek-V4: e8m0 scales,
+          np.dtype(np.int8): "I8", np.dtype(np.int32): "I32"}  # FP4 bytes, tid2eid
 _HEAD = json.dumps({"__metadata__": METADATA}, separators=(",", ":"))[:-1]  # '{"__metadata__":{...}' without '}'
 
 
