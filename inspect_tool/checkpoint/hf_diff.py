@@ -36,6 +36,7 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
   """Compares `model_leaves` of `cfg` with the Hugging Face checkpoint at `path` (headers and config.json)."""
   keys = hf_config.derive_keys(path)
   tensors = hf_restore.Tensors(path)
+  tensors.check_format()
   plan = hf_names_v4.plan(cfg, tensors.table)
   problems, known = hf_restore.check(tensors, plan, cfg)
   by_key = {p.key: p for p in problems}

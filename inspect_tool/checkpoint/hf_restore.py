@@ -213,6 +213,7 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
   """
 
   tensors = Tensors(path)
+  tensors.check_format()
   plan = hf_names_v4.plan(cfg, tensors.table)
   problems, known = check(tensors, plan, cfg)
   if problems:

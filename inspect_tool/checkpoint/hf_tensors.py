@@ -125,6 +125,28 @@ class Tensors:
       return "fp4"
     return "int" if dtype in INTS else "other"
 
+  def check_format(self) -> None:
+    """Refuses, from the headers alone, a directory whose config.json and tensors disagree on the format: packed
+    FP4 weights without `expert_dtype: fp4`, routed experts that are not FP4 with it, e8m0 scales without
+    `scale_fmt: ue8m0`."""
+    where = f"{paths.join(self.path, CONFIG_NAME)}"
+    fp4 = sorted(name for name in self.table if self.kind(name) == "fp4")
+    if fp4 and self.format["expert_dtype"] != "fp4":
+      raise errors.CheckpointError(f"{self._where(fp4[0])} is packed FP4 ({self.dtype(fp4[0])} beside an e8m0 scale) "
+                                   f"but {where} has no expert_dtype fp4 ({len(fp4)} such tensors): config.json and "
+                                   "the tensors disagree")
+    if self.format["expert_dtype"] == "fp4":
+      other = sorted(name for name in self.table if ".experts." in name and name.endswith(".weight")
+                     and self.kind(name) != "fp4")
+      if other:
+        raise errors.CheckpointError(f"{where} says expert_dtype fp4 but routed expert {other[0]} is "
+                                     f"{self.dtype(other[0])} ({len(other)} such tensors): config.json and the "
+                                     "tensors disagree")
+    e8m0 = sorted(name for name in self.table if self.dtype(name) == E8M0)
+    if e8m0 and self.format["scale_fmt"] != "ue8m0":
+      raise errors.CheckpointError(f"{self._where(e8m0[0])} holds float8_e8m0fnu scales but {where} has no "
+                                   "quantization_config.scale_fmt ue8m0: config.json and the tensors disagree")
+
   def logical_shape(self, name: str) -> tuple[int, ...]:
     """The shape of the values: an FP4 weight holds two per stored byte of its last axis."""
     shape = self.shape(name)

@@ -45,6 +45,7 @@ class HfSource:
     self.items_dir = paths.absolute(path)  # named in error lines, as the export's sources do
     self._cfg = cfg
     self._tensors = hf_restore.Tensors(path)
+    self._tensors.check_format()
     plan = hf_names_v4.plan(cfg, self._tensors.table)
     problems, self.known_names = hf_restore.check(self._tensors, plan, cfg)
     if problems:
