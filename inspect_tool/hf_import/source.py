@@ -102,10 +102,10 @@ class HfSource:
     """What one read holds: one layer (one expert) of a stack; a band of rows of a 2-D top-level tensor."""
     entry = self._entries[key]
     shape = list(entry.shape)
+    if entry.rule.kind == hf_names.EXPERTS_FP8:  # one expert (of one layer): an unscanned layer's too
+      shape[1 if entry.layer_axis == 0 else 0] = 1
     if entry.layer_axis is not None:
       shape[entry.layer_axis] = 1
-      if entry.rule.kind == hf_names.EXPERTS_FP8:
-        shape[1 if entry.layer_axis == 0 else 0] = 1
     elif _row_axis(entry) is not None:
       axis = _row_axis(entry)
       other = math.prod(shape) // shape[axis]
