@@ -20,7 +20,7 @@ import numpy as np
 
 from quant import calibration as calibration_lib
 from quant import errors
-from quant import microscaling
+from quant import microscaling_quantize
 
 _QTYPES = {
     "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -171,7 +171,7 @@ def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn", power_of_two: boo
   Each `block[0] x block[1]` tile of the last two axes (edge tiles may be smaller) gets one float32 scale
   `absmax(tile) / finfo(qtype).max` (an all-zero tile gets 1); leading axes (layers, experts) are batch axes.
   `power_of_two` (`scale_fmt: ue8m0`, DeepSeek-V3.1 and V4): the scale is rounded up to a power of two
-  (`quant.microscaling.pow2_ceil`), so no value saturates and each division is exact.
+  (`quant.microscaling_quantize.pow2_ceil`), so no value saturates and each division is exact.
 
   Returns:
     (qvalue, scale_inv): qvalue has w's shape and dtype `qtype`; scale_inv is float32 of
@@ -189,7 +189,7 @@ def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn", power_of_two: boo
   tiles = jnp.pad(w32, pad).reshape(scale_shape[:-2] + (scale_shape[-2], rows, scale_shape[-1], cols))
   scale = compute_scale(tiles, qtype, channelwise_axes=tuple(range(w.ndim - 2)) + (w.ndim - 2, w.ndim))
   if power_of_two:
-    scale = microscaling.pow2_ceil(scale)
+    scale = microscaling_quantize.pow2_ceil(scale)
   qtiles = quantize_with_scale(tiles, qtype, scale)
   qvalue = qtiles.reshape(w32.shape[:-2] + (scale_shape[-2] * rows, scale_shape[-1] * cols))
   qvalue = qvalue[..., :w.shape[-2], :w.shape[-1]]

@@ -23,7 +23,6 @@ numpy (exact: XLA on the CPU flushes the subnormal 2^-127 to zero).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from quant import errors
@@ -32,34 +31,16 @@ E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
 # Rounding thresholds between consecutive magnitudes and whether a tie goes up (to the even code) or down.
-_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 E8M0_BIAS = 127
 E8M0_NAN = 255
 FP4_GROUP = 32  # values per e8m0 scale along a routed expert's input axis
 MIN_SCALE_EXPONENT = -126  # scales below 2^-126 are raised to it (float32's smallest normal)
 
 
-def e2m1_encode(x) -> jnp.ndarray:
-  """uint8 e2m1 codes (0..15) of float values: nearest, ties to even, saturating at ±6, the sign kept."""
-  x = jnp.asarray(x, jnp.float32)
-  a = jnp.abs(x)
-  code = jnp.zeros(x.shape, jnp.uint8)
-  for bound, tie_up in _THRESHOLDS:
-    code = code + ((a >= bound) if tie_up else (a > bound)).astype(jnp.uint8)
-  return code | (jnp.signbit(x).astype(jnp.uint8) << 3)
-
-
 def e2m1_decode(codes) -> np.ndarray:
   """float32 values of e2m1 codes (the low 4 bits of each uint8)."""
   return E2M1_VALUES[np.asarray(codes).view(np.uint8) & 0xF]
-
-
-def pack_e2m1(codes) -> jnp.ndarray:
-  """(..., 2n) codes → (..., n) bytes: element 2i in the low nibble, 2i+1 in the high one."""
-  codes = jnp.asarray(codes, jnp.uint8)
-  if codes.shape[-1] % 2:
-    raise errors.QuantError(f"e2m1 packing needs an even last axis, got shape {tuple(codes.shape)}")
-  return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
 
 
 def unpack_e2m1(packed) -> np.ndarray:
@@ -75,27 +56,6 @@ def e8m0_decode(codes) -> np.ndarray:
   return np.where(codes == E8M0_NAN, np.float32(np.nan), value)
 
 
-def pow2_ceil(scale) -> jnp.ndarray:
-  """The smallest power of two >= `scale` (float32, positive and finite), at least 2^-126: exact, from the bits."""
-  scale = jnp.maximum(jnp.asarray(scale, jnp.float32), np.float32(2.0 ** MIN_SCALE_EXPONENT))
-  bits = scale.view(jnp.int32)
-  exponent = bits >> 23  # the biased exponent (the sign bit is 0)
-  up = (bits & 0x7FFFFF) != 0  # not a power of two: the next one
-  return ((exponent + up.astype(jnp.int32)) << 23).view(jnp.float32)
-
-
-def e8m0_encode(pow2) -> jnp.ndarray:
-  """e8m0 codes of float32 powers of two in [2^-126, 2^127] (as `pow2_ceil` gives them): their exponent field."""
-  return (jnp.asarray(pow2, jnp.float32).view(jnp.int32) >> 23).astype(jnp.uint8)
-
-
-def group_scales(absmax, qmax: float) -> jnp.ndarray:
-  """Power-of-two scales (float32) of blocks with the given absmax for an element type whose largest value is
-  `qmax`: `pow2_ceil(absmax / qmax)`, 1 for an all-zero block."""
-  absmax = jnp.asarray(absmax, jnp.float32)
-  return jnp.where(absmax > 0, pow2_ceil(absmax / np.float32(qmax)), np.float32(1.0))
-
-
 def check_finite(w, what: str = "weight") -> None:
   """Refuses NaN or inf (outside `jit`): e2m1 and e8m0 have no encoding of them."""
   w = np.asarray(w)
@@ -104,20 +64,6 @@ def check_finite(w, what: str = "weight") -> None:
     index = np.unravel_index(int(np.argmax(bad)), w.shape)
     raise errors.QuantError(f"{what} holds {int(bad.sum())} NaN or inf value(s), e.g. {w[index]!r} at "
                             f"{list(map(int, index))}; FP4 (e2m1) and ue8m0 scales cannot encode them")
-
-
-def fp4_quantize(w, group: int = FP4_GROUP):
-  """(packed bytes (..., cols/2) uint8, e8m0 scale codes (..., cols/group) uint8) of `w` (..., cols): one scale per
-  `group` consecutive values of the last axis, values / scale rounded to e2m1 and packed two to a byte."""
-  w = jnp.asarray(w, jnp.float32)
-  cols = w.shape[-1]
-  if cols % group or cols % 2:
-    raise errors.QuantError(f"FP4 quantization needs a last axis that is a multiple of {group}, got shape "
-                            f"{tuple(w.shape)}")
-  groups = w.reshape(w.shape[:-1] + (cols // group, group))
-  scale = group_scales(jnp.max(jnp.abs(groups), axis=-1), E2M1_MAX)
-  codes = e2m1_encode(groups / scale[..., None]).reshape(w.shape)
-  return pack_e2m1(codes), e8m0_encode(scale)
 
 
 def fp4_dequantize(packed, scale_codes, group: int = FP4_GROUP) -> np.ndarray:

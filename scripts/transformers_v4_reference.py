@@ -8,6 +8,7 @@ Runs in a virtual environment with torch 2.13.0 (CPU), transformers 5.24, accele
       v4_saved/     a random DeepseekV4ForCausalLM (float32) as `save_pretrained` writes it: transformers' spelling
                     (`model.layers.*`, `layer_types` + `compress_rates`, `mlp_layer_types`, `rope_parameters`),
                     a schedule MaxText's scanned tree cannot hold (HCA at ratio 8), two hash-routed layers;
+      v4_saved_bf16/ the same model saved in bfloat16 (transformers keeps its float32-only modules in float32);
       v4_release/   another one in DeepSeek-V4's release layout, written here from transformers' own tensors by an
                     independent numpy / ml_dtypes packer: routed experts FP4 (int8, two e2m1 values per byte, low
                     nibble first, one float8_e8m0fnu scale per 32 values), the other Linear weights FP8 (e4m3, one
@@ -137,27 +138,28 @@ def make_model(config_kwargs, seed):
   return model
 
 
-def _hc_scales_by_hand(model, directory, missing, torch):
-  """transformers 5.24 leaves every layer's `attn_hc.scale` / `ffn_hc.scale` of a quantized V4 directory at its
-  init value (ones) with a MISSING line: its FP8 quantizer's `.scale` -> `.weight_scale_inv` rename takes the name
-  the model's own rename made of `hc_attn_scale`. Load those from the files, as the release stores them."""
+def _hc_scales_checked(model, directory, missing, torch):
+  """transformers 5.24's load report of a quantized V4 directory lists every layer's `attn_hc.scale` /
+  `ffn_hc.scale` as MISSING (and `layers.N.{attn,ffn}_hc.weight` as UNEXPECTED: its FP8 quantizer's `.scale`
+  rename meets the name the model's rename made of `hc_attn_scale`), yet the values are loaded: check them against
+  the files and drop them from the missing list (any other missing weight stops the script)."""
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
 
   stored = {}
   for name in os.listdir(directory):
     if name.endswith(".safetensors"):
       with safe_open(os.path.join(directory, name), "pt") as f:
-        stored |= {k: f.get_tensor(k) for k in f.keys() if k.endswith(("hc_attn_scale", "hc_ffn_scale"))}
-  fixed = []
+        stored |= {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()
+                   if k.endswith(("hc_attn_scale", "hc_ffn_scale"))}
+  checked = []
   for key in missing:
     parts = key.split(".")  # model.layers.{i}.{attn,ffn}_hc.scale
     if len(parts) == 5 and parts[3] in ("attn_hc", "ffn_hc") and parts[4] == "scale":
-      source = f"layers.{parts[2]}.hc_{parts[3][:-3]}_scale"
-      source = source if source in stored else "model." + source
-      with torch.no_grad():
-        getattr(model.model.layers[int(parts[2])], parts[3]).scale.copy_(stored[source].float())
-      fixed.append(key)
-  return [key for key in missing if key not in fixed]
+      loaded = getattr(model.model.layers[int(parts[2])], parts[3]).scale.detach().float()
+      if not torch.equal(loaded, stored[f"layers.{parts[2]}.hc_{parts[3][:-3]}_scale"].float()):
+        raise SystemExit(f"{directory}: transformers did not load {key}")
+      checked.append(key)
+  return [key for key in missing if key not in checked]
 
 
 def logits_of(directory, tokens, dtype="float32"):
@@ -169,7 +171,7 @@ def logits_of(directory, tokens, dtype="float32"):
   model, info = model
   missing = [m for m in info["missing_keys"] if not m.endswith("rotary_emb.inv_freq")]
   if missing and model.config.model_type == "deepseek_v4":
-    missing = _hc_scales_by_hand(model, directory, missing, torch)
+    missing = _hc_scales_checked(model, directory, missing, torch)
   if missing or info.get("mismatched_keys"):
     raise SystemExit(f"{directory}: transformers left weights unloaded: {missing[:5]} {info.get('mismatched_keys')}")
   with torch.no_grad():
@@ -244,6 +246,10 @@ def sources(out):
   shutil.rmtree(target, ignore_errors=True)
   model.save_pretrained(target)
   logits["saved"], _ = logits_of(target, tokens)
+  target = os.path.join(out, "v4_saved_bf16")  # the same model saved in bfloat16 (its float32-only modules stay so)
+  shutil.rmtree(target, ignore_errors=True)
+  model.to(torch.bfloat16).save_pretrained(target)
+  logits["saved_bf16"], _ = logits_of(target, tokens)
   # 2. the release layout, a scanned schedule (sliding hash layer, then HCA 128 / CSA 4 pairs), an MTP block.
   ratios, hashed = [0, 128, 4, 128, 4], 1
   release = dict(COMMON, num_hidden_layers=5, compress_ratios=ratios, num_hash_layers=hashed)

@@ -1,4 +1,4 @@
-"""`quant/microscaling.py` (FP4 e2m1 values, e8m0 scales) against `ml_dtypes`' float4_e2m1fn / float8_e8m0fnu and
+"""`quant/microscaling.py` and `microscaling_quantize.py` (FP4 e2m1 values, e8m0 scales) against `ml_dtypes`' float4_e2m1fn / float8_e8m0fnu and
 against transformers 5.24's own unpacking (`Fp8Dequantize._dequantize_one`, recorded by
 `scripts/transformers_v4_reference.py` in `tests/data/v4/transformers_fp4_unpacking.npz`)."""
 
@@ -12,6 +12,7 @@ import pytest
 from quant import errors
 from quant import fp8
 from quant import microscaling as ms
+from quant import microscaling_quantize as mq
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "v4")
 F4, E8 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu
@@ -29,12 +30,12 @@ def _values() -> np.ndarray:
 
 def test_e2m1_encoding_is_ml_dtypes_cast_for_every_value_ties_and_saturation_included():
   x = _values()
-  ours = np.asarray(ms.e2m1_encode(x))
+  ours = np.asarray(mq.e2m1_encode(x))
   theirs = x.astype(F4).view(np.uint8)
   assert np.array_equal(ours, theirs)
   assert np.array_equal(ms.e2m1_decode(np.arange(16, dtype=np.uint8)), np.arange(16, dtype=np.uint8).view(F4)
                         .astype(np.float32))
-  assert np.asarray(ms.e2m1_encode(np.float32(1e30))) == 7 and np.asarray(ms.e2m1_encode(np.float32(-9))) == 15
+  assert np.asarray(mq.e2m1_encode(np.float32(1e30))) == 7 and np.asarray(mq.e2m1_encode(np.float32(-9))) == 15
 
 
 def test_e8m0_codes_are_ml_dtypes_bytes_and_scales_round_up_to_a_power_of_two():
@@ -45,13 +46,13 @@ def test_e8m0_codes_are_ml_dtypes_bytes_and_scales_round_up_to_a_power_of_two():
   rng = np.random.default_rng(1)
   scales = np.concatenate([np.exp2(rng.uniform(-126, 126, 5000)).astype(np.float32),
                            np.exp2(np.arange(-126, 127)).astype(np.float32)])
-  up = np.asarray(ms.pow2_ceil(scales))
+  up = np.asarray(mq.pow2_ceil(scales))
   assert (up >= scales).all() and (up < 2 * scales).all()  # the smallest power of two at or above
-  assert np.array_equal(np.asarray(ms.e8m0_encode(up)), up.astype(E8).view(np.uint8))  # exact powers: ml_dtypes
-  assert np.array_equal(ms.e8m0_decode(np.asarray(ms.e8m0_encode(up))), up)
+  assert np.array_equal(np.asarray(mq.e8m0_encode(up)), up.astype(E8).view(np.uint8))  # exact powers: ml_dtypes
+  assert np.array_equal(ms.e8m0_decode(np.asarray(mq.e8m0_encode(up))), up)
   # Tiny scales are raised to 2^-126 (byte 1); a zero block gets scale 1 (byte 127).
-  assert np.asarray(ms.e8m0_encode(ms.pow2_ceil(np.float32(1e-42)))) == 1
-  assert np.asarray(ms.group_scales(np.float32(0.0), ms.E2M1_MAX)) == 1.0
+  assert np.asarray(mq.e8m0_encode(mq.pow2_ceil(np.float32(1e-42)))) == 1
+  assert np.asarray(mq.group_scales(np.float32(0.0), ms.E2M1_MAX)) == 1.0
 
 
 def test_fp4_quantization_is_per_32_values_with_power_of_two_scales_and_is_exact_where_representable():
@@ -59,7 +60,7 @@ def test_fp4_quantization_is_per_32_values_with_power_of_two_scales_and_is_exact
   w = rng.standard_normal((6, 96)).astype(np.float32)
   w[1, :32] = 0  # a zero group
   w[2, 32:64] = np.float32(3e-38)  # absmax / 6 below 2^-126: the scale is raised to 2^-126
-  packed, codes = (np.asarray(a) for a in ms.fp4_quantize(w))
+  packed, codes = (np.asarray(a) for a in mq.fp4_quantize(w))
   assert packed.shape == (6, 48) and codes.shape == (6, 3) and packed.dtype == codes.dtype == np.uint8
   groups = w.reshape(6, 3, 32)
   scale = ms.e8m0_decode(codes)
@@ -74,12 +75,12 @@ def test_fp4_quantization_is_per_32_values_with_power_of_two_scales_and_is_exact
   back = ms.fp4_dequantize(packed, codes)
   assert np.array_equal(back, expected.view(F4).astype(np.float32) * np.repeat(scale, 32, -1))
   exact = (np.repeat(scale, 32, -1) * ms.E2M1_VALUES[rng.integers(0, 16, (6, 96))])[[0, 1, 3, 4, 5]]  # normal floats
-  assert np.array_equal(ms.fp4_dequantize(*(np.asarray(a) for a in ms.fp4_quantize(exact))), exact)
+  assert np.array_equal(ms.fp4_dequantize(*(np.asarray(a) for a in mq.fp4_quantize(exact))), exact)
 
 
 def test_fp4_refuses_what_it_cannot_encode():
   with pytest.raises(errors.QuantError, match="multiple of 32"):
-    ms.fp4_quantize(np.zeros((2, 48), np.float32))
+    mq.fp4_quantize(np.zeros((2, 48), np.float32))
   with pytest.raises(errors.QuantError, match="NaN or inf"):
     ms.check_finite(np.array([1.0, np.nan], np.float32), "w")
 

@@ -21,7 +21,8 @@ from test_export_distributed import _arrays
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data", "v4")
-SAVED, RELEASE, V31 = (os.path.join(DATA, name) for name in ("v4_saved", "v4_release", "v31_ue8m0"))
+SAVED, RELEASE, V31, SAVED_BF16 = (os.path.join(DATA, name) for name in ("v4_saved", "v4_release", "v31_ue8m0",
+                                                                         "v4_saved_bf16"))
 TOKENS, V3_TOKENS = os.path.join(DATA, "tokens.npy"), os.path.join(REPO, "tests", "data", "import", "tokens.npy")
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
@@ -111,9 +112,12 @@ def test_the_import_is_maxtexts_own_v4_mapping_bit_for_bit(saved_import):
 
 
 def test_forward_on_the_import_and_on_the_directory_equals_transformers(saved_import, logits, tmp_path):
+  """transformers' save_pretrained, float32 (imported, and read directly) and bfloat16 (read directly)."""
   dst, keys = saved_import
   _assert_close(_forward(keys, dst, TOKENS, tmp_path, "import"), logits["saved"])
   _assert_close(_forward(keys, SAVED, TOKENS, tmp_path, "dir"), logits["saved"])
+  assert _keys(SAVED_BF16) == keys
+  _assert_close(_forward(keys, SAVED_BF16, TOKENS, tmp_path, "bf16"), logits["saved_bf16"])
 
 
 def test_the_release_layout_reads_as_transformers_dequantizes_it(release_import, logits, tmp_path):
@@ -209,4 +213,17 @@ def test_the_v31_export_is_what_transformers_ran_and_loads_back(tmp_path):
   assert _sha256s(dst) == json.loads(open(os.path.join(DATA, "export_sha256.json"), encoding="utf-8").read())["v31"]
   assert json.loads((dst / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
   reference = np.load(os.path.join(DATA, "export_logits.npz"))["v31"]
-  _assert_close(_forward(_keys(str(dst)), dst, V3_TOKENS, tmp_path, "export"), reference)
+  keys = _keys(str(dst))
+  _assert_close(_forward(keys, dst, V3_TOKENS, tmp_path, "export"), reference)
+  # Import gives the exported values back: exporting that import again and importing it gives the same arrays.
+  first = tmp_path / "first"
+  _import(str(dst), first)
+  out = _run("export", *keys, "--checkpoint", str(first), "--output", str(tmp_path / "again"), "--layout",
+             "deepseek-fp8", "--scale-fmt", "ue8m0", "--no-validate")
+  assert out.returncode == 0, out.stderr[-3000:]
+  second = tmp_path / "second"
+  _import(str(tmp_path / "again"), second)
+  one, two = _arrays(str(first)), _arrays(str(second))
+  assert sorted(one) == sorted(two)
+  for name in one:
+    assert one[name].tobytes() == two[name].tobytes(), name

@@ -27,6 +27,7 @@ from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
 from quant import fp8
 from quant import microscaling
+from quant import microscaling_quantize
 
 MATRIX_KINDS = (FP8, EXPERTS_FP8, hf_names_v4.GROUPED_FP8)  # leaves written matrix by matrix, by a `Codec`
 MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
@@ -42,7 +43,7 @@ def _jitted_block_quantize(power_of_two: bool = False):
 
 @functools.cache
 def _jitted_fp4_quantize():
-  return jax.jit(lambda w_io: microscaling.fp4_quantize(w_io.T))
+  return jax.jit(lambda w_io: microscaling_quantize.fp4_quantize(w_io.T))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Codec:
     if tally is not None:
       tally.observe_quantized(name, matrix.T, qvalue, scale_inv, BLOCK)
     if self.e8m0:
-      return qvalue, np.asarray(microscaling.e8m0_encode(scale_inv)).view(ml_dtypes.float8_e8m0fnu)
+      return qvalue, np.asarray(microscaling_quantize.e8m0_encode(scale_inv)).view(ml_dtypes.float8_e8m0fnu)
     return qvalue, scale_inv
 
 

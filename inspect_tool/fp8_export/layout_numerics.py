@@ -38,6 +38,7 @@ from inspect_tool.paramtree import tree
 from quant import act_tiles
 from quant import fp8
 from quant import microscaling
+from quant import microscaling_quantize
 
 DENSE_OPS = ("dot_general",)
 EXPERT_OPS = ("gmm", "ragged_dot")
@@ -70,7 +71,7 @@ def _qdq(power_of_two: bool = False):
 
 
 def _fp4_qdq(w_oi: np.ndarray) -> np.ndarray:
-  return microscaling.fp4_dequantize(*(np.asarray(a) for a in microscaling.fp4_quantize(w_oi)))
+  return microscaling.fp4_dequantize(*(np.asarray(a) for a in microscaling_quantize.fp4_quantize(w_oi)))
 
 
 def _layer_kernel(value: np.ndarray, entry: hf_names.Entry, cfg, layout) -> np.ndarray:

@@ -234,6 +234,18 @@ def _match(keys: list[tuple[str, ...]], plan: Mapping) -> list[tuple[tuple[str, 
   return sorted(pairs, key=lambda pair: tree.natural_key(".".join(pair[0])))
 
 
+def write_index_and_config(dst_dir: str, weight_map: dict, total_size: int, config: dict) -> None:
+  """`model.safetensors.index.json` and `config.json` of a Hugging Face export, in `dst_dir`."""
+  index = {"metadata": {"total_size": total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
+  for name, doc in ((INDEX_NAME, index), ("config.json", config)):
+    path = os.path.join(dst_dir, name)
+    try:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
+    except OSError as e:
+      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+
+
 def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
                        work_bytes: int = DEFAULT_WORK_BYTES,
@@ -312,14 +324,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     weight_map = writer.close()
   num_fp8 = sum(name.endswith("_scale_inv") for name in weight_map)
   config = hf_config(cfg, fp8, scale_fmt)
-  index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
-  for name, doc in ((INDEX_NAME, index), ("config.json", config)):
-    path = os.path.join(dst_dir, name)
-    try:
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
-    except OSError as e:
-      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+  write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   files = sorted(set(weight_map.values()))
   return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
           "config": config, "origins": writer.origins}

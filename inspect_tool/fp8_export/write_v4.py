@@ -22,8 +22,6 @@ non-DeepSeek-V4 decoder. Memory is bounded as `write_hf`'s: matrices by `hf_matr
 from __future__ import annotations
 
 import functools
-import json
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +33,6 @@ from inspect_tool.checkpoint.hf_names import EXPERTS_FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.fp8_export import write_hf
-from inspect_tool.paramtree import tree
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import safetensors_writer
 
@@ -191,14 +188,7 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
       writer.add(name, np.zeros((cfg.num_experts,), np.float32))
     weight_map = writer.close()
   config = hf_config(cfg)
-  index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
-  for name, doc in ((write_hf.INDEX_NAME, index), ("config.json", config)):
-    path = os.path.join(dst_dir, name)
-    try:
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
-    except OSError as e:
-      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+  write_hf.write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   experts = {name for name in weight_map if ".ffn.experts." in name and name.endswith(".scale")}
   scales = {name for name in weight_map if name.endswith(".scale")}
   return {"files": sorted(set(weight_map.values())), "num_tensors": len(weight_map),
