@@ -18,6 +18,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.storage import commit
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
+from inspect_tool.storage import web
 
 # safetensors dtype tags -> numpy / ml_dtypes names.
 DTYPES = {
@@ -47,6 +48,8 @@ def _read_prefix(path: str) -> tuple[int, int, bytes]:
     raise errors.CheckpointError(f"{path}: is not a regular file" + (" (a directory)" if found == "dir" else ""))
   if paths.is_remote(path):
     return _parse_prefix(path, remote.size(path), lambda start, count: remote.read_range(path, start, count))
+  if paths.is_web(path):
+    return _parse_prefix(path, web.size(path), lambda start, count: web.read_range(path, start, count))
   try:
     with open(path, "rb") as f:
 
@@ -130,7 +133,7 @@ def _shard_path(index_path: str, directory: str, shard: object) -> str:
     raise errors.CheckpointError(f"{index_path}: shard {str(shard)[:80]!r} is not a file name inside "
                                  f"{directory or '.'}; refused")
   path = paths.join(directory, shard)
-  if paths.is_remote(directory):  # objects, no symbolic links
+  if paths.is_url(directory):  # objects or files served, no symbolic links
     return path
   real_dir = os.path.realpath(directory or ".")
   if os.path.commonpath([real_dir, os.path.realpath(path)]) != real_dir:
@@ -145,7 +148,7 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise errors.CheckpointError(f"{index_path}: no 'weight_map' object naming tensors and their shard files")
-  directory = paths.parent(index_path) if paths.is_remote(index_path) else os.path.dirname(index_path)
+  directory = paths.parent(index_path) if paths.is_url(index_path) else os.path.dirname(index_path)
   shards: dict[str, list[str]] = {}
   for name, shard in weight_map.items():
     shards.setdefault(_shard_path(index_path, directory, shard), []).append(name)
@@ -165,7 +168,7 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
 
 
 def _relative(path: str, directory: str) -> str:
-  if paths.is_remote(path):
+  if paths.is_url(path):
     return path[len(directory) + 1:]
   return os.path.relpath(path, directory or ".")
 
@@ -217,6 +220,8 @@ def _tensor_entries(path: str) -> list[tuple[str, str, dict]]:
   if indexes:
     return _read_index(indexes[0])
   found_files = files.list_suffix(path, ".safetensors")
+  if not found_files and paths.is_web(path):
+    raise web.not_found(path)
   if not found_files:
     raise errors.CheckpointError(f"no *.safetensors files or {INDEX_SUFFIX} in {path}")
   return _read_files(found_files)
