@@ -109,9 +109,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       if path.startswith(prefix):
         return self._plain(path, status)
     if path.startswith("/cdn/"):
-      repo_id, revision, name = path[len("/cdn/"):].split("/", 2)
-      repo_id = urllib.parse.unquote(repo_id)
-      return self._file(path, os.path.join(server.hub[repo_id].revisions[revision], name))
+      repo_id, revision, name = urllib.parse.urlsplit(self.path).path[len("/cdn/"):].split("/", 2)
+      repo = server.hub[urllib.parse.unquote(repo_id)]
+      return self._file(path, os.path.join(repo.revisions[urllib.parse.unquote(revision)], urllib.parse.unquote(name)))
     if server.hub:
       return self._resolve(path)
     return self._file(path, os.path.join(server.root, path.lstrip("/")))
@@ -133,7 +133,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       return self._plain(path, 404, {"X-Error-Code": "EntryNotFound"})
     if name.endswith(".safetensors"):
       cdn = (f"http://localhost:{self.server.server_address[1]}/cdn/{urllib.parse.quote(match.group(1), safe='')}/"
-             f"{revision}/{name}")
+             f"{match.group(2)}/{match.group(3)}")
       return self._plain(path, 302, {"Location": cdn, "X-Linked-Size": str(os.path.getsize(local))})
     return self._file(path, local)
 

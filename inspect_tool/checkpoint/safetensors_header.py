@@ -8,6 +8,7 @@ Keys are the Hugging Face names split on '.'.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import struct
@@ -33,6 +34,7 @@ _BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "U32": 32, "I32": 32
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
 INDEX_SUFFIX = ".safetensors.index.json"
+WEB_READERS = 8  # shards whose headers are read at once over HTTP
 
 
 def _bad(path: str, why: str) -> errors.CheckpointError:
@@ -49,7 +51,7 @@ def _read_prefix(path: str) -> tuple[int, int, bytes]:
   if paths.is_remote(path):
     return _parse_prefix(path, remote.size(path), lambda start, count: remote.read_range(path, start, count))
   if paths.is_web(path):
-    return _parse_prefix(path, web.size(path), lambda start, count: web.read_range(path, start, count))
+    return _parse_prefix(path, web.size(path), lambda start, count: web.read_range(path, start, count, keep=True))
   try:
     with open(path, "rb") as f:
 
@@ -152,19 +154,28 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   shards: dict[str, list[str]] = {}
   for name, shard in weight_map.items():
     shards.setdefault(_shard_path(index_path, directory, shard), []).append(name)
-  missing = sorted(_relative(s, directory) for s in shards if files.kind(s) == "missing")
+  ordered = sorted(shards)
+  missing = sorted(_relative(s, directory) for s, found in zip(ordered, _each(files.kind, ordered)) if found == "missing")
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
   found = []
-  for shard_path, names in sorted(shards.items()):
-    header = read_header(shard_path)
+  for shard_path, header in zip(ordered, _each(read_header, ordered)):
+    names = shards[shard_path]
     absent = [n for n in names if n not in header]
     if absent:
       raise errors.CheckpointError(
           f"{shard_path}: lacks {len(absent)} tensor(s) the index assigns to it, e.g. {absent[0]!r}")
     found.extend((n, shard_path, header[n]) for n in names)
   return found
+
+
+def _each(function, shard_paths: list[str]) -> list:
+  """`function` of each shard, in order; over HTTP `WEB_READERS` at a time (each a round trip or two)."""
+  if not shard_paths or not paths.is_web(shard_paths[0]):
+    return [function(p) for p in shard_paths]
+  with concurrent.futures.ThreadPoolExecutor(min(WEB_READERS, len(shard_paths))) as pool:
+    return list(pool.map(function, shard_paths))
 
 
 def _relative(path: str, directory: str) -> str:

@@ -5,13 +5,14 @@
 else a single `model.safetensors` (`list_suffix`), with `config.json` beside; a URL ending in `.safetensors` or
 `.json` names that file. Safetensors files are read by byte ranges (`read_range`; the first `PROBE` bytes, the
 header's length, are kept with the file's size), so that a header-only listing moves the headers alone; JSON files
-whole, at most `MAX_JSON` bytes, kept for the process (several readers ask for `config.json`). A file whose size
+whole, at most `MAX_JSON` bytes, kept for the process (several readers ask for `config.json`), as are headers. A file whose size
 changes between two reads is refused. Every GET goes through `storage.web_http`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from inspect_tool import errors
 from inspect_tool.storage import paths
@@ -23,14 +24,26 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 WELL_KNOWN = {".safetensors.index.json": INDEX, ".safetensors": SINGLE}
 PROBE = 8  # bytes asked by the first read of a safetensors file: its header's length
+REDIRECT_TTL_S = 600.0  # a redirect's target is asked directly this long (the Hub's signed URLs last an hour)
 
 _lock = threading.Lock()
 _whole_files: dict[str, tuple[int | None, bytes | None]] = {}  # path -> (size, bytes); (None, None): no such file
 _probes: dict[str, tuple[int | None, bytes]] = {}  # path -> (size, its first bytes); (None, b""): no such file
+_redirects: dict[str, tuple[str, float]] = {}  # path -> (where its URL redirected to, when)
+_kept: dict[tuple[str, int, int], bytes] = {}  # (path, start, length) -> bytes: the ranges read with `keep`
 
 
 def _get(path: str, **kwargs) -> web_http.Answer:
-  """GETs the file `path`; a missing file comes back with status 404, any other refusal is one line."""
+  """GETs the file `path`; a missing file comes back with status 404, any other refusal is one line. Where a
+  redirect led (the Hub's CDN, a mirror's object store: signed URLs) is asked directly for `REDIRECT_TTL_S`, without
+  the token (a refusal there goes back to the start): one round trip a read, and the Hub's resolve rate limit is
+  spent once a file."""
+  with _lock:
+    moved, since = _redirects.get(path, (None, 0.0))
+  if moved and time.monotonic() - since < REDIRECT_TTL_S:
+    answer = web_http.get(moved, path, **kwargs)
+    if answer.status < 300 or answer.status == 416:
+      return answer
   if path.lower().startswith(web_hub.SCHEME):
     url, headers = web_hub.request(path)
   else:
@@ -38,6 +51,11 @@ def _get(path: str, **kwargs) -> web_http.Answer:
   answer = web_http.get(url, path, headers=headers, **kwargs)
   status = answer.status
   if status < 300 or status == 416:
+    with _lock:
+      if answer.moved_to:
+        _redirects[path] = (answer.moved_to, time.monotonic())
+      else:
+        _redirects.pop(path, None)
     return answer
   if path.lower().startswith(web_hub.SCHEME):
     refused = web_hub.error(path, status, answer.headers, "authorization" in {k.lower() for k in headers})
@@ -106,10 +124,14 @@ def size(path: str) -> int:
   return found
 
 
-def read_range(path: str, start: int, length: int) -> bytes | bytearray:
-  """`length` bytes of the file `path` from byte `start` (fewer at its end), by one ranged GET."""
+def read_range(path: str, start: int, length: int, keep: bool = False) -> bytes | bytearray:
+  """`length` bytes of the file `path` from byte `start` (fewer at its end), by one ranged GET; with `keep`, kept for
+  the process (a safetensors header: the listing, the keys and the tensor table of one command each read it)."""
   if length <= 0:
     return b""
+  with _lock:
+    if (path, start, length) in _kept:
+      return _kept[path, start, length]
   known, first = _probe(path)
   if known is None:
     raise errors.CheckpointError(f"{path}: no such file (HTTP 404)")
@@ -121,6 +143,9 @@ def read_range(path: str, start: int, length: int) -> bytes | bytearray:
   if answer.total is not None and answer.total != known:
     raise errors.CheckpointError(f"{path}: its size changed from {known} to {answer.total} bytes while it was read "
                                  "(replaced on the server?); read it again")
+  if keep:
+    with _lock:
+      _kept[path, start, length] = bytes(answer.data)
   return answer.data
 
 

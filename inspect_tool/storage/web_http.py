@@ -13,6 +13,7 @@ file is no more than what was asked.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -30,6 +31,9 @@ PIECE = 8 << 20  # bytes read from a socket at a time
 USER_AGENT = f"inspect_checkpoint/{__version__}"
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", re.I)
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+_TIMED_OUT = re.compile(r"ReadTimeoutError|ConnectTimeoutError|timed out", re.I)
+_QUOTED = re.compile(r"'([^']{3,})'")
+_POOL_HOST = re.compile(r"host='([^']+)', port=(\d+)")
 _RESOLVE = re.compile(r"NameResolution|Name or service not known|nodename nor servname|Temporary failure in name "
                       r"resolution|getaddrinfo failed|No address associated", re.I)
 _local = threading.local()
@@ -43,6 +47,7 @@ class Answer:
   headers: dict
   total: int | None
   data: bytearray | None = None
+  moved_to: str | None = None  # where redirects led
 
 
 class Short(Exception):
@@ -73,6 +78,7 @@ def session():
     policy = retry.Retry(total=RETRIES, connect=RETRIES, read=RETRIES, status=RETRIES, backoff_factor=BACKOFF_S,
                          status_forcelist=RETRY_STATUS, allowed_methods=frozenset({"GET"}), raise_on_status=False,
                          respect_retry_after_header=False)
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # its "Retrying ..." lines: ours is one line
     found = requests.Session()
     adapter = requests.adapters.HTTPAdapter(max_retries=policy)
     found.mount("http://", adapter)
@@ -101,7 +107,9 @@ def get(url: str, shown: str, *, start: int | None = None, stop: int | None = No
   for attempt in range(RETRIES + 1):
     try:
       with session().get(url, headers=asked, stream=True, timeout=(wait, wait)) as response:
-        return _answer(response, shown, start, stop, max_bytes)
+        answer = _answer(response, shown, start, stop, max_bytes)
+        answer.moved_to = response.url if response.history else None
+        return answer
     except Short as e:
       if attempt == RETRIES:
         raise errors.CheckpointError(f"{shown}: {host(url)} {e}; gave up after {RETRIES + 1} tries") from None
@@ -188,7 +196,7 @@ def transport_error(url: str, shown: str, e: BaseException) -> errors.Checkpoint
 
   where, text = host(url), errors.first_line(e)
   tries = f"; gave up after {RETRIES + 1} tries"
-  if isinstance(e, requests.Timeout):
+  if isinstance(e, requests.Timeout) or _TIMED_OUT.search(str(e)):
     return errors.CheckpointError(f"{shown}: {where} did not answer within {timeout_s():g} s{tries} ({TIMEOUT_ENV} "
                                   "sets the limit)")
   if isinstance(e, requests.exceptions.SSLError):
@@ -199,9 +207,11 @@ def transport_error(url: str, shown: str, e: BaseException) -> errors.Checkpoint
                     requests.exceptions.InvalidSchema)):
     return errors.CheckpointError(f"{shown}: not a URL that can be fetched ({text})")
   if isinstance(e, requests.ConnectionError):
+    pool = _POOL_HOST.search(str(e))  # the host that failed: a redirect's target, maybe
+    where = f"{pool.group(1)}:{pool.group(2)}" if pool else where
     if _RESOLVE.search(str(e)):
       return errors.CheckpointError(f"{shown}: cannot resolve the host {where} (no network, or no such host){tries}")
-    reason = _ERRNO.search(str(e))
-    why = reason.group(1).strip().rstrip(".").lower() if reason else text
-    return errors.CheckpointError(f"{shown}: cannot reach {where} ({why}){tries}")
+    reason = _ERRNO.search(str(e)) or (_QUOTED.findall(str(e)) or [None])[-1]
+    why = (reason.group(1) if isinstance(reason, re.Match) else reason or text).strip().rstrip(".")
+    return errors.CheckpointError(f"{shown}: cannot reach {where} ({why[:1].lower() + why[1:]}){tries}")
   return errors.CheckpointError(f"{shown}: cannot be read from {where} ({text})")
