@@ -14,10 +14,11 @@ import struct
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from test_export_distributed import _arrays
+from test_gcs_read_hf import test_hf_listing_and_keys_are_the_local_ones as same_listing_as_local
+from test_gcs_read_hf import test_one_shard_and_the_index_list_as_locally as same_files_as_local
+from test_gcs_read_hf import test_import_from_gcs_writes_maxtexts_converter_arrays as same_import_as_maxtexts_converter
 from test_hf_keys import KEYS
 from web_server import WebServer
 from inspect_tool import cli
@@ -56,13 +57,7 @@ def _one_line(code, err, *needles):
 
 @pytest.mark.parametrize("extra", [[], ["--summary"], ["--format", "json"], ["--keys"]])
 def test_hf_listing_and_keys_over_http_are_the_local_ones(server, capsys, extra):
-  url = f"{server.url}/hf_small"
-  local = _run(capsys, "hf", "--path", HF, *extra)
-  there = _run(capsys, "hf", "--path", url, *extra)
-  assert local[0] == there[0] == 0, there[2]
-  assert there[1].replace(url, HF) == local[1]
-  if extra == ["--keys"]:
-    assert there[1] == KEYS + "\n"
+  same_listing_as_local(f"{server.url}/hf_small", capsys, extra)  # the checks of the gs:// source
 
 
 @pytest.mark.parametrize("command", [["hf", "--summary"], ["hf", "--keys"], ["diff", *KEYS.split()]])
@@ -81,11 +76,7 @@ def test_header_only_commands_read_the_headers_alone(server, capsys, command):
 
 
 def test_one_shard_and_the_index_by_url_list_as_locally(server, capsys):
-  for name in (SHARDS[1], "model.safetensors.index.json"):
-    local = _run(capsys, "hf", "--path", os.path.join(HF, name), "--format", "json")
-    there = _run(capsys, "hf", "--path", f"{server.url}/hf_small/{name}", "--format", "json")
-    assert local[0] == there[0] == 0, there[2]
-    assert there[1].replace(f"{server.url}/hf_small", HF) == local[1]
+  same_files_as_local(f"{server.url}/hf_small", capsys)  # the checks of the gs:// source
 
 
 def test_a_single_model_safetensors_is_read_without_an_index(server, capsys, tmp_path):
@@ -100,14 +91,7 @@ def test_a_single_model_safetensors_is_read_without_an_index(server, capsys, tmp
 
 
 def test_import_over_http_writes_maxtexts_converter_arrays(server, capsys, tmp_path):
-  code, _, err = _run(capsys, "import", "--path", f"{server.url}/hf_small", "--output", tmp_path / "imported",
-                      "--max-memory", "600MB")
-  assert code == 0, err
-  ours, theirs = _arrays(str(tmp_path / "imported")), _arrays(os.path.join(DATA, "maxtext_converted"))
-  assert sorted(ours) == sorted(theirs) and len(ours) == 54
-  ours.pop("step"), theirs.pop("step")
-  for name, value in ours.items():
-    assert np.array_equal(value.astype(np.float16), theirs[name]), name  # MaxText's converter stores float16
+  same_import_as_maxtexts_converter(f"{server.url}/hf_small", capsys, tmp_path)  # the checks of the gs:// source
   largest = max(e["data_offsets"][1] - e["data_offsets"][0] for n in SHARDS
                 for k, e in _header(n).items() if k != "__metadata__")
   ranges = [r.range for r in server.log if r.path.endswith(".safetensors")]

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import threading
 import urllib.parse
 
 from inspect_tool import __version__
 from inspect_tool import errors
+from inspect_tool.storage import remote
 
 TIMEOUT_ENV = "INSPECT_HTTP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
@@ -56,15 +56,7 @@ class Short(Exception):
 
 def timeout_s() -> float:
   """Seconds to wait for a server at each step (`INSPECT_HTTP_TIMEOUT`, a positive number; default 60)."""
-  text = os.environ.get(TIMEOUT_ENV, "")
-  try:
-    value = float(text) if text else DEFAULT_TIMEOUT_S
-  except ValueError:
-    value = 0.0
-  if not 0 < value < float("inf"):
-    raise errors.InputError(f"{TIMEOUT_ENV}={errors.shown(text)} is not a number of seconds; accepted: a positive "
-                            "number")
-  return value
+  return remote.timeout_s(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def session():
