@@ -19,10 +19,15 @@ import pytest
 from test_gcs_read_hf import test_hf_listing_and_keys_are_the_local_ones as same_listing_as_local
 from test_gcs_read_hf import test_one_shard_and_the_index_list_as_locally as same_files_as_local
 from test_gcs_read_hf import test_import_from_gcs_writes_maxtexts_converter_arrays as same_import_as_maxtexts_converter
+from test_gcs_read_hf import test_forward_from_gcs_equals_transformers as same_forward_as_transformers
 from test_hf_keys import KEYS
+from test_import_memory import LIMIT, WI_0, _import, hf_dir  # pylint: disable=unused-import
 from web_server import WebServer
+import memory_cgroup
 from inspect_tool import cli
+from inspect_tool import errors
 from inspect_tool.storage import paths
+from inspect_tool.storage import web
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data", "import")
@@ -67,8 +72,9 @@ def test_header_only_commands_read_the_headers_alone(server, capsys, command):
   if command[0] == "diff":
     assert "AGREE" in out
   sizes = {f"/hf_small/{n}": os.path.getsize(os.path.join(HF, n)) for n in SHARDS}
-  for request in server.log:  # safetensors only by byte ranges
+  for request in server.log:  # safetensors only by byte ranges; the tool named in each request
     assert request.path not in sizes or request.range, request
+    assert request.user_agent.startswith("inspect_checkpoint/"), request
   for name in SHARDS:  # each shard: its 8-byte length and its header, once
     assert server.sent[f"/hf_small/{name}"] == _header_bytes(name), name
   total = sum(server.sent.values())  # config.json and the index whole, besides
@@ -98,6 +104,21 @@ def test_import_over_http_writes_maxtexts_converter_arrays(server, capsys, tmp_p
   assert all(ranges)  # never a whole shard: each read is a tensor (or rows of one) at most
   spans = [int(b) - int(a) + 1 for a, b in (r[len("bytes="):].split("-") for r in ranges)]
   assert max(spans) <= largest < os.path.getsize(os.path.join(HF, SHARDS[0])), (max(spans), largest)
+
+
+def test_forward_over_http_equals_transformers(server, capsys, tmp_path):
+  same_forward_as_transformers(f"{server.url}/hf_small", capsys, tmp_path)  # the checks of the gs:// source
+
+
+def test_a_file_whose_size_changes_between_reads_is_refused(tmp_path):
+  (tmp_path / "d").mkdir()
+  shutil.copy(os.path.join(HF, SHARDS[0]), tmp_path / "d" / "model.safetensors")
+  with WebServer(str(tmp_path)) as changing:
+    url = f"{changing.url}/d/model.safetensors"
+    assert web.size(url) == os.path.getsize(os.path.join(HF, SHARDS[0]))
+    shutil.copy(os.path.join(HF, SHARDS[1]), tmp_path / "d" / "model.safetensors")  # replaced on the server
+    with pytest.raises(errors.CheckpointError, match="its size changed from 2538048 to 2248344 bytes"):
+      web.read_range(url, 8, 100)
 
 
 def _header(name: str) -> dict:
@@ -204,3 +225,42 @@ def test_url_paths_share_the_vocabulary_of_gs_paths():
   assert paths.basename("https://h/d/model.safetensors.index.json") == "model.safetensors.index.json"
   assert paths.absolute("HTTPS://h/d") == "https://h/d" and paths.is_web("hf://o/r") and not paths.is_remote("hf://o/r")
   assert paths.normalize("gs://b/x/../y") == "gs://b/y" and paths.parent("gs://b/x/y") == "gs://b/x"
+
+
+def _digests(path: str) -> dict[str, str]:
+  """sha256 of every array of the Orbax checkpoint at `path` (DST/0/items), read one at a time with tensorstore."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  base = paths.kvstore_spec(paths.join(path, "0", "items"))
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+  names = sorted({k.decode().rsplit("/zarr.json", 1)[0] for k in kv.list().result() if k.endswith(b"/zarr.json")})
+  return {n: hashlib.sha256(np.asarray(ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base,
+                                                                                  "path": n + "/"}},
+                                               open=True).result().read().result()).tobytes()).hexdigest()
+          for n in names}
+
+
+@pytest.mark.slow  # a memory cgroup and a 1.3 GB directory: run once, on the primary stack (.ci/run)
+@pytest.mark.skipif(not memory_cgroup.available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+def test_import_over_http_stays_within_a_memory_cgroup_smaller_than_each_expert_stack(hf_dir, tmp_path):
+  """tests/test_import_memory.py's bound, the directory served over http:// (with the index a directory over HTTP
+  is read through): peak RSS under --max-memory, and the arrays of a local import."""
+  weight_map = {}
+  for name in sorted(os.listdir(hf_dir)):
+    if name.endswith(".safetensors"):
+      with open(os.path.join(hf_dir, name), "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+      weight_map.update({key: name for key in header if key != "__metadata__"})
+  with open(os.path.join(hf_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+  with WebServer(os.path.dirname(hf_dir)) as served, memory_cgroup.limited(LIMIT, "import_web") as cgroup:
+    done, peak = _import(f"{served.url}/{os.path.basename(hf_dir)}", str(tmp_path / "web"), "--max-memory",
+                         str(LIMIT), cgroup=cgroup)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 100 * 10**6 < cgroup.charged <= LIMIT and peak is not None and peak <= LIMIT, (cgroup.charged, peak)
+  assert json.loads(done.stdout)["arrays"][WI_0]["shape"][0] * 2 * 1024 * 1536 * 4 > LIMIT
+  local, _ = _import(hf_dir, str(tmp_path / "local"), "--max-memory", str(LIMIT))
+  assert local.returncode == 0, local.stderr[-3000:]
+  assert _digests(str(tmp_path / "web")) == _digests(str(tmp_path / "local"))
