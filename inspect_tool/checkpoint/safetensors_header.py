@@ -152,8 +152,11 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
     raise errors.CheckpointError(f"{index_path}: no 'weight_map' object naming tensors and their shard files")
   directory = paths.parent(index_path) if paths.is_url(index_path) else os.path.dirname(index_path)
   shards: dict[str, list[str]] = {}
+  checked: dict = {}  # shard name -> its path: checked once a name, not once a tensor (91,000 in DeepSeek-V3's index)
   for name, shard in weight_map.items():
-    shards.setdefault(_shard_path(index_path, directory, shard), []).append(name)
+    if not isinstance(shard, str) or shard not in checked:
+      checked[shard] = _shard_path(index_path, directory, shard)  # raises for anything but a file name
+    shards.setdefault(checked[shard], []).append(name)
   ordered = sorted(shards)
   missing = sorted(_relative(s, directory) for s, found in zip(ordered, _each(files.kind, ordered)) if found == "missing")
   if missing:
