@@ -35,6 +35,7 @@ from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.host import memory as host_memory
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
+from inspect_tool.storage import web
 from quant import microscaling
 
 CONFIG_NAME = "config.json"
@@ -236,9 +237,11 @@ class Tensors:
 
 
 def read_span(file: str, name: str, start: int, count: int) -> bytes:
-  """`count` bytes of `file` from offset `start` (a gs:// object: one ranged read) for tensor `name`."""
+  """`count` bytes of `file` from offset `start` (a gs:// object or a URL: one ranged read) for tensor `name`."""
   if paths.is_remote(file):
     return remote.read_range(file, start, count) if count else b""
+  if paths.is_web(file):
+    return web.read_range(file, start, count)
   try:
     with open(file, "rb") as f:
       f.seek(start)
