@@ -189,10 +189,11 @@ def test_the_v4_export_is_what_transformers_ran_and_loads_back(release_import, t
   when the writer changes), its logits equal ours on the export, and importing it gives the same arrays back."""
   src, keys = release_import
   dst = tmp_path / "export"
-  out = _run("export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4",
-             "--no-validate")
+  out = _run("export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4")
   assert out.returncode == 0, out.stderr[-3000:]
   assert _sha256s(dst) == json.loads(open(os.path.join(DATA, "export_sha256.json"), encoding="utf-8").read())["v4"]
+  validation = json.loads((dst / "quantization_report.json").read_text())["validation"]  # the fixed 2 x 16 batch
+  assert validation["passed"] and validation["vs_quantized_source"][0]["kl"] <= 1e-6
   config = json.loads((dst / "config.json").read_text())
   assert config["expert_dtype"] == "fp4" and config["quantization_config"]["scale_fmt"] == "ue8m0"
   reference = np.load(os.path.join(DATA, "export_logits.npz"))["v4"]
@@ -227,3 +228,20 @@ def test_the_v31_export_is_what_transformers_ran_and_loads_back(tmp_path):
   assert sorted(one) == sorted(two)
   for name in one:
     assert one[name].tobytes() == two[name].tobytes(), name
+
+
+def test_a_wrong_fp4_write_fails_the_kl_gate(release_import, tmp_path, capsys, monkeypatch):
+  """Every FP4 scale written one power of two too large (e8m0 code + 1): the export read back is far from the
+  source under the layout's numerics, and validation says so (exit 1)."""
+  from inspect_tool import cli  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
+
+  right = hf_matrices._jitted_fp4_quantize()  # pylint: disable=protected-access
+  monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize", lambda: (lambda w: (right(w)[0], right(w)[1] + 1)))
+  src, keys = release_import
+  dst = tmp_path / "export"
+  code = cli.main(["export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4"])
+  out = capsys.readouterr().out
+  assert code == 1 and out.rstrip().split("\n")[-1].startswith("FAILED: KL above 0.015 nats (")
+  assert min(r["kl"] for r in json.loads((dst / "quantization_report.json").read_text())["validation"][
+      "vs_quantized_source"]) > 0.015

@@ -25,7 +25,6 @@ How each leaf converts (letters: E emb, H heads, D head_dim, G o_groups, O o_lor
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import numpy as np
@@ -39,7 +38,6 @@ MHC_FN, MHC_BASE, MHC_SCALE = "mhc_fn", "mhc_base", "mhc_scale"  # one part (Rul
 ONES = "ones"  # no HF tensor: MaxText's mhc_norm scale, ones
 TABLE = "table"  # integer table (tid2eid), float32 in MaxText
 MHC_KINDS = (MHC_FN, MHC_BASE, MHC_SCALE)
-LINEAR_KINDS = (FP8, BF16_LINEAR, F32_LINEAR)
 MTP_PREFIXES = ("mtp.", "model.mtp.")
 SCANNED = (128, 4)  # scanned_blocks/layers_0 is HCA (ratio 128), layers_1 CSA (4)
 # transformers' save_pretrained spelling of the release's top-level names (layers go under `model.`).
@@ -253,10 +251,3 @@ def linear_matrix(kernel, rule: Rule, cfg) -> np.ndarray:
     return np.ascontiguousarray(grouped_matrix(kernel).T)
   return hf_names.kernel_matrix(kernel, rule, cfg)
 
-
-def unit_count(entry: Entry) -> int:
-  """Values of the largest single HF tensor a leaf maps to (one layer, one expert)."""
-  shape = list(entry.shape)
-  if entry.layer_axis is not None:
-    del shape[entry.layer_axis]
-  return math.prod(shape[1:] if entry.rule.kind == EXPERTS_FP8 else shape)

@@ -81,11 +81,6 @@ def quantization(path: str) -> dict:
   return found
 
 
-def block_size(path: str) -> tuple[int, int]:
-  """`quantization_config.weight_block_size` of `config.json` (DeepSeek's [128, 128] when absent)."""
-  return quantization(path)["block"]
-
-
 class Tensors:
   """The tensors of a safetensors directory, read by name as float32 (quantized ones dequantized)."""
 

@@ -83,11 +83,6 @@ def hf_config(cfg) -> dict[str, Any]:
   }
 
 
-def source_shapes(cfg) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """MaxText leaf key -> shape that `write_deepseek_v4` needs for `cfg`."""
-  return {key: entry.shape for key, entry in hf_names_v4.leaf_plan(cfg).items()}
-
-
 def _layer(value, entry: hf_names.Entry, s: int) -> np.ndarray:
   """One layer's slice of a leaf (float32), read by indexing only (lazy arrays read just that layer)."""
   if entry.layer_axis is None:
