@@ -232,7 +232,9 @@ def test_the_v31_export_is_what_transformers_ran_and_loads_back(tmp_path):
 
 def test_a_wrong_fp4_write_fails_the_kl_gate(release_import, tmp_path, capsys, monkeypatch):
   """Every FP4 scale written one power of two too large (e8m0 code + 1): the export read back is far from the
-  source under the layout's numerics, and validation says so (exit 1)."""
+  source under the layout's numerics (measured: cosine 0.64, relative error 0.84), and validation says so (exit 1).
+  This random model's logits are nearly flat, so its KL is small (0.0099): the gate is set to 0.001 here, an exact
+  write reading back at KL 0."""
   from inspect_tool import cli  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
 
@@ -240,8 +242,9 @@ def test_a_wrong_fp4_write_fails_the_kl_gate(release_import, tmp_path, capsys, m
   monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize", lambda: (lambda w: (right(w)[0], right(w)[1] + 1)))
   src, keys = release_import
   dst = tmp_path / "export"
-  code = cli.main(["export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4"])
+  code = cli.main(["export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4",
+                   "--max-kl", "0.001"])
   out = capsys.readouterr().out
-  assert code == 1 and out.rstrip().split("\n")[-1].startswith("FAILED: KL above 0.015 nats (")
-  assert min(r["kl"] for r in json.loads((dst / "quantization_report.json").read_text())["validation"][
-      "vs_quantized_source"]) > 0.015
+  assert code == 1 and out.rstrip().split("\n")[-1].startswith("FAILED: KL above 0.001 nats ("), out
+  rows = json.loads((dst / "quantization_report.json").read_text())["validation"]["vs_quantized_source"]
+  assert min(r["kl"] for r in rows) > 0.001 and max(r["rel_error"] for r in rows) > 0.5
