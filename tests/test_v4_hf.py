@@ -152,6 +152,8 @@ def test_yarn_on_the_compressed_layers_is_named_as_what_maxtext_does_not_run(log
   _assert_close(ours, logits["release"])
   rel = np.linalg.norm(ours - logits["release_yarn"]) / np.linalg.norm(logits["release_yarn"])
   assert rel > 0.1
+  diff = _run("diff", *report["maxtext_keys"], "--path", str(yarn)).stdout
+  assert "config.json: rope_scaling: yarn (factor 16) on the compressed layers" in diff
 
 
 def test_summary_and_diff_of_v4_directories(capsys):
@@ -166,6 +168,7 @@ def test_summary_and_diff_of_v4_directories(capsys):
     out = _run("diff", *_keys(path), "--path", path)
     mtp = path == RELEASE
     assert ("DISAGREE: 5 not in model (mtp.0.e_proj.weight" if mtp else "AGREE") in out.stdout, out.stdout[-2000:]
+    assert ("DeepSeek-V4's MTP block (5 tensors, e.g. mtp.0.e_proj.weight)" in out.stdout) == mtp
 
 
 def test_v31_ue8m0_directory_reads_everywhere(logits, tmp_path):

@@ -58,6 +58,12 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
   if unplanned:
     result.causes.append(diff.Cause("hf_layout", f"{len(unplanned)} model weight(s) have no Hugging Face DeepSeek "
                                     f"tensor (e.g. {unplanned[0].dotted}): the model is not a DeepSeek-V2/V3/V3.2/V4"))
+  for text in hf_config.differences(path):
+    result.causes.append(diff.Cause("hf_not_in_maxtext", f"config.json: {text} (no MaxText key runs it)"))
+  mtp = hf_names_v4.mtp_tensors(tensors.table) if cfg.decoder_block == "deepseek4" else []
+  if mtp:
+    result.causes.append(diff.Cause("hf_mtp", f"DeepSeek-V4's MTP block ({len(mtp)} tensors, e.g. {mtp[0]}): MaxText's "
+                                    "deepseek4 decoder has no MTP layers, so no model of these keys reads them"))
   if problems:
     shown = "; ".join(p.text for p in problems[:3])
     more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""

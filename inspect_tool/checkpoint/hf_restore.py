@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from inspect_tool import errors
+from inspect_tool import progress
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
@@ -241,8 +242,11 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 
 def load_checkpoint(model, path: str, *, mesh=None):
-  """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
+  """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`; what the
+  directory's model computes that MaxText does not (DeepSeek-V4's YaRN) is named on stderr."""
   hf_config.check_keys(model.config, path)
+  for text in hf_config.differences(path):
+    progress.note(f"warning: {path} computes what MaxText does not: {text}")
   leaves = params.param_leaves(model, include_non_params=True)
   params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh, report_unused=True))
   return model
