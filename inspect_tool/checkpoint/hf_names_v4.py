@@ -151,6 +151,8 @@ def leaf_plan(cfg, spelling: str = "release") -> dict[tuple[str, ...], Entry]:
       ("decoder", "hc_head", "hc_base"): ((k,), Rule(("hc_head_base",), F32)),
       ("decoder", "hc_head", "hc_scale"): ((1,), Rule(("hc_head_scale",), F32)),
   }
+  if cfg.logits_via_embedding:  # tied: the head is the embedding (transformers' tie_word_embeddings)
+    del top[("decoder", "logits_dense", "kernel")]
   plan = {tree.param_key(path): Entry(shape, _spell_rule(rule, spelling)) for path, (shape, rule) in top.items()}
 
   def add(prefix: tuple[str, ...], ratio: int, is_hash: bool, hf_layers: list[int], stacked: bool) -> None:
