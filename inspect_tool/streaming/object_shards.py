@@ -4,7 +4,8 @@ Object stores have no writes at an offset, and a shard's tensors are filled in a
 an embedding and its MTP copy row block by row block), its header last. So `ObjectSink` streams the data into
 *segments*: a write at the end of a segment that is not being written to appends to it, any other write opens a
 new segment object (`<shard>.part-<data offset>`), each one resumable upload (`storage.objects.open_write`: at most
-`BLOCK_BYTES` held per segment, the store's MD5 of what it kept checked against what was sent when it closes). A
+`BLOCK_BYTES` held per segment; when it closes, the MD5 the store computed of what it keeps is checked against that
+of what was sent). A
 segment is closed as soon as the bytes after its end begin another segment, and all of them when the shard is
 complete; the header (its reserved size, space-padded as on a local disk) is an object of its own. `publish(url)`
 composes header and segments in offset order into the final shard (GCS `compose`, server side) and removes the
@@ -13,6 +14,8 @@ parts: the same bytes as the local file, never a whole shard on local disk or in
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import threading
 
 from inspect_tool import errors
@@ -28,16 +31,32 @@ def _failure(url: str, e: BaseException) -> errors.InputError:
 
 
 class _Segment:
-  """One part object: the data bytes [start, end) of the shard, `stream` open while it may grow."""
+  """One part object: the data bytes [start, end) of the shard, `stream` open while it may grow; once closed, the
+  MD5 the store computed of what it keeps must be that of what was sent."""
 
   def __init__(self, url: str, start: int):
     self.url, self.start, self.end, self.busy = url, start, start, False
     self.stream = objects.open_write(url, BLOCK_BYTES)
+    self.md5 = hashlib.md5()
+
+  def write(self, data) -> None:
+    self.md5.update(data)
+    self.stream.write(data)
 
   def close(self) -> None:
     stream, self.stream = self.stream, None
     if stream is not None:
       stream.close()
+      stored = objects.filesystem().info(self.url[len("gs://"):]).get("md5Hash")
+      if stored != base64.b64encode(self.md5.digest()).decode():
+        raise ValueError("checksum: the store's MD5 differs")
+
+
+def _checked_upload(url: str, data: bytes) -> None:
+  """The object `url` of `data`, its stored MD5 checked."""
+  segment = _Segment(url, 0)
+  segment.write(data)
+  segment.close()
 
 
 class ObjectSink:
@@ -69,7 +88,7 @@ class ObjectSink:
       segment.busy = True
     try:
       for begin in range(0, len(data), BLOCK_BYTES):  # never a second copy of a large write in the buffer
-        segment.stream.write(data[begin:begin + BLOCK_BYTES])
+        segment.write(data[begin:begin + BLOCK_BYTES])
     except Exception as e:  # pylint: disable=broad-except
       raise _failure(self.url, e) from None
     finally:
@@ -96,7 +115,7 @@ class ObjectSink:
       if covered != size:
         raise AssertionError(f"{self.url}: {covered} of {size} data bytes written")
       try:
-        objects.write(f"{self.url}.header", header)
+        _checked_upload(f"{self.url}.header", header)
       except Exception as e:  # pylint: disable=broad-except
         raise _failure(self.url, e) from None
       self._header = f"{self.url}.header"
