@@ -10,10 +10,11 @@ earlier one behind its proxy; started here on 127.0.0.1). Cases, each one proces
     copies with the commit marker last: `inspect_tool/output/object_store.py`);
   * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver);
   * Orbax: `PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)` (MaxText's configuration) restores the local
-    export's arrays, then saves them to the emulator: the same arrays to the same store; its save alone is timed
-    inside the process too.
+    export's arrays, then saves them to the emulator (the same arrays to the same store), and to local disk; its
+    save alone is timed inside the process too.
 Throughput is source bytes per wall second; `x local` is each case's wall time over local -> local's; the last lines
-give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x. The emulator runs
+give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, and what writing
+to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk. The emulator runs
 on the same machine: the figures say what the protocol costs here, not what Cloud Storage's bandwidth would give.
 
   .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny] [--emulator fake-gcs-server]
@@ -43,7 +44,8 @@ FULL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
         "base_num_decoder_layers=4"]  # 1.36 GB float32 (bench_export.py's `scanned`)
 QUANT = ["quantization=fp8_full"]
 CASES = ("local -> local", "local -> gs", "gs -> local", "gs -> gs")
-ORBAX = "orbax save -> gs"
+ORBAX, ORBAX_LOCAL = "orbax save -> gs", "orbax save -> local"
+PEERS = (ORBAX_LOCAL, ORBAX)
 _ORBAX = r"""
 import sys, time
 import orbax.checkpoint as ocp
@@ -107,16 +109,16 @@ def main() -> int:
       sources = {"local": local_src, "gs": remote_src}
       outputs = {"local": os.path.join(root, "out"), "gs": f"gs://{gcs_emulator.BUCKET}/out"}
       kept = os.path.join(root, "local-export")  # local -> local's output, which Orbax then restores and saves
-      times: dict[str, list[float]] = {case: [] for case in (*CASES, ORBAX)}
+      times: dict[str, list[float]] = {case: [] for case in (*CASES, *PEERS)}
       rss: dict[str, int] = {case: 0 for case in times}
-      saves: list[float] = []
+      saves: dict[str, list[float]] = {case: [] for case in PEERS}
       failed: dict[str, str] = {}
       for _ in range(repeat):
-        for case in (*CASES, ORBAX):
+        for case in (*CASES, *PEERS):
           if case in failed:
             continue
-          if case == ORBAX:  # the local export's arrays (the first case's output, kept for this) saved to gs://
-            dst = f"gs://{gcs_emulator.BUCKET}/orbax"
+          if case in PEERS:  # the local export's arrays (the first case's output, kept for this) saved again
+            dst = f"gs://{gcs_emulator.BUCKET}/orbax" if case == ORBAX else os.path.join(root, "orbax")
             cmd = [sys.executable, "-c", _ORBAX, os.path.join(kept, "0", "items"), dst]
           else:
             src, out = (part.strip() for part in case.split("->"))
@@ -130,8 +132,8 @@ def main() -> int:
             continue
           times[case].append(wall)
           rss[case] = max(rss[case], peak)
-          if case == ORBAX:
-            saves.append(float(stdout.split("SAVE ")[-1].split()[0]))
+          if case in PEERS:
+            saves[case].append(float(stdout.split("SAVE ")[-1].split()[0]))
           if case != CASES[0]:
             _remove(dst)
         _remove(kept)
@@ -140,7 +142,7 @@ def main() -> int:
       print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
             f"GCS = the local emulator ({args.emulator})")
       print(f"{'case':<18}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
-      for case in (*CASES, ORBAX):
+      for case in (*CASES, *PEERS):
         if case in failed or not times[case]:
           reason = failed.get(case, "no run")
           if case.startswith("gs") and "does not exist" in reason:
@@ -149,10 +151,15 @@ def main() -> int:
           continue
         wall = statistics.median(times[case])
         print(f"{case:<18}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
-      if times["local -> gs"] and times[ORBAX]:
-        ours, theirs = statistics.median(times["local -> gs"]), statistics.median(times[ORBAX])
-        print(f"local -> gs beside Orbax: time {ours / theirs:.2f}x (its save alone {statistics.median(saves):.2f} s: "
-              f"{ours / statistics.median(saves):.2f}x), peak RSS {rss['local -> gs'] / rss[ORBAX]:.2f}x (goal <= 1.2x)")
+      if all(times[case] for case in ("local -> gs", *PEERS)):
+        med = {case: statistics.median(times[case]) for case in times if times[case]}
+        save = {case: statistics.median(saves[case]) for case in PEERS}
+        print(f"local -> gs beside Orbax: time {med['local -> gs'] / med[ORBAX]:.2f}x (its save alone "
+              f"{save[ORBAX]:.2f} s: {med['local -> gs'] / save[ORBAX]:.2f}x), peak RSS "
+              f"{rss['local -> gs'] / rss[ORBAX]:.2f}x (goal <= 1.2x)")
+        ours, theirs = med["local -> gs"] - med[CASES[0]], save[ORBAX] - save[ORBAX_LOCAL]
+        print(f"what gs:// adds: export {ours:.2f} s (local -> gs less local -> local), Orbax {theirs:.2f} s (its save "
+              f"to gs less its save to local disk): {ours / theirs if theirs > 0 else float('inf'):.2f}x")
   finally:
     shutil.rmtree(root, ignore_errors=True)
   return 0

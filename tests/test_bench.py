@@ -36,6 +36,9 @@ RATIO_LINES = {
                      rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
                      rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
                      rf"^orbax save -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^orbax save -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^what gs:// adds: export -?{NUMBER} s \(local -> gs less local -> local\), Orbax -?{NUMBER} s "
+                     rf"\(its save to gs less its save to local disk\): (?:-?{NUMBER}|inf)x$",
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
                      rf"{NUMBER}x \(goal <= 1\.2x\)$"],
     "bench_export.py": [

@@ -195,7 +195,8 @@ def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
     raise AssertionError(f"{dst} is written without being claimed (destination.claim)")
   lock, _ = _held[dst]
   staging = paths.join(paths.parent(dst), staging_prefix(dst) + lock.content["id"])
-  cleanup = stop.add_cleanup(lambda: _abandon(staging, None))  # if a stop cannot wait for us
+  cleanup = stop.add_cleanup(  # if a stop cannot wait for us; once publishing, the next run completes it
+      lambda: None if lock.content.get("state") == "publishing" else _abandon(staging, None))
   try:
     try:
       yield staging
