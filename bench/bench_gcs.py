@@ -14,8 +14,9 @@ earlier one behind its proxy; started here on 127.0.0.1). Cases, each one proces
     save alone is timed inside the process too.
 Throughput is source bytes per wall second; `x local` is each case's wall time over local -> local's; the last lines
 give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, and what writing
-to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk. The emulator runs
-on the same machine: the figures say what the protocol costs here, not what Cloud Storage's bandwidth would give.
+to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk.
+The emulator runs on the same machine: the figures say what the protocol costs here, not what Cloud Storage's
+bandwidth would give.
 
   .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny] [--emulator fake-gcs-server]
 
@@ -141,16 +142,16 @@ def main() -> int:
       label = "tiny" if args.tiny else "scanned"
       print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
             f"GCS = the local emulator ({args.emulator})")
-      print(f"{'case':<18}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
+      print(f"{'case':<20}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
       for case in (*CASES, *PEERS):
         if case in failed or not times[case]:
           reason = failed.get(case, "no run")
           if case.startswith("gs") and "does not exist" in reason:
             reason = "reading gs:// not available"
-          print(f"{case:<18}  n/a ({reason})")
+          print(f"{case:<20}  n/a ({reason})")
           continue
         wall = statistics.median(times[case])
-        print(f"{case:<18}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
+        print(f"{case:<20}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
       if all(times[case] for case in ("local -> gs", *PEERS)):
         med = {case: statistics.median(times[case]) for case in times if times[case]}
         save = {case: statistics.median(saves[case]) for case in PEERS}

