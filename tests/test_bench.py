@@ -41,6 +41,9 @@ RATIO_LINES = {
                      rf"\(its save to gs less its save to local disk\): (?:-?{NUMBER}|inf)x$",
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
                      rf"{NUMBER}x \(goal <= 1\.2x\)$"],
+    "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     r"^  of which safetensors headers: ([\d,]+) bytes \(the headers are \1\); \d+ requests$"],
     "bench_export.py": [
         rf"^\[tiny/{chunks}\] {case}\s+{NUMBER} s .* {NUMBER} x Orbax's time" for chunks in ("single", "256KiB")
         for case in (r"orbax restore\+save", "export", r"export --max-memory \d+MiB \(1\.5x floor\)",
