@@ -41,6 +41,7 @@ from inspect_tool.run import limits
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import object_shards
 from inspect_tool.streaming import read
 from inspect_tool.streaming import write_orbax
 
@@ -246,7 +247,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       return arrays.cached_overhead(store(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
-                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES,
+                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES
+                                      + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
                                       cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
                                       stream_overhead=(lambda key: arrays.stream_overhead(store(key)))

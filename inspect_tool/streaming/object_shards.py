@@ -21,7 +21,10 @@ import threading
 from inspect_tool import errors
 from inspect_tool.storage import objects
 
-BLOCK_BYTES = 8 * 2**20  # what one segment holds in memory before it sends it (a multiple of 256 KiB)
+BLOCK_BYTES = 4 * 2**20  # what one segment holds in memory before it sends it (a multiple of 256 KiB)
+# What the open segments hold, counted in --max-memory: up to two blocks each (the buffer and the piece being added),
+# and at most four open at once (two converters, an embedding and its MTP copy filled block by block).
+RESERVE_BYTES = 4 * 2 * BLOCK_BYTES
 
 
 def _failure(url: str, e: BaseException) -> errors.InputError:
