@@ -1,16 +1,13 @@
-"""Objects under a gs:// prefix: list, read, write (create-only too), upload a local tree or a stream, compose, copy,
-delete.
+"""Objects under a gs:// prefix: list, read, write (create-only too), stream an upload, compose, copy, delete.
 
 Reads and writes go through tensorstore's `gcs` kvstore (`paths.kvstore_spec`; a create-only write is a write
-conditional on "no object", GCS's `ifGenerationMatch=0`); listings (by prefix), uploads, server-side copies (GCS
-`rewrite`), streamed uploads (resumable), compositions (GCS `compose`) and deletions through gcsfs, the file
-system under Orbax's `epath`. No HTTP client of our own. Names are relative to
-the prefix they are listed or written under.
+conditional on "no object", GCS's `ifGenerationMatch=0`); listings (by prefix), streamed uploads (resumable),
+server-side copies (GCS `rewrite`), compositions (GCS `compose`) and deletions through gcsfs, the file system under
+Orbax's `epath`. No HTTP client of our own. Names are relative to the prefix they are listed or written under.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 from inspect_tool import errors
@@ -96,28 +93,6 @@ def delete_all(prefix: str, names_: Iterable[str] | None = None) -> None:
   names_ = names(prefix) if names_ is None else list(names_)
   if names_:
     filesystem().rm([_fs_path(paths.join(prefix, n)) for n in names_])
-
-
-def upload(local_dir: str, prefix: str, *, skip: Iterable[str] = ()) -> list[str]:
-  """Uploads every file under `local_dir` to `prefix/<relative name>` (streamed, in parallel), except the names in
-  `skip`; returns the names uploaded."""
-  skip, files = set(skip), []
-  for directory, _, found in os.walk(local_dir):
-    for name in found:
-      relative = os.path.relpath(os.path.join(directory, name), local_dir).replace(os.sep, "/")
-      if relative not in skip:
-        files.append(relative)
-  files.sort()
-  if files:
-    # lazy: gcsfs, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
-    from gcsfs import retry  # pylint: disable=import-outside-toplevel
-
-    try:  # each upload's MD5 checked against the one the store computed of what it keeps
-      filesystem().put([os.path.join(local_dir, n) for n in files], [_fs_path(paths.join(prefix, n)) for n in files],
-                       consistency="md5")
-    except retry.ChecksumError:
-      raise OSError(f"an upload to {prefix} was stored with other bytes than were sent (MD5 differs)") from None
-  return files
 
 
 def copy(src_prefix: str, dst_prefix: str, names_: Iterable[str]) -> None:
