@@ -13,8 +13,10 @@ earlier one behind its proxy; started here on 127.0.0.1). Cases, each one proces
     export's arrays, then saves them to the emulator (the same arrays to the same store), and to local disk; its
     save alone is timed inside the process too.
 Throughput is source bytes per wall second; `x local` is each case's wall time over local -> local's; the last lines
-give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, and what writing
-to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk.
+give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, what writing
+to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk,
+and the export's stages (writing the arrays, process 0's merge and checks, the manifest's read-back, publishing: the
+pipeline's functions timed by a wrapper around the command) beside local -> local's.
 The emulator runs on the same machine: the figures say what the protocol costs here, not what Cloud Storage's
 bandwidth would give.
 
@@ -45,6 +47,29 @@ FULL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
         "base_num_decoder_layers=4"]  # 1.36 GB float32 (bench_export.py's `scanned`)
 QUANT = ["quantization=fp8_full"]
 CASES = ("local -> local", "local -> gs", "gs -> local", "gs -> gs")
+# The export with its stages timed: each prints "STAGE <name> <seconds>" (the pipeline's functions wrapped, no other
+# change).
+_EXPORT = r"""
+import runpy, sys, time
+from inspect_tool.fp8_export import pipeline
+from inspect_tool.output import object_store
+from inspect_tool.streaming import orbax_writer, write_orbax
+def timed(owner, name, label):
+  function = getattr(owner, name)
+  def wrapper(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return function(*args, **kwargs)
+    finally:
+      print(f"STAGE {label} {time.perf_counter() - start:.3f}", flush=True)
+  setattr(owner, name, wrapper)
+for owner, name, label in ((write_orbax, "write_arrays", "write"), (orbax_writer.OrbaxArrayWriter, "finalize", "merge"),
+                           (pipeline, "_write_manifest", "manifest"), (object_store, "publish", "publish")):
+  timed(owner, name, label)
+sys.argv = ["inspect_checkpoint", *sys.argv[1:]]
+runpy.run_module("inspect_tool", run_name="__main__")
+"""
+STAGES = ("write", "merge", "manifest", "publish")
 ORBAX, ORBAX_LOCAL = "orbax save -> gs", "orbax save -> local"
 PEERS = (ORBAX_LOCAL, ORBAX)
 _ORBAX = r"""
@@ -113,6 +138,7 @@ def main() -> int:
       times: dict[str, list[float]] = {case: [] for case in (*CASES, *PEERS)}
       rss: dict[str, int] = {case: 0 for case in times}
       saves: dict[str, list[float]] = {case: [] for case in PEERS}
+      stages: dict[str, dict[str, list[float]]] = {case: {stage: [] for stage in STAGES} for case in CASES}
       failed: dict[str, str] = {}
       for _ in range(repeat):
         for case in (*CASES, *PEERS):
@@ -124,7 +150,7 @@ def main() -> int:
           else:
             src, out = (part.strip() for part in case.split("->"))
             dst = kept if case == CASES[0] else outputs[out]
-            cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", sources[src],
+            cmd = [sys.executable, "-c", _EXPORT, "export", *tokens, *QUANT, "--checkpoint", sources[src],
                    "--output", dst, "--no-validate", "--quiet", "--overwrite"]
           try:
             wall, peak, stdout = _timed(cmd, env)
@@ -135,6 +161,10 @@ def main() -> int:
           rss[case] = max(rss[case], peak)
           if case in PEERS:
             saves[case].append(float(stdout.split("SAVE ")[-1].split()[0]))
+          else:
+            for line in stdout.splitlines():
+              if line.startswith("STAGE "):
+                stages[case][line.split()[1]].append(float(line.split()[2]))
           if case != CASES[0]:
             _remove(dst)
         _remove(kept)
@@ -161,6 +191,11 @@ def main() -> int:
         ours, theirs = med["local -> gs"] - med[CASES[0]], save[ORBAX] - save[ORBAX_LOCAL]
         print(f"what gs:// adds: export {ours:.2f} s (local -> gs less local -> local), Orbax {theirs:.2f} s (its save "
               f"to gs less its save to local disk): {ours / theirs if theirs > 0 else float('inf'):.2f}x")
+        cells = []
+        for stage in STAGES:
+          local, remote = (statistics.median(stages[c][stage]) if stages[c][stage] else 0.0 for c in CASES[:2])
+          cells.append(f"{stage} {remote:.2f} s ({remote - local:+.2f})")
+        print(f"local -> gs by stage (beside local -> local): {', '.join(cells)}")
   finally:
     shutil.rmtree(root, ignore_errors=True)
   return 0

@@ -39,6 +39,9 @@ RATIO_LINES = {
                      rf"^orbax save -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
                      rf"^what gs:// adds: export -?{NUMBER} s \(local -> gs less local -> local\), Orbax -?{NUMBER} s "
                      rf"\(its save to gs less its save to local disk\): (?:-?{NUMBER}|inf)x$",
+                     rf"^local -> gs by stage \(beside local -> local\): write {NUMBER} s \([+-]{NUMBER}\), merge "
+                     rf"{NUMBER} s \([+-]{NUMBER}\), manifest {NUMBER} s \([+-]{NUMBER}\), publish {NUMBER} s "
+                     rf"\([+-]{NUMBER}\)$",
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
                      rf"{NUMBER}x \(goal <= 1\.2x\)$"],
     "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
