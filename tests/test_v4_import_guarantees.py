@@ -67,6 +67,19 @@ def test_gs_in_and_out_equals_the_local_import(unbounded, gcs, tmp_path):
   _same_arrays(unbounded, remote)
 
 
+def test_a_v4_export_to_gs_equals_the_local_one(unbounded, gcs, tmp_path):
+  from inspect_tool.storage import objects  # pylint: disable=import-outside-toplevel
+
+  keys = json.loads(open(os.path.join(unbounded, "import_report.json"), encoding="utf-8").read())["maxtext_keys"]
+  local, remote = tmp_path / "local", f"gs://{BUCKET}/v4/export"
+  for dst in (str(local), remote):
+    out = _run("export", *keys, "--checkpoint", unbounded, "--output", dst, "--layout", "deepseek-v4", "--no-validate")
+    assert out.returncode == 0, out.stderr[-3000:]
+  for name in os.listdir(local):
+    if name.endswith((".safetensors", "config.json", ".index.json")):
+      assert objects.read(f"{remote}/{name}")[0] == (local / name).read_bytes(), name
+
+
 def _edited(tmp_path, source: str, edit_config=None) -> str:
   """A copy of `source` with its config.json edited."""
   target = tmp_path / "edited"
