@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 
-import jax
 import jax.numpy as jnp
 
 from quant import compat
 from quant import errors
 from quant.gmm import pallas as gmm_pallas
 from quant.gmm import ragged as gmm_ragged
+from quant.gmm import target
 from quant.gmm import tiled as gmm_tiled
 
 BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
@@ -59,7 +59,8 @@ def requested(name: str = "auto", *, use_tokamax_backend: bool = False) -> str:
 
 
 def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: str | None = None) -> str:
-  """The kernel `name` stands for on `platform` (default: JAX's default backend), checked to be available.
+  """The kernel `name` stands for on `platform` (default: the compilation target, `target.platform()`: JAX's
+  default backend unless a TPU topology is being compiled for), checked to be available.
 
   Raises:
     errors.QuantError: an unknown name, a contradiction with use_tokamax_backend, or a backend not installed.
@@ -67,7 +68,7 @@ def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: 
   name = requested(name, use_tokamax_backend=use_tokamax_backend)
   if name == "auto":
     if platform is None:
-      platform = jax.default_backend()
+      platform = target.platform()
     name = _auto(platform)
   if name == "tokamax" and not tokamax_installed():
     raise errors.QuantError("gmm_backend=tokamax needs the tokamax package, which is not installed; accepted: "

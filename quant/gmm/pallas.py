@@ -1,4 +1,5 @@
-"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled on TPU, Pallas interpret mode elsewhere.
+"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled by Mosaic for a TPU target, Pallas interpret mode
+elsewhere (the target is `quant.gmm.target.platform()`: a TPU topology compiled from any host counts as TPU).
 
 Megablox multiplies bfloat16 or float32 tiles with float32 accumulation. FP8 operands enter as bfloat16, which
 holds every float8_e4m3fn and float8_e5m2 value exactly, so each tile product is the exact product of the fp8
@@ -6,17 +7,17 @@ values, as on an FP8 matrix unit; the caller applies the scales to the float32 r
 padded to a multiple of the row tile (Megablox requires it); K and N may be ragged against their tiles (`tile`).
 """
 
-import jax
 import jax.numpy as jnp
 
 from quant import compat
+from quant.gmm import target
 
 DEFAULT_TILE = 128  # Megablox's default tile on each of M, K, N
 
 
 def interpret() -> bool:
-  """Interpret mode anywhere but on TPU (where the kernel is compiled by Mosaic)."""
-  return jax.default_backend() != "tpu"
+  """Interpret mode unless the program is compiled for TPU (where Mosaic compiles the kernel)."""
+  return target.platform() != "tpu"
 
 
 def _operand(x, other):
