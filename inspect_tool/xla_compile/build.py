@@ -1,6 +1,6 @@
 """Compile a config's training step or forward pass for a TPU topology and read XLA's per-device memory.
 
-`compile_program(cfg, topology, train=...)`: the model built abstractly, sharded as MaxText shards it (`state`),
+`compile_program(cfg, topology, train=...)`: the model built abstractly (quantized as the config says), sharded as MaxText shards it (`state`),
 traced for the topology's mesh (`model.partitioning`: activation shardings, experts and attention per device) with
 the grouped matmul compiled for TPU (`quant.gmm.target`), lowered and compiled by libtpu on this host. XLA's
 `CompiledMemoryStats` and the count of Mosaic kernels (`tpu_custom_call`) in the compiled program come back as a
@@ -12,13 +12,16 @@ from __future__ import annotations
 import re
 import time
 
+from flax import nnx
 import jax
 
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool import progress
+from inspect_tool.coverage import trace as coverage_trace
 from inspect_tool.model import partitioning
 from inspect_tool.paramtree import params as params_lib
+from inspect_tool.run import runner
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement
 from inspect_tool.xla_compile import memory
@@ -42,6 +45,14 @@ def _check(cfg, train: str | None) -> None:
                              "scan_layers=true")
 
 
+def _model(cfg):
+  """The model the program runs, abstractly: under the config's quantization (Qwix QT, as `forward`, the export's
+  validation and MaxText's training run it) when it has rules."""
+  if not coverage_trace.config_rules(cfg):
+    return model_lib.build_model(cfg, abstract=True)
+  return nnx.eval_shape(lambda: runner.quantize_for_training(model_lib.build_model(cfg, abstract=False), cfg))
+
+
 def _lower(cfg, train: str | None, abstract: state_lib.Abstract):
   if train:
     tx = state_lib.optimizer(cfg, train)
@@ -62,9 +73,9 @@ def compile_program(cfg, topology: str, *, train: str | None = None, limit: int 
   slices = mesh_lib.num_slices(cfg)
   devices = topology_lib.devices(topology, slices)
   chip = mesh_lib.topology_chip(topology)
-  model = model_lib.build_model(cfg, abstract=True)
+  leaves = params_lib.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
+  model = _model(cfg)
   model.decoder.remat_policy = str(cfg.remat_policy) if train else None
-  leaves = params_lib.param_leaves(model, include_non_params=True)
   plan = placement.plan(leaves, cfg, len(devices))
   mesh = state_lib.device_mesh(plan, devices)
   abstract = state_lib.abstract(model, cfg, plan, mesh)
