@@ -130,6 +130,8 @@ def _compile_only(overrides, topology, fmt, output_file) -> int:
   libtpu.require()
   cfg = config.resolve_config(overrides)
   from inspect_tool import xla_compile  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import cache  # pylint: disable=import-outside-toplevel
+  cache.set_enabled(click.get_current_context().meta.get("inspect_checkpoint.compile_cache", True))
   verdict = xla_compile.judge(cfg, topology)
   if fmt == "json":
     text = json.dumps({"xla": verdict.to_dict()}, indent=1) + "\n"

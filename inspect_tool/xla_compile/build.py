@@ -24,6 +24,8 @@ from inspect_tool.paramtree import params as params_lib
 from inspect_tool.run import runner
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement
+from inspect_tool.xla_compile import cache
+from inspect_tool.xla_compile import libtpu
 from inspect_tool.xla_compile import memory
 from inspect_tool.xla_compile import state as state_lib
 from inspect_tool.xla_compile import step as step_lib
@@ -84,13 +86,27 @@ def compile_program(cfg, topology: str, *, train: str | None = None, limit: int 
   with progress.step(f"compiling the {'training step' if train else 'forward pass'} for {topology} (libtpu)"):
     with partitioning.partitioned(state_lib.activation_partitioning(cfg, plan, mesh)), target.compiling_for("tpu"):
       lowered = _lower(cfg, train, abstract)
-    try:
-      compiled = lowered.compile()
-    except Exception as e:  # pylint: disable=broad-except  (XLA's JaxRuntimeError)
-      if not _OOM.search(str(e)):
-        raise
-      return memory.XlaMemory.refused(program, topology, errors.first_line(e), limit or chip.memory,
-                                      time.perf_counter() - start)
+    entry = cache.key(lowered.as_text(), topology, slices, libtpu.require())
+    kept = cache.load(entry)
+    cached = kept is not None
+    if not cached:
+      kept = _compile(lowered)
+      cache.store(entry, kept)
+  limit, seconds = limit or chip.memory, time.perf_counter() - start
+  if "refusal" in kept:
+    return memory.XlaMemory.refused(program, topology, kept["refusal"], limit, seconds, cached)
+  return memory.XlaMemory(program, topology, kept["stats"], kept["tpu_custom_calls"], limit, seconds, None, cached)
+
+
+def _compile(lowered) -> dict:
+  """XLA's memory figures and Mosaic kernel count of `lowered`, or its refusal for lack of HBM."""
+  jax.config.update("jax_enable_compilation_cache", False)  # JAX cannot load back a compile-only executable
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  (XLA's JaxRuntimeError)
+    if not _OOM.search(str(e)):
+      raise
+    return {"refusal": errors.first_line(e)}
   stats = compiled.memory_analysis()
-  calls = len(_CUSTOM_CALL.findall(compiled.as_text()))
-  return memory.XlaMemory.of(program, topology, stats, calls, limit or chip.memory, time.perf_counter() - start)
+  return {"stats": {f: int(getattr(stats, f)) for f in memory.FIELDS},
+          "tpu_custom_calls": len(_CUSTOM_CALL.findall(compiled.as_text()))}

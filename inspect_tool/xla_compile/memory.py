@@ -27,14 +27,11 @@ class XlaMemory:
   limit: int
   seconds: float
   refusal: str | None = None  # XLA's out-of-memory message
+  cached: bool = False  # read from the cache of an earlier compile of the same program (`cache`)
 
   @classmethod
-  def of(cls, program, topology, stats, calls: int, limit: int, seconds: float) -> XlaMemory:
-    return cls(program, topology, {f: int(getattr(stats, f)) for f in FIELDS}, calls, limit, seconds)
-
-  @classmethod
-  def refused(cls, program, topology, message: str, limit: int, seconds: float) -> XlaMemory:
-    return cls(program, topology, None, None, limit, seconds, message)
+  def refused(cls, program, topology, message: str, limit: int, seconds: float, cached: bool = False) -> XlaMemory:
+    return cls(program, topology, None, None, limit, seconds, message, cached)
 
   @property
   def peak(self) -> int | None:
@@ -57,7 +54,7 @@ class XlaMemory:
   def to_dict(self) -> dict:
     out = dict(self.stats or {f: None for f in FIELDS})
     out.update(peak_bytes=self.peak, tpu_custom_calls=self.tpu_custom_calls, device_memory_bytes=self.limit,
-               fits=self.fits, topology=self.topology, compile_seconds=round(self.seconds, 1))
+               fits=self.fits, topology=self.topology, compile_seconds=round(self.seconds, 1), from_cache=self.cached)
     if self.refusal is not None:
       out.update(xla_refusal=self.refusal, xla_used_bytes=self.xla_used)
     return out

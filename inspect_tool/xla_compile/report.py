@@ -56,8 +56,9 @@ class XlaVerdict:
   def text_lines(self) -> list[str]:
     hb, r = summary_lib.human_bytes, self.result
     what = PROGRAMS[r.program] + (f" with {self.train}" if self.train else "")
+    how = "an earlier compile, from the cache" if r.cached else f"{r.seconds:.0f} s"
     out = ["", f"XLA's per-device memory ({what}, compiled for {r.topology}: {self.devices} devices, libtpu "
-           f"{self.libtpu}, {r.seconds:.0f} s):"]
+           f"{self.libtpu}, {how}):"]
     if r.stats is not None:
       for label, field in ROWS:
         out.append(f"  {label:<20}{hb(r.stats[field]):>12}")
