@@ -91,7 +91,7 @@ def test_fp8_full_grouped_matmul_compiles_as_the_pallas_kernel():
 
 
 def test_a_step_that_does_not_fit_is_exit_1_with_xla_figures():
-  code, out, err = _cli("maxtext", *L4, "--topology", "v5p-8", "--compile", "--device-memory", "32MiB")
+  code, out, err = _cli("maxtext", *L4, "--topology", "v5p-8", "--compile", "--device-memory", "16MiB")
   assert code == 1
   assert "XLA's peak" in out and "DOES NOT FIT (short by" in out
   assert err.startswith("does not fit:") and len(err.strip().splitlines()) == 1
