@@ -37,6 +37,9 @@ RATIO_LINES = {
                      rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
     "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
+    "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     r"^  of which safetensors headers: ([\d,]+) bytes \(the headers are \1\); \d+ requests$"],
     "bench_export.py": [
         rf"^\[tiny/{chunks}\] {case}\s+{NUMBER} s .* {NUMBER} x Orbax's time" for chunks in ("single", "256KiB")
         for case in (r"orbax restore\+save", "export", r"export --max-memory \d+MiB \(1\.5x floor\)",

@@ -65,7 +65,8 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   if distributed.process_index() != 0:
     report = _import(cfg, keys, path, dst, **args)
   else:
-    with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
+    sources = [] if paths.is_web(path) else [path]  # a URL is no place on this machine to keep DST out of
+    with destination.claim(dst, sources=sources, overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
   return ImportResult(given, paths.absolute(dst), report)
 

@@ -26,16 +26,15 @@ _DENIED = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|Forbidden|Unauthorized|
 _UNREACHABLE = re.compile(r"retry attempts failed|(?:Could not|Couldn't|Cannot) connect|CURL error|UNAVAILABLE", re.I)
 
 
-def timeout_s() -> float:
-  """Seconds one gcsfs call may take (`INSPECT_GCS_TIMEOUT`, a positive number; default 60)."""
-  text = os.environ.get(TIMEOUT_ENV, "")
+def timeout_s(env: str = TIMEOUT_ENV, default: float = DEFAULT_TIMEOUT_S) -> float:
+  """Seconds one gcsfs call may take (`INSPECT_GCS_TIMEOUT`, a positive number; default 60), or what `env` says."""
+  text = os.environ.get(env, "")
   try:
-    value = float(text) if text else DEFAULT_TIMEOUT_S
+    value = float(text) if text else default
   except ValueError:
     value = 0.0
   if not 0 < value < float("inf"):
-    raise errors.InputError(f"{TIMEOUT_ENV}={errors.shown(text)} is not a number of seconds; accepted: a positive "
-                            "number")
+    raise errors.InputError(f"{env}={errors.shown(text)} is not a number of seconds; accepted: a positive number")
   return value
 
 
