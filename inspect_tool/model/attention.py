@@ -39,7 +39,7 @@ class AttentionOp(nnx.Module):
     self.float32_qk_product = bool(cfg.float32_qk_product)
     self.precision = layers.precision(cfg)
     self.kernel = str(cfg.attention)  # on a TPU mesh, flash (and autoselected) run the splash kernel (`splash`)
-    self.blocks = {k: int(getattr(cfg, k)) for k in splash.BLOCK_KEYS}
+    self.blocks = tuple(int(getattr(cfg, k)) for k in splash.BLOCK_KEYS)  # a tuple: graph definitions are hashed
 
   def __call__(self, query, key, value, segment_ids=None, keep=None, *, allowed=None, sinks=None):
     """`keep` [b, t, s] (the indexer's selection) further restricts the causal / segment mask; `allowed`

@@ -28,15 +28,16 @@ def applies(attention: str, length: int) -> bool:
   return attention == "flash" or attention == "autoselected" and length >= MIN_LENGTH
 
 
-def attend(query, key, value, segment_ids, blocks: dict):
-  """[B, T, H, Dqk] queries, [B, S, H, Dqk] keys, [B, S, H, Dv] values → [B, T, H, Dv], causal."""
+def attend(query, key, value, segment_ids, blocks: tuple[int, ...]):
+  """[B, T, H, Dqk] queries, [B, S, H, Dqk] keys, [B, S, H, Dv] values → [B, T, H, Dv], causal; `blocks`: the
+  config's `BLOCK_KEYS` values, in that order."""
   kernel_lib, mask_lib = compat.splash_attention()
   part = partitioning.active()
   t, s = query.shape[1], key.shape[1]
   spec = part.of(("activation_batch_attn", "activation_heads", "activation_length_attn", None))
   segment_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
   local_heads = query.shape[2] // part.axis_size(("activation_heads",))
-  sizes = {k: min(int(blocks[k]), t if "_q" in k else s) for k in BLOCK_KEYS}
+  sizes = {k: min(int(b), t if "_q" in k else s) for k, b in zip(BLOCK_KEYS, blocks)}
   block_sizes = kernel_lib.BlockSizes(
       block_q=sizes["sa_block_q"], block_kv=sizes["sa_block_kv"], block_kv_compute=sizes["sa_block_kv_compute"],
       block_q_dkv=sizes["sa_block_q_dkv"], block_kv_dkv=sizes["sa_block_kv_dkv"],
