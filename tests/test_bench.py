@@ -35,7 +35,8 @@ RATIO_LINES = {
                      rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
                      rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
                      rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
-    "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+{NUMBER}x$",
+    "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
+                             rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
     "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
                      rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
