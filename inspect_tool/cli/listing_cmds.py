@@ -63,7 +63,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
     from inspect_tool import xla_compile  # pylint: disable=import-outside-toplevel
     verdict = xla_compile.judge(cfg, topology, train=train, device_memory=device_memory, leaves=report.leaves,
                                 plan_memory=report.memory, overrides=overrides)
-    report = dataclasses.replace(report, xla=verdict)
+    plan = report.memory and dataclasses.replace(report.memory, limit=None, advice=None)  # the verdict is XLA's
+    report = dataclasses.replace(report, xla=verdict, memory=plan)
   report = options.listing_view(report, collapse=collapse)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:

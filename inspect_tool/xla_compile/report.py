@@ -68,6 +68,8 @@ class XlaVerdict:
       out.append(f"  The analytic plan needs {hb(self.plan.needed)} per device: {self.ratio:.2f} × XLA's peak.")
     out.append(self.verdict())
     if self.advice is not None:
+      scale = f" (its figures × {1 / self.ratio:.2f})" if self.ratio else ""
+      out.append(f"What would fit, from the plan calibrated to XLA's peak{scale}; each line compiles again:")
       out += self.advice.report_lines()
     return out
 
