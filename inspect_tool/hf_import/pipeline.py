@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 from typing import Sequence
 
 import numpy as np
@@ -103,7 +102,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
                        memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
                                "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
                                "processes": distributed.process_count()})
-      atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.write_inside(tmp, REPORT_NAME, json.dumps(report, indent=1) + "\n")
       atomic.test_point("report")
       stop.check()
     distributed.barrier("committed")
