@@ -44,6 +44,9 @@ RATIO_LINES = {
                      rf"\([+-]{NUMBER}\)$",
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
                      rf"{NUMBER}x \(goal <= 1\.2x\)$"],
+    "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
+                             rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
+                             rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
     "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
                      rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
                      r"^  of which safetensors headers: ([\d,]+) bytes \(the headers are \1\); \d+ requests$"],
