@@ -69,28 +69,35 @@ def _lower(cfg, train: str | None, abstract: state_lib.Abstract):
   return fn.lower(abstract.params, abstract.rest, abstract.batch)
 
 
-def compile_program(cfg, topology: str, *, train: str | None = None, limit: int | None = None) -> memory.XlaMemory:
-  """XLA's per-device memory of `cfg`'s training step (`train`: the optimizer) or forward pass on `topology`."""
+def lower(cfg, devices: list, *, train: str | None = None):
+  """(`cfg`'s training step or forward pass lowered for `devices`, its abstract inputs): compile-only TPU devices
+  of a topology, or a TPU host's own devices (the same program, compiled and run there: bench_tpu_device)."""
   _check(cfg, train)
-  slices = mesh_lib.num_slices(cfg)
-  devices = topology_lib.devices(topology, slices)
-  chip = mesh_lib.topology_chip(topology)
   leaves = params_lib.param_leaves(model_lib.build_model(cfg, abstract=True), include_non_params=True)
   model = _model(cfg)
   model.decoder.remat_policy = str(cfg.remat_policy) if train else None
   plan = placement.plan(leaves, cfg, len(devices))
   mesh = state_lib.device_mesh(plan, devices)
   abstract = state_lib.abstract(model, cfg, plan, mesh)
+  with partitioning.partitioned(state_lib.activation_partitioning(cfg, plan, mesh)), target.compiling_for("tpu"):
+    return _lower(cfg, train, abstract), abstract
+
+
+def compile_program(cfg, topology: str, *, train: str | None = None, limit: int | None = None) -> memory.XlaMemory:
+  """XLA's per-device memory of `cfg`'s training step (`train`: the optimizer) or forward pass on `topology`."""
+  _check(cfg, train)
+  slices = mesh_lib.num_slices(cfg)
+  devices = topology_lib.devices(topology, slices)
+  chip = mesh_lib.topology_chip(topology)
   program = "train" if train else "forward"
   start = time.perf_counter()
   with progress.step(f"compiling the {'training step' if train else 'forward pass'} for {topology} (libtpu)"):
-    with partitioning.partitioned(state_lib.activation_partitioning(cfg, plan, mesh)), target.compiling_for("tpu"):
-      lowered = _lower(cfg, train, abstract)
+    lowered, _ = lower(cfg, devices, train=train)
     entry = cache.key(lowered.as_text(), topology, slices, libtpu.require())
     kept = cache.load(entry)
     cached = kept is not None
     if not cached:
-      kept = _compile(lowered)
+      kept = xla_figures(lowered)
       cache.store(entry, kept)
   limit, seconds = limit or chip.memory, time.perf_counter() - start
   if "refusal" in kept:
@@ -98,8 +105,8 @@ def compile_program(cfg, topology: str, *, train: str | None = None, limit: int 
   return memory.XlaMemory(program, topology, kept["stats"], kept["tpu_custom_calls"], limit, seconds, None, cached)
 
 
-def _compile(lowered) -> dict:
-  """XLA's memory figures and Mosaic kernel count of `lowered`, or its refusal for lack of HBM."""
+def xla_figures(lowered) -> dict:
+  """XLA's memory figures and Mosaic kernel count of `lowered` compiled, or its refusal for lack of HBM."""
   jax.config.update("jax_enable_compilation_cache", False)  # JAX cannot load back a compile-only executable
   try:
     compiled = lowered.compile()
@@ -107,6 +114,11 @@ def _compile(lowered) -> dict:
     if not _OOM.search(str(e)):
       raise
     return {"refusal": errors.first_line(e)}
+  return figures(compiled)
+
+
+def figures(compiled) -> dict:
+  """The `CompiledMemoryStats` fields and the count of Mosaic kernels of a compiled program."""
   stats = compiled.memory_analysis()
   return {"stats": {f: int(getattr(stats, f)) for f in memory.FIELDS},
           "tpu_custom_calls": len(_CUSTOM_CALL.findall(compiled.as_text()))}
