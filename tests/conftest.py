@@ -82,9 +82,10 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-  """One local GCS emulator per test module (tests/gcs_emulator.py), its variables set in os.environ meanwhile.
-  Per module, not per session: the emulator rewrites the metadata of every object it holds on each write, so a
-  session's worth of objects made each upload of the later modules slower."""
+  """One local GCS emulator per test module (tests/gcs_emulator.py: fake-gcs-server, or gcp-storage-emulator with
+  INSPECT_GCS_EMULATOR), its variables set in os.environ meanwhile. Per module, not per session: gcp-storage-emulator
+  rewrites the metadata of every object it holds on each write, so a session's worth of objects made each upload of
+  the later modules slower."""
   from gcs_emulator import emulator  # pylint: disable=import-outside-toplevel
 
   with emulator(tmp_path_factory.mktemp("gcs-emulator")) as running:

@@ -58,7 +58,7 @@ def routed_fraction(path: str) -> float | None:
   A config.json that is not a small regular file of strict JSON with a fraction in (0, 1] is ignored (None).
   """
   try:
-    if paths.is_remote(path):
+    if paths.is_url(path):
       directory = path if files.kind(path) == "dir" else paths.parent(path)
     else:
       directory = path if os.path.isdir(path) else os.path.dirname(path)

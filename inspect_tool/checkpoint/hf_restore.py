@@ -32,6 +32,8 @@ from inspect_tool.checkpoint import restore
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
+from inspect_tool.storage import web
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
 SCALE_SUFFIX = hf_tensors.SCALE_SUFFIX
@@ -48,6 +50,8 @@ def is_hf_checkpoint(path: str | None) -> bool:
   if not path or files.kind(path) != "dir":
     return False
   found = bool(files.list_suffix(path, ".safetensors") or files.list_suffix(path, safetensors_header.INDEX_SUFFIX))
+  if not found and paths.is_web(path):
+    raise web.not_found(path)  # over HTTP there is nothing else to read
   if not found:
     return False
   config = files.kind(os.path.join(path, CONFIG_NAME))

@@ -24,6 +24,7 @@ from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.host import memory as host_memory
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
+from inspect_tool.storage import web
 
 CONFIG_NAME = "config.json"
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -105,9 +106,11 @@ class Tensors:
 
 
 def read_span(file: str, name: str, start: int, count: int) -> bytes:
-  """`count` bytes of `file` from offset `start` (a gs:// object: one ranged read) for tensor `name`."""
+  """`count` bytes of `file` from offset `start` (a gs:// object or a URL: one ranged read) for tensor `name`."""
   if paths.is_remote(file):
     return remote.read_range(file, start, count) if count else b""
+  if paths.is_web(file):
+    return web.read_range(file, start, count)
   try:
     with open(file, "rb") as f:
       f.seek(start)

@@ -22,7 +22,7 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 @click.option("--random-init", "--random_init", "random_init", is_flag=True,
               help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
                    "not of a model.")
-@click.option("--output", "dst", required=True, type=click.Path(),
+@click.option("--output", "dst", type=click.Path(),
               help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (with "
                    "quantization_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
@@ -42,11 +42,16 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16")
 @click.option("--max-memory", "--max_memory", "max_memory", type=str,
               help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); arrays "
                    "are read, quantized and written by slices that fit.")
+@click.option("--topology", help="With --compile: the TPU slice (v5p-8, v5e-256, ...; `inspect_checkpoint topologies`).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Export nothing: compile the export's validation forward pass (the model under the config's "
+                   "quantization, at per_device_batch_size x devices x max_target_length) for the --topology TPU "
+                   "slice with libtpu, and print XLA's per-device memory and verdict (exit 1 when it does not fit).")
 @cli_options.report_options(overwrite=False)
 @cli_options.distributed_options
 @cli_options.compile_cache_option
 def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_file, max_kl, validate, layout,
-           max_memory, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
+           max_memory, topology, compile_, fmt, output_file, coordinator, num_processes, process_id, timeout, quiet):
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
@@ -62,6 +67,13 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   from inspect_tool.streaming import budget  # pylint: disable=import-outside-toplevel
 
+  if compile_:
+    return _compile_only(overrides, topology, fmt, output_file)
+  if dst is None:
+    raise click.UsageError("Missing option '--output' (or give --compile --topology T to only check that the "
+                           "export's forward pass fits a TPU slice)")
+  if topology is not None:
+    raise click.UsageError("--topology is for --compile (checking the export's forward pass on a TPU slice)")
   if source is None and not random_init:
     raise errors.InputError("export needs --checkpoint CKPT (the float MaxText Orbax checkpoint to export); "
                             "accepted without one: --random-init, to export the seeded random init")
@@ -104,6 +116,29 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     text = f"weights: {used}\n" + formatter(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
+
+
+def _compile_only(overrides, topology, fmt, output_file) -> int:
+  """`export --compile --topology T`: XLA's verdict on the export's validation forward pass, nothing exported."""
+  if topology is None:
+    raise click.UsageError("--compile needs --topology NAME (a TPU slice: v5p-8, v5e-256, ...)")
+  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import libtpu  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import topology as topology_lib  # pylint: disable=import-outside-toplevel
+
+  topology_lib.slice_of(topology)
+  libtpu.require()
+  cfg = config.resolve_config(overrides)
+  from inspect_tool import xla_compile  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import cache  # pylint: disable=import-outside-toplevel
+  cache.set_enabled(click.get_current_context().meta.get("inspect_checkpoint.compile_cache", True))
+  verdict = xla_compile.judge(cfg, topology)
+  if fmt == "json":
+    text = json.dumps({"xla": verdict.to_dict()}, indent=1) + "\n"
+  else:
+    text = "\n".join(verdict.text_lines()[1:]) + "\n"
+  cli_options.emit_text(text, output_file)
+  return 0 if verdict.fits else 1
 
 
 def _weights_text(overrides, source) -> str:

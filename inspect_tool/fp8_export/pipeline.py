@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Sequence
 
 from inspect_tool import errors
@@ -42,6 +41,7 @@ from inspect_tool.run import limits
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import object_shards
 from inspect_tool.streaming import read
 from inspect_tool.streaming import write_orbax
 
@@ -150,7 +150,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     skipped = "--no-validate"
   with job_plan.temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
-    step_dir = os.path.join(tmp, str(report_lib.STEP))
+    step_dir = paths.join(tmp, str(report_lib.STEP))
     tally = tally_lib.Tally()
     written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
@@ -180,7 +180,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
                                      mesh_devices=int(mesh.size), validation=validation,
                                      validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
     report["manifest"] = manifest
-    atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+    atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
@@ -199,7 +199,7 @@ def _write_manifest(tmp: str, described: dict, tally: tally_lib.Tally, layout: s
                                 manifest_lib.piece_bytes_for(max_memory, budget.current_rss()))
   if distributed.process_index() != 0:
     return {}
-  atomic.atomic_write_text(os.path.join(tmp, manifest_lib.NAME), json.dumps(doc, indent=1) + "\n")
+  atomic.write_inside(tmp, manifest_lib.NAME, json.dumps(doc, indent=1) + "\n")
   return manifest_lib.summary(doc)
 
 
@@ -247,7 +247,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       return arrays.cached_overhead(store(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
-                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES,
+                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES
+                                      + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
                                       cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
                                       stream_overhead=(lambda key: arrays.stream_overhead(store(key)))
@@ -289,7 +290,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                           validation=validation, validation_skipped=skipped, fp8=fp8,
                                           rerun=rerun)
       report["manifest"] = manifest
-      atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -40,6 +39,7 @@ from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
+from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read_plan
@@ -309,12 +309,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   config = hf_config(cfg, fp8)
   index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
   for name, doc in ((INDEX_NAME, index), ("config.json", config)):
-    path = os.path.join(dst_dir, name)
-    try:
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
-    except OSError as e:
-      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+    atomic.write_inside(dst_dir, name, json.dumps(doc, indent=2) + "\n")  # local, or an object under gs://
   files = sorted(set(weight_map.values()))
   return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
           "config": config, "origins": writer.origins}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 from typing import Sequence
 
 import numpy as np
@@ -65,7 +64,8 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   if distributed.process_index() != 0:
     report = _import(cfg, keys, path, dst, **args)
   else:
-    with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
+    sources = [] if paths.is_web(path) else [path]  # a URL is no place on this machine to keep DST out of
+    with destination.claim(dst, sources=sources, overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
   return ImportResult(given, paths.absolute(dst), report)
 
@@ -102,7 +102,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
                        memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
                                "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
                                "processes": distributed.process_count()})
-      atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.write_inside(tmp, REPORT_NAME, json.dumps(report, indent=1) + "\n")
       atomic.test_point("report")
       stop.check()
     distributed.barrier("committed")
