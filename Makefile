@@ -24,7 +24,7 @@ M671 := model_name=deepseek3-671b mtp_num_layers=1
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[test,tpu]'
 	touch $@
 
 help: ## list the targets

@@ -1,17 +1,26 @@
-"""Benchmarks `inspect_checkpoint export` to and from gs:// (a local GCS emulator) beside local -> local, in one run.
+"""Benchmarks `inspect_checkpoint export` to and from gs:// (a local GCS emulator) beside local -> local and beside
+Orbax's own save of the same arrays to the same emulator, in one run.
 
 Source: a float32 MaxText-layout checkpoint (`tests/export_sources.py`, 16 MB chunks), written locally and uploaded
-to the emulator (`tests/gcs_emulator.py`, started here on 127.0.0.1). Four cases, each `export --no-validate` in one
-process, wall time and peak RSS from /usr/bin/time:
-  * local -> local;
-  * local -> gs:// (written in a local work directory, uploaded to a staging prefix, published by server-side copies
-    with the commit marker last: `inspect_tool/output/object_store.py`);
-  * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver).
-Throughput is source bytes per wall second; the ratios are each case's wall time over local -> local's. The emulator
-is a Python server on the same machine: the figures say what the protocol costs beside the local path here, not
-what Cloud Storage's bandwidth would give.
+to the emulator (`tests/gcs_emulator.py`: fake-gcs-server by default, `--emulator gcp-storage-emulator` for the
+earlier one behind its proxy; started here on 127.0.0.1). Cases, each one process, wall time and peak RSS from
+/usr/bin/time:
+  * `export --no-validate` local -> local;
+  * local -> gs:// (every process writes its share straight under a staging prefix, published by server-side
+    copies with the commit marker last: `inspect_tool/output/object_store.py`);
+  * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver);
+  * Orbax: `PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)` (MaxText's configuration) restores the local
+    export's arrays, then saves them to the emulator (the same arrays to the same store), and to local disk; its
+    save alone is timed inside the process too.
+Throughput is source bytes per wall second; `x local` is each case's wall time over local -> local's; the last lines
+give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, what writing
+to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk,
+and the export's stages (writing the arrays, process 0's merge and checks, the manifest's read-back, publishing: the
+pipeline's functions timed by a wrapper around the command) beside local -> local's.
+The emulator runs on the same machine: the figures say what the protocol costs here, not what Cloud Storage's
+bandwidth would give.
 
-  .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny]
+  .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny] [--emulator fake-gcs-server]
 
 `--tiny` (a smoke run): the 5.6 MB 4-layer deepseek3-tiny checkpoint of tests/data, one round.
 """
@@ -38,16 +47,51 @@ FULL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
         "base_num_decoder_layers=4"]  # 1.36 GB float32 (bench_export.py's `scanned`)
 QUANT = ["quantization=fp8_full"]
 CASES = ("local -> local", "local -> gs", "gs -> local", "gs -> gs")
+# The export with its stages timed: each prints "STAGE <name> <seconds>" (the pipeline's functions wrapped, no other
+# change).
+_EXPORT = r"""
+import runpy, sys, time
+from inspect_tool.fp8_export import pipeline
+from inspect_tool.output import object_store
+from inspect_tool.streaming import orbax_writer, write_orbax
+def timed(owner, name, label):
+  function = getattr(owner, name)
+  def wrapper(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return function(*args, **kwargs)
+    finally:
+      print(f"STAGE {label} {time.perf_counter() - start:.3f}", flush=True)
+  setattr(owner, name, wrapper)
+for owner, name, label in ((write_orbax, "write_arrays", "write"), (orbax_writer.OrbaxArrayWriter, "finalize", "merge"),
+                           (pipeline, "_write_manifest", "manifest"), (object_store, "publish", "publish")):
+  timed(owner, name, label)
+sys.argv = ["inspect_checkpoint", *sys.argv[1:]]
+runpy.run_module("inspect_tool", run_name="__main__")
+"""
+STAGES = ("write", "merge", "manifest", "publish")
+ORBAX, ORBAX_LOCAL = "orbax save -> gs", "orbax save -> local"
+PEERS = (ORBAX_LOCAL, ORBAX)
+_ORBAX = r"""
+import sys, time
+import orbax.checkpoint as ocp
+with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)) as c:  # MaxText's configuration
+  tree = c.restore(sys.argv[1])
+  start = time.perf_counter()
+  c.save(sys.argv[2], tree)
+  print(f"SAVE {time.perf_counter() - start:.3f}")
+"""
 
 
-def _timed(cmd: list[str], env) -> tuple[float, int]:
-  """Wall seconds and peak RSS (bytes) of one process, from /usr/bin/time; a failure is raised with its stderr."""
+def _timed(cmd: list[str], env) -> tuple[float, int, str]:
+  """Wall seconds, peak RSS (bytes) and stdout of one process, from /usr/bin/time; a failure is raised with its
+  stderr."""
   out = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True, env=env,
                        cwd=REPO, check=False)
   if out.returncode != 0:
     raise RuntimeError(f"{' '.join(cmd[3:8])} ... failed: {out.stderr[-2000:]}")
   _, wall, rss_kb = [l for l in out.stderr.splitlines() if l.startswith("TIME ")][-1].split()
-  return float(wall), int(rss_kb) * 1024
+  return float(wall), int(rss_kb) * 1024, out.stdout
 
 
 def _source(root: str, tiny: bool) -> tuple[list[str], str, int]:
@@ -76,49 +120,82 @@ def main() -> int:
   parser.add_argument("--dir", default=None, help="where the local source, outputs and emulator data go")
   parser.add_argument("--repeat", type=int, default=3)
   parser.add_argument("--tiny", action="store_true", help="smoke run: the 5.6 MB tests/data source, one round")
+  parser.add_argument("--emulator", default=gcs_emulator.FAKE_GCS,
+                      choices=(gcs_emulator.FAKE_GCS, gcs_emulator.GCP_STORAGE_EMULATOR))
   args = parser.parse_args()
   repeat = 1 if args.tiny else args.repeat
   root = tempfile.mkdtemp(prefix="bench-gcs-", dir=args.dir)
-  try:
-    with gcs_emulator.emulator(Path(root) / "emulator") as gcs:
+  faithful = args.emulator == gcs_emulator.FAKE_GCS
+  try:  # fake-gcs-server needs no proxy; gcp-storage-emulator works only behind it
+    with gcs_emulator.emulator(Path(root) / "emulator", args.emulator, proxy=not faithful) as gcs:
       os.environ.update(gcs.env)
       env = dict(os.environ, JAX_PLATFORMS="cpu")
       tokens, local_src, size = _source(root, args.tiny)
       remote_src = gcs.upload(local_src, f"gs://{gcs_emulator.BUCKET}/source")
       sources = {"local": local_src, "gs": remote_src}
       outputs = {"local": os.path.join(root, "out"), "gs": f"gs://{gcs_emulator.BUCKET}/out"}
-      times: dict[str, list[float]] = {case: [] for case in CASES}
-      rss: dict[str, int] = {case: 0 for case in CASES}
+      kept = os.path.join(root, "local-export")  # local -> local's output, which Orbax then restores and saves
+      times: dict[str, list[float]] = {case: [] for case in (*CASES, *PEERS)}
+      rss: dict[str, int] = {case: 0 for case in times}
+      saves: dict[str, list[float]] = {case: [] for case in PEERS}
+      stages: dict[str, dict[str, list[float]]] = {case: {stage: [] for stage in STAGES} for case in CASES}
       failed: dict[str, str] = {}
       for _ in range(repeat):
-        for case in CASES:
-          src, dst = (part.strip() for part in case.split("->"))
+        for case in (*CASES, *PEERS):
           if case in failed:
             continue
-          cmd = [sys.executable, "-m", "inspect_tool", "export", *tokens, *QUANT, "--checkpoint", sources[src],
-                 "--output", outputs[dst], "--no-validate", "--quiet", "--overwrite"]
+          if case in PEERS:  # the local export's arrays (the first case's output, kept for this) saved again
+            dst = f"gs://{gcs_emulator.BUCKET}/orbax" if case == ORBAX else os.path.join(root, "orbax")
+            cmd = [sys.executable, "-c", _ORBAX, os.path.join(kept, "0", "items"), dst]
+          else:
+            src, out = (part.strip() for part in case.split("->"))
+            dst = kept if case == CASES[0] else outputs[out]
+            cmd = [sys.executable, "-c", _EXPORT, "export", *tokens, *QUANT, "--checkpoint", sources[src],
+                   "--output", dst, "--no-validate", "--quiet", "--overwrite"]
           try:
-            wall, peak = _timed(cmd, env)
+            wall, peak, stdout = _timed(cmd, env)
           except RuntimeError as e:
             failed[case] = str(e).strip().splitlines()[-1][:160]
             continue
           times[case].append(wall)
           rss[case] = max(rss[case], peak)
-          _remove(outputs[dst])
+          if case in PEERS:
+            saves[case].append(float(stdout.split("SAVE ")[-1].split()[0]))
+          else:
+            for line in stdout.splitlines():
+              if line.startswith("STAGE "):
+                stages[case][line.split()[1]].append(float(line.split()[2]))
+          if case != CASES[0]:
+            _remove(dst)
+        _remove(kept)
       base = statistics.median(times[CASES[0]])
       label = "tiny" if args.tiny else "scanned"
       print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
-            "GCS = the local emulator")
-      print(f"{'case':<16}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
-      for case in CASES:
+            f"GCS = the local emulator ({args.emulator})")
+      print(f"{'case':<20}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
+      for case in (*CASES, *PEERS):
         if case in failed or not times[case]:
           reason = failed.get(case, "no run")
           if case.startswith("gs") and "does not exist" in reason:
             reason = "reading gs:// not available"
-          print(f"{case:<16}  n/a ({reason})")
+          print(f"{case:<20}  n/a ({reason})")
           continue
         wall = statistics.median(times[case])
-        print(f"{case:<16}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
+        print(f"{case:<20}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
+      if all(times[case] for case in ("local -> gs", *PEERS)):
+        med = {case: statistics.median(times[case]) for case in times if times[case]}
+        save = {case: statistics.median(saves[case]) for case in PEERS}
+        print(f"local -> gs beside Orbax: time {med['local -> gs'] / med[ORBAX]:.2f}x (its save alone "
+              f"{save[ORBAX]:.2f} s: {med['local -> gs'] / save[ORBAX]:.2f}x), peak RSS "
+              f"{rss['local -> gs'] / rss[ORBAX]:.2f}x (goal <= 1.2x)")
+        ours, theirs = med["local -> gs"] - med[CASES[0]], save[ORBAX] - save[ORBAX_LOCAL]
+        print(f"what gs:// adds: export {ours:.2f} s (local -> gs less local -> local), Orbax {theirs:.2f} s (its save "
+              f"to gs less its save to local disk): {ours / theirs if theirs > 0 else float('inf'):.2f}x")
+        cells = []
+        for stage in STAGES:
+          local, remote = (statistics.median(stages[c][stage]) if stages[c][stage] else 0.0 for c in CASES[:2])
+          cells.append(f"{stage} {remote:.2f} s ({remote - local:+.2f})")
+        print(f"local -> gs by stage (beside local -> local): {', '.join(cells)}")
   finally:
     shutil.rmtree(root, ignore_errors=True)
   return 0

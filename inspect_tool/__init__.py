@@ -11,6 +11,8 @@ Public API, importable from here (each name is imported on first use, so `import
 
 import importlib
 
+from inspect_tool.host import accelerator as _accelerator
+
 __version__ = "0.1.0"
 
 _PUBLIC = {
@@ -22,6 +24,7 @@ _PUBLIC = {
     "export_deepseek_fp8": "inspect_tool.fp8_export.pipeline",
 }
 __all__ = sorted(_PUBLIC)
+_accelerator.keep_cpu_host_on_cpu()  # before JAX starts: libtpu installed changes nothing on a CPU host
 
 
 def __getattr__(name: str):

@@ -42,6 +42,8 @@ TESTED = {"qwix": "0.1.8", "orbax-checkpoint": "0.12.8", "jax": "0.10.2, 0.12.0.
 GET_CURRENT_RULE = "qwix._src.qconfig.get_current_rule"  # Qwix's intercept-map key for rule lookups
 ORBAX_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 MEGABLOX_KERNELS = "jax.experimental.pallas.ops.tpu.megablox.gmm"
+SPLASH_KERNEL = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"
+SPLASH_MASK = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask"
 
 
 class CompatError(errors.QuantError):
@@ -139,6 +141,17 @@ def megablox_kernels():
   for attr in ("gmm", "tgmm"):
     private(MEGABLOX_KERNELS, attr, package="jax")
   return module
+
+
+def splash_attention():
+  """JAX's Pallas splash attention: (kernel module: `make_splash_mha`, `BlockSizes`, `SegmentIds`; mask module:
+  `CausalMask`, `MultiHeadMask`)."""
+  kernel, mask = private(SPLASH_KERNEL, package="jax"), private(SPLASH_MASK, package="jax")
+  for attr in ("make_splash_mha", "BlockSizes", "SegmentIds"):
+    private(SPLASH_KERNEL, attr, package="jax")
+  for attr in ("CausalMask", "MultiHeadMask"):
+    private(SPLASH_MASK, attr, package="jax")
+  return kernel, mask
 
 
 def _provider_attr(provider, name: str):

@@ -20,6 +20,7 @@ import numpy as np
 
 from quant import calibration as calibration_lib
 from quant import errors
+from quant import microscaling_quantize
 
 _QTYPES = {
     "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -164,11 +165,13 @@ def block_scale_shape(shape, block=(128, 128)) -> tuple[int, ...]:
   return tuple(shape[:-2]) + (math.ceil(shape[-2] / rows), math.ceil(shape[-1] / cols))
 
 
-def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn"):
+def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn", power_of_two: bool = False):
   """Quantizes the last two axes of `w` in blocks, DeepSeek-V3 serving style.
 
   Each `block[0] x block[1]` tile of the last two axes (edge tiles may be smaller) gets one float32 scale
   `absmax(tile) / finfo(qtype).max` (an all-zero tile gets 1); leading axes (layers, experts) are batch axes.
+  `power_of_two` (`scale_fmt: ue8m0`, DeepSeek-V3.1 and V4): the scale is rounded up to a power of two
+  (`quant.microscaling_quantize.pow2_ceil`), so no value saturates and each division is exact.
 
   Returns:
     (qvalue, scale_inv): qvalue has w's shape and dtype `qtype`; scale_inv is float32 of
@@ -185,6 +188,8 @@ def block_quantize(w, block=(128, 128), qtype="float8_e4m3fn"):
                                     (0, scale_shape[-1] * cols - w.shape[-1])]
   tiles = jnp.pad(w32, pad).reshape(scale_shape[:-2] + (scale_shape[-2], rows, scale_shape[-1], cols))
   scale = compute_scale(tiles, qtype, channelwise_axes=tuple(range(w.ndim - 2)) + (w.ndim - 2, w.ndim))
+  if power_of_two:
+    scale = microscaling_quantize.pow2_ceil(scale)
   qtiles = quantize_with_scale(tiles, qtype, scale)
   qvalue = qtiles.reshape(w32.shape[:-2] + (scale_shape[-2] * rows, scale_shape[-1] * cols))
   qvalue = qvalue[..., :w.shape[-2], :w.shape[-1]]

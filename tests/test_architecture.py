@@ -28,7 +28,7 @@ FLOORS = (
     ("inspect_tool.coverage",),
     ("inspect_tool.checkpoint",),
     ("inspect_tool.run", "inspect_tool.streaming", "inspect_tool.listings"),
-    ("inspect_tool.manifest",),
+    ("inspect_tool.manifest", "inspect_tool.xla_compile"),
     ("inspect_tool.fp8_export", "inspect_tool.hf_import"),
     ("inspect_tool.cli",),
     ("inspect_tool",),

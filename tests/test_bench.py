@@ -34,7 +34,22 @@ RATIO_LINES = {
     "bench_gcs.py": [rf"^local -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+1\.00x$",
                      rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
                      rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
-                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$"],
+                     rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
+                     rf"^orbax save -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^orbax save -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^what gs:// adds: export -?{NUMBER} s \(local -> gs less local -> local\), Orbax -?{NUMBER} s "
+                     rf"\(its save to gs less its save to local disk\): (?:-?{NUMBER}|inf)x$",
+                     rf"^local -> gs by stage \(beside local -> local\): write {NUMBER} s \([+-]{NUMBER}\), merge "
+                     rf"{NUMBER} s \([+-]{NUMBER}\), manifest {NUMBER} s \([+-]{NUMBER}\), publish {NUMBER} s "
+                     rf"\([+-]{NUMBER}\)$",
+                     rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
+                     rf"{NUMBER}x \(goal <= 1\.2x\)$"],
+    "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
+                             rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
+                             rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
+    "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
+                     r"^  of which safetensors headers: ([\d,]+) bytes \(the headers are \1\); \d+ requests$"],
     "bench_export.py": [
         rf"^\[tiny/{chunks}\] {case}\s+{NUMBER} s .* {NUMBER} x Orbax's time" for chunks in ("single", "256KiB")
         for case in (r"orbax restore\+save", "export", r"export --max-memory \d+MiB \(1\.5x floor\)",

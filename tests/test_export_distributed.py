@@ -26,11 +26,13 @@ def _env(devices: int):
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
-def _run_processes(command: list[str], n: int = 2, timeout: int = 240):
+def _run_processes(command: list[str], n: int = 2, timeout: int = 240, envs: list[dict] | None = None):
+  """Runs `command` as the `n` processes of a job (`envs`: variables of each process's own)."""
   port = _free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "inspect_tool", *command, "--coordinator", f"127.0.0.1:{port}",
                              "--num-processes", str(n), "--process-id", str(i)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(2)) for i in range(n)]
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(_env(2), **(envs or [{}] * n)[i]))
+           for i in range(n)]
   return finish(procs, timeout)
 
 

@@ -85,7 +85,7 @@ def test_blocks_across_shared_axes_give_qwix_values_over_two_processes(source, t
   items.mkdir(parents=True)
   writers = [write_orbax.write_arrays(jobs, src, str(items), process_index=i, process_count=2,
                                       quantizers=quantize.Quantizers)[0] for i in (0, 1)]
-  writers[0].finalize(str(items.parent), "items")
+  writers[0].finalize(str(items.parent), "items", process_count=2)
   for job in two_pass:  # every block read twice, but the last one of each group, which stays in memory
     nbytes = math.prod(job.leaf.shape) * 4
     last = sum(math.prod(s.stop - s.start for s in unit[-1]) * 4 for unit in job.units())

@@ -1,7 +1,8 @@
 """`export` and `import` with `--output gs://...`, against the local GCS emulator (the `gcs` fixture): the published
 checkpoint reproduces MaxText's fp8_full golden logits, two processes publish what one does byte for byte, an import
 and a deepseek-fp8 export equal the local ones, Orbax accepts the step as committed, and the single-file outputs
-refuse gs://."""
+refuse gs://.
+Every process writes its share straight under the staging prefix: the two processes have separate TMPDIRs."""
 
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
                            "--output", one, "--no-validate", "--quiet"], capture_output=True, text=True, cwd=REPO,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False, timeout=300)
   assert single.returncode == 0, single.stderr[-2000:]
+  tmpdirs = [tmp_path / "tmp0", tmp_path / "tmp1"]  # no shared file system: each process its own TMPDIR
+  for path in tmpdirs:
+    path.mkdir()
   outs = _run_processes(["export", *_tokens(True), "--checkpoint", CKPT, "--output", two, "--no-validate"],
-                        timeout=300)
+                        timeout=300, envs=[{"TMPDIR": str(path)} for path in tmpdirs])
   for code, _, err in outs:
     assert code == 0, err[-3000:]
   _assert_same_arrays(_arrays(one), _arrays(two), count=86)
@@ -83,6 +87,7 @@ def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
   assert listed[-3:] == ["commit_success.txt", "export_manifest.json", "quantization_report.json"]
   assert gcs.listing(f"gs://{BUCKET}/dist") == sorted([f"one/{n}" for n in gcs.listing(one)]
                                                       + [f"two/{n}" for n in listed])
+  assert [os.listdir(path) for path in tmpdirs] == [[], []]  # nothing written locally
 
 
 def test_an_import_to_gs_equals_the_local_import(gcs, capsys, tmp_path):

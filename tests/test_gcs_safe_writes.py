@@ -2,8 +2,8 @@
 reader listing DST sees while an export runs, is paused, killed or stopped, and what the next run cleans up.
 
 The export is slowed and killed with the local hooks (`atomic.PAUSE_ENV`, `atomic.KILL_ENV`) at the points of the
-gs:// protocol: `arrays` (writing the local work directory), `staged` (uploaded to the staging prefix, DST not yet
-touched), `publishing` (DST's marker and old objects removed, half the new ones copied)."""
+gs:// protocol: `arrays` (every process writing its share under the staging prefix), `staged` (the staging prefix
+complete, DST not yet touched), `publishing` (DST's marker and old objects removed, half the new ones copied)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def _env_tmp(tmp_path, **extra):
 
 
 def _local_leftovers(tmp_path) -> list[str]:
-  return [n for n in os.listdir(tmp_path / "tmp") if n.startswith("inspect-gs-")]
+  """What the run left in its TMPDIR: an export to gs:// writes nothing there."""
+  return os.listdir(tmp_path / "tmp")
 
 
 def _export(dst, tmp_path, *extra, **env):
@@ -153,8 +154,9 @@ def test_a_killed_export_leaves_the_previous_one_and_the_next_run_cleans_up(gcs,
   assert gcs.listing(dst) == before and commit.committed(dst)
   left = _siblings(gcs, dst)
   assert ".fp8.inspect-lock" in left and all(n.startswith(".fp8.inspect-") for n in left)  # nothing like a checkpoint
-  assert (point == "staged") == any(n.startswith(".fp8.inspect-tmp-") for n in left)
-  assert _local_leftovers(tmp_path)  # the killed run's local work directory
+  assert any(n.startswith(".fp8.inspect-tmp-") for n in left)  # the killed run's staging prefix
+  assert (point == "staged") == any(n.endswith("/.inspect_checkpoint-staged") for n in left)
+  assert _local_leftovers(tmp_path) == []  # written straight to gs://
   again = _export(dst, tmp_path, "--overwrite")
   assert again.returncode == 0, again.stderr[-2000:]
   assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
@@ -214,14 +216,16 @@ def test_a_refused_bucket_is_one_line_and_nothing_is_written(gcs, capsys):
 
 
 def test_an_upload_stored_with_other_bytes_fails_the_export_and_publishes_nothing(gcs, capsys):
-  """Each upload's MD5 is checked against the one the store computed: a store keeping other bytes than were sent
-  (the emulator's proxy changes the last byte of small uploads to this bucket) ends the export with one line."""
+  """Each streamed upload's MD5 is checked against the one the store computed: a store keeping other bytes than
+  were sent (the emulator's proxy changes the last byte of gcsfs's uploads to this bucket) ends a deepseek-fp8
+  export, whose shards are streamed so, with one line."""
   altered = "altered-write-bucket"
   gcs.create_bucket(altered)
   with gcs.altering(altered):
-    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{altered}/fp8", "--no-validate"])
+    code = cli.main(["export", *TOKENS, "--checkpoint", CKPT, "--output", f"gs://{altered}/fp8", "--no-validate",
+                     "--layout", "deepseek-fp8"])
   err = capsys.readouterr().err
   assert code == 2 and _one_line(err), err
-  assert f"cannot write 'gs://{altered}/fp8': " in err and "stored with other bytes than were sent (MD5 differs)" in err
+  assert f"cannot write 'gs://{altered}/fp8/" in err and "stored with other bytes than were sent (MD5 differs)" in err
   left = gcs.listing(f"gs://{altered}")  # uploads cancelled by the failure may still land in the staging prefix
   assert not [n for n in left if not n.startswith(".fp8.inspect-tmp-")], left

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from gcs_emulator import BUCKET
+from hostile import without_progress
 from inspect_tool.output import atomic
 from test_export_kill import CKPT, REPO, TOKENS, _env, _wait_for
 
@@ -58,14 +59,15 @@ def test_a_local_dst_created_meanwhile_is_refused_in_one_line_and_left_as_it_is(
   else:
     argv = _runs(dst)[run]
   code, out, err = _meanwhile(argv, tmp_path, "swap", lambda: _theirs(dst))
-  assert (code, out, err) == (2, "", f"error: output '{dst}' already exists; pass --overwrite to replace it\n")
+  assert (code, out, without_progress(err)) == (
+      2, "", f"error: output '{dst}' already exists; pass --overwrite to replace it\n")
   assert os.listdir(dst) == ["theirs.txt"] and (dst / "theirs.txt").read_text() == "not yours\n"
   assert os.listdir(out_dir) == ["dst"]  # no temporary directory, no lock
 
 
 def _tool_lines(err: str) -> list[str]:
   """stderr without the INFO line tensorstore logs when it uses the emulator's test token (not the tool's)."""
-  return [line for line in err.splitlines() if "google_auth_provider.cc" not in line]
+  return [line for line in without_progress(err).splitlines() if "google_auth_provider.cc" not in line]
 
 
 @pytest.mark.parametrize("point", ["staged", "publishing"])

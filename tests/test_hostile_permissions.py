@@ -66,7 +66,7 @@ def test_overwrite_of_a_read_only_previous_export_of_ours_replaces_it_and_leaves
   out.mkdir()
   dst = out / "dst"
   _previous(dst)
-  done = _run(_export(dst, "--overwrite"))
+  done = _run(_export(dst, "--overwrite", "--quiet"))  # --quiet: a loaded machine's slow validation prints no progress
   assert done.returncode == 0 and done.stderr == "", done.stderr
   assert os.listdir(out) == ["dst"] and (dst / "quantization_report.json").stat().st_mode & 0o200
 

@@ -26,7 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data", "import")
 HF = os.path.join(DATA, "hf_small")
 CONFIG = json.loads(open(os.path.join(HF, "config.json"), encoding="utf-8").read())
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+           "F8_E8M0": ml_dtypes.float8_e8m0fnu, "I8": np.int8, "I32": np.int32}
 
 
 def _run(*args: str, timeout: int = 300):

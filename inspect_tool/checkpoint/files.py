@@ -16,6 +16,7 @@ from typing import Any, Callable
 from inspect_tool import errors
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
+from inspect_tool.storage import web
 from quant import yaml_file
 
 MAX_DIM = 2**63 - 1
@@ -24,9 +25,11 @@ MAX_JSON_DEPTH = 200
 
 def kind(path: str) -> str:
   """'file', 'dir', 'missing' or 'other' (FIFO, socket, device); permission problems raise one line.
-  A gs:// path is asked of Cloud Storage (`storage.remote.kind`)."""
+  A gs:// path is asked of Cloud Storage (`storage.remote.kind`), a URL of its server (`storage.web.kind`)."""
   if paths.is_remote(path):
     return remote.kind(path)
+  if paths.is_web(path):
+    return web.kind(path)
   try:
     mode = os.stat(path).st_mode
   except FileNotFoundError:
@@ -47,12 +50,16 @@ def read_bytes(path: str, max_bytes: int, what: str = "") -> bytes:
   `CheckpointError`."""
   if paths.is_remote(path):
     return remote.read_bytes(path, max_bytes, what)
+  if paths.is_web(path):
+    return web.read_bytes(path, max_bytes, what)
   return yaml_file.read_regular_file(path, f"{what} {path}".strip(), errors.CheckpointError, max_bytes)
 
 
 def list_suffix(directory: str, suffix: str) -> list[str]:
   """The entries directly in `directory` whose names end with `suffix` (dot-files left out, as `glob` does), sorted;
-  in a gs:// prefix, its objects."""
+  in a gs:// prefix, its objects; at a URL, the well-known file of `suffix` (`storage.web.list_suffix`)."""
+  if paths.is_web(directory):
+    return web.list_suffix(directory, suffix)
   if paths.is_remote(directory):
     return [p for p in remote.glob(directory, suffix) if not paths.basename(p).startswith(".")]
   return sorted(glob.glob(os.path.join(glob.escape(directory), "*" + suffix)))

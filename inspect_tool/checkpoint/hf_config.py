@@ -31,6 +31,7 @@ from typing import Any
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
+from inspect_tool.checkpoint import hf_config_v4
 from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.configuration import config as config_lib
@@ -52,7 +53,7 @@ _TYPES = {
     "model_type": "str", "architectures": "list", "rope_scaling": "dict?", "rope_parameters": "dict?",
     "quantization_config": "dict?",
     "index_n_heads": "int", "index_head_dim": "int", "index_topk": "int",
-}
+} | hf_config_v4.TYPES
 _ROPE_TYPES = {"type": "str", "rope_type": "str", "factor": "float", "original_max_position_embeddings": "int",
                "beta_fast": "float", "beta_slow": "float", "mscale": "float", "mscale_all_dim": "float",
                "attention_factor": "float?", "truncate": "bool", "rope_theta": "float"}
@@ -77,9 +78,10 @@ _DEFAULTS = {
 }
 # model_type -> (routing family, MaxText model_name that builds it).
 _FAMILIES = {"deepseek_v3": ("v3", "deepseek3-671b"), "kimi_k2": ("v3", "deepseek3-671b"),
-             "deepseek_v32": ("v3", "deepseek3.2-671b"), "deepseek_v2": ("v2", "deepseek2-16b")}
+             "deepseek_v32": ("v3", "deepseek3.2-671b"), "deepseek_v2": ("v2", "deepseek2-16b"),
+             "deepseek_v4": ("v4", hf_config_v4.MODEL_NAME)}
 _ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
-                  "DeepseekV2ForCausalLM": "deepseek_v2"}
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV4ForCausalLM": "deepseek_v4"}
 _MTP_TENSOR = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
 
 
@@ -198,10 +200,13 @@ def stored_mtp_layers(table, num_layers: int) -> int:
   return depth
 
 
+_BIAS_SUFFIXES = (".mlp.gate.e_score_correction_bias", ".ffn.gate.bias")  # DeepSeek-V3's, V4's
+
+
 def _nonzero_bias(path: str) -> bool:
-  """Whether any stored `e_score_correction_bias` is non-zero (the only tensor data this module reads)."""
+  """Whether any stored gate bias is non-zero (the only tensor data this module reads)."""
   tensors = hf_tensors.Tensors(path)
-  names = [name for name in tensors.table if name.endswith(".mlp.gate.e_score_correction_bias")]
+  names = [name for name in tensors.table if name.endswith(_BIAS_SUFFIXES)]
   return any(bool(tensors.read(name).any()) for name in names)
 
 
@@ -239,8 +244,22 @@ def derive_keys(path: str) -> dict[str, Any]:
     errors.CheckpointError: config.json unreadable, a field of the wrong JSON type, or a setting MaxText cannot
       express (one line naming it).
   """
+  return _derive(path)[0]
+
+
+def differences(path: str) -> list[str]:
+  """What the directory's model computes that MaxText, with the derived keys, does not (DeepSeek-V4's YaRN)."""
+  return _derive(path)[1]
+
+
+def _derive(path: str) -> tuple[dict[str, Any], list[str]]:
   doc = read_config(path)
   model_type, family, model_name = _family(path, doc)
+  if family == "v4":
+    table = safetensors_header.read_tensor_table(path)
+    stored = {"gate_bias": any(name.endswith(".ffn.gate.bias") for name in table)}
+    return hf_config_v4.derive(doc, stored, lambda text: _bad(path, text),
+                               lambda name, value: _integral(path, name, value))
   missing = [name for name in _REQUIRED if doc.get(name) is None]
   if missing:
     raise _bad(path, f"{missing[0]} is missing; a DeepSeek config.json needs {', '.join(_REQUIRED)}")
@@ -280,7 +299,7 @@ def derive_keys(path: str) -> dict[str, Any]:
         raise _bad(path, f"{name} is missing; DeepSeek-V3.2's indexer needs it")
     keys |= {"use_indexer": True, "indexer_n_heads": doc["index_n_heads"], "indexer_head_dim": doc["index_head_dim"],
              "indexer_topk": doc["index_topk"]}
-  return keys
+  return keys, []
 
 
 def format_value(value: Any) -> str:
@@ -289,6 +308,8 @@ def format_value(value: Any) -> str:
     return "true" if value else "false"
   if isinstance(value, float):
     return repr(value)
+  if isinstance(value, (list, tuple)):
+    return "[" + ",".join(format_value(v) for v in value) + "]"
   return str(value)
 
 
@@ -342,6 +363,8 @@ def conflicts(cfg, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
   such models); one with the bias reads whatever is stored.
   """
   want = config_lib.resolve_config(tokens(keys))
+  if want.decoder_block == "deepseek4" or cfg.decoder_block == "deepseek4":
+    return _conflicts_v4(cfg, want, keys, path)
   pairs = list(_COMPARED) + (list(_YARN) if want.rope_factor != 1 or cfg.rope_factor != 1 else [])
   pairs += list(_INDEXER) if want.use_indexer else []
   found = []
@@ -362,6 +385,19 @@ def conflicts(cfg, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
                   f"{want.softmax_scale:.6g} (mscale={format_value(keys['mscale'])}, max_position_embeddings="
                   f"{keys['max_position_embeddings']}, original_max_position_embeddings="
                   f"{keys['original_max_position_embeddings']})"))
+  return found
+
+
+def _conflicts_v4(cfg, want, keys: dict[str, Any], path: str) -> list[tuple[str, str]]:
+  found = []
+  for attr, key in hf_config_v4.COMPARED:
+    ours, theirs = getattr(cfg, attr), getattr(want, attr)
+    if _same(ours, theirs) or (attr == "routed_bias" and (ours or not _nonzero_bias(path))):
+      continue
+    shown = keys.get(key, theirs)
+    found.append((key, f"{attr}: the model has {format_value(ours)}, config.json gives {key}={format_value(shown)}"))
+  if cfg.decoder_block == want.decoder_block:
+    found += hf_config_v4.layout_conflicts(cfg, keys)
   return found
 
 

@@ -3,8 +3,9 @@
 Each model leaf is looked up through the exporter's names (`hf_names.leaf_plan`) and stands in the comparison
 as the leaf the reader would assemble: present (at the model's dtype: every float layout loads) when every
 tensor of it is there with the (out, in) shape the model needs, mis-shaped (at the stored tensor's shape) or
-missing otherwise, with the HF tensor named in a cause. Tensors no leaf reads are unexpected. A model leaf
-with no HF DeepSeek tensor at all (V4's or custom's modules) is missing. The keys `config.json` determines
+missing otherwise, with the HF tensor named in a cause. Tensors no leaf reads are unexpected (DeepSeek-V4's MTP
+block `mtp.*` among them: MaxText's deepseek4 decoder has none). A model leaf with no HF DeepSeek tensor at all
+(custom's modules) is missing. The keys `config.json` determines
 (`hf_config.derive_keys`) that the model computes differently are conflicts: the model and checkpoint then
 disagree even where every shape fits (routing, RoPE, norm epsilon...).
 """
@@ -15,6 +16,7 @@ from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.configuration import config as config_lib
@@ -33,8 +35,9 @@ def _as_maxtext(entry, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
 def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
   """Compares `model_leaves` of `cfg` with the Hugging Face checkpoint at `path` (headers and config.json)."""
   keys = hf_config.derive_keys(path)
-  plan = hf_names.leaf_plan(cfg)
   tensors = hf_restore.Tensors(path)
+  tensors.check_format()
+  plan = hf_names_v4.plan(cfg, tensors.table)
   problems, known = hf_restore.check(tensors, plan, cfg)
   by_key = {p.key: p for p in problems}
   ckpt, unplanned = [], []
@@ -54,7 +57,13 @@ def diff_hf(cfg, path: str, model_leaves: list[tree.Leaf]) -> diff.DiffResult:
   result = diff.diff_leaves(model_leaves, ckpt)
   if unplanned:
     result.causes.append(diff.Cause("hf_layout", f"{len(unplanned)} model weight(s) have no Hugging Face DeepSeek "
-                                    f"tensor (e.g. {unplanned[0].dotted}): the model is not a DeepSeek-V2/V3/V3.2"))
+                                    f"tensor (e.g. {unplanned[0].dotted}): the model is not a DeepSeek-V2/V3/V3.2/V4"))
+  for text in hf_config.differences(path):
+    result.causes.append(diff.Cause("hf_not_in_maxtext", f"config.json: {text} (no MaxText key runs it)"))
+  mtp = hf_names_v4.mtp_tensors(tensors.table) if cfg.decoder_block == "deepseek4" else []
+  if mtp:
+    result.causes.append(diff.Cause("hf_mtp", f"DeepSeek-V4's MTP block ({len(mtp)} tensors, e.g. {mtp[0]}): MaxText's "
+                                    "deepseek4 decoder has no MTP layers, so no model of these keys reads them"))
   if problems:
     shown = "; ".join(p.text for p in problems[:3])
     more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -34,6 +34,7 @@ EXPERTS_FP8 = "experts_fp8"  # (X, in, out) -> X Linear weights, one per expert
 BF16_LINEAR = "bf16_linear"  # kernel (in, out) -> (out, in) bfloat16
 BF16 = "bf16"  # as is, bfloat16 (norms, embedding)
 F32 = "f32"  # as is, float32 (router bias)
+F32_LINEAR = "f32_linear"  # kernel (in, out) -> (out, in) float32 (DeepSeek-V4's `hc_head_fn`)
 
 _MOE = ("DeepSeekMoeBlock_0",)
 _ROUTED = _MOE + ("MoeBlock_0",)
@@ -47,6 +48,7 @@ class Rule:
   kind: str
   n_in: int = 1  # leading kernel axes that are the Linear's input
   rope: bool = False  # the last dr output columns are rope (of each head's dq for q; of kr+dr for kv_a)
+  part: int = -1  # DeepSeek-V4's mHC: which of the three parts of one HF tensor (pre, post, res) the leaf is
 
 
 @dataclasses.dataclass(frozen=True)

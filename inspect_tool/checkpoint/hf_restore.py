@@ -24,18 +24,21 @@ import jax
 import numpy as np
 
 from inspect_tool import errors
+from inspect_tool import progress
 from inspect_tool.checkpoint import files
 from inspect_tool.checkpoint import hf_config
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint import hf_tensors
 from inspect_tool.checkpoint import restore
 from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
+from inspect_tool.storage import web
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
 SCALE_SUFFIX = hf_tensors.SCALE_SUFFIX
-_FLOATS, _FP8 = hf_tensors.FLOATS, hf_tensors.FP8
 scale_shape = hf_tensors.scale_shape
 
 
@@ -48,6 +51,8 @@ def is_hf_checkpoint(path: str | None) -> bool:
   if not path or files.kind(path) != "dir":
     return False
   found = bool(files.list_suffix(path, ".safetensors") or files.list_suffix(path, safetensors_header.INDEX_SUFFIX))
+  if not found and paths.is_web(path):
+    raise web.not_found(path)  # over HTTP there is nothing else to read
   if not found:
     return False
   config = files.kind(os.path.join(path, CONFIG_NAME))
@@ -86,8 +91,11 @@ def _layer_shape(entry) -> tuple[int, ...]:
   return entry.shape[:entry.layer_axis] + entry.shape[entry.layer_axis + 1:]
 
 
-def _hf_shape(rule, shape: tuple[int, ...]) -> tuple[int, ...]:
-  """The HF tensor shape of one layer's MaxText slice (per expert for routed experts)."""
+def _hf_shape(rule, shape: tuple[int, ...], cfg) -> tuple[int, ...] | None:
+  """The HF tensor shape (values, not packed bytes) of one layer's MaxText slice (per expert for routed experts)."""
+  v4 = hf_names_v4.hf_shape(rule, shape, cfg)
+  if v4 is not None or rule.kind == hf_names_v4.ONES:
+    return v4
   if rule.kind == hf_names.EXPERTS_FP8:
     shape = shape[1:]
   if rule.kind in (hf_names.FP8, hf_names.EXPERTS_FP8, hf_names.BF16_LINEAR):
@@ -99,7 +107,7 @@ def _names(entry) -> list[str]:
   """The HF tensors read for a leaf: the first name of its rule per layer (and per expert)."""
   shape = _layer_shape(entry)
   names = []
-  for layer in entry.layers or (None,):
+  for layer in (entry.layers or (None,)) if entry.rule.names else ():
     name = entry.rule.names[0].replace("{i}", str(layer))
     if entry.rule.kind == hf_names.EXPERTS_FP8:
       names.extend(name.replace("{j}", str(j)) for j in range(shape[0]))
@@ -108,22 +116,26 @@ def _names(entry) -> list[str]:
   return names
 
 
-def _check_tensor(tensors: Tensors, key, name: str, want: tuple[int, ...]) -> Problem | None:
+def _check_tensor(tensors: Tensors, key, name: str, want: tuple[int, ...], rule) -> Problem | None:
   if name not in tensors:
     return Problem(key, name, f"{name} is missing")
-  dtype, shape = tensors.dtype(name), tensors.shape(name)
-  if dtype not in _FLOATS and dtype not in _FP8:
-    return Problem(key, name, f"{name} is {dtype}, not a floating-point tensor")
+  kind, dtype = tensors.kind(name), tensors.dtype(name)
+  expected = ("int",) if rule.kind == hf_names_v4.TABLE else ("float", "fp8", "fp4")
+  if kind not in expected:
+    what = "an integer tensor" if rule.kind == hf_names_v4.TABLE else "a floating-point or quantized tensor"
+    return Problem(key, name, f"{name} is {dtype}, not {what}")
+  shape = tensors.logical_shape(name)
   if shape != want:
     return Problem(key, name, f"{name} is {shape}, the model needs {want}", shape)
-  if dtype in _FP8:
-    scale = name + SCALE_SUFFIX
+  if kind == "fp8":
+    scale = tensors.scale_name(name)
     grid = scale_shape(want, tensors.block) if len(want) == 2 else None
-    if scale not in tensors:
-      return Problem(key, scale, f"{name} is {dtype} but {scale} is missing")
-    if tensors.shape(scale) != grid or tensors.dtype(scale) not in _FLOATS:
+    if scale is None:
+      return Problem(key, name + SCALE_SUFFIX, f"{name} is {dtype} but its scale {name}{SCALE_SUFFIX} is missing")
+    if tensors.shape(scale) != grid or tensors.kind(scale) == "fp4" or tensors.dtype(scale) not in (
+        *hf_tensors.FLOATS, hf_tensors.E8M0):
       return Problem(key, scale, f"{scale} is {tensors.dtype(scale)} {tensors.shape(scale)}; {want} in "
-                     f"{tensors.block[0]}x{tensors.block[1]} blocks needs float {grid}")
+                     f"{tensors.block[0]}x{tensors.block[1]} blocks needs float or e8m0 {grid}")
   return None
 
 
@@ -131,9 +143,9 @@ def check(tensors: Tensors, plan: dict, cfg) -> tuple[list[Problem], set[str]]:
   """Problems of every planned leaf, and every HF name the plan accounts for (copies and scales included)."""
   problems, known = [], set(hf_names.synthesized_names(cfg))
   for key, entry in plan.items():
-    want = _hf_shape(entry.rule, _layer_shape(entry))
+    want = _hf_shape(entry.rule, _layer_shape(entry), cfg)
     for name in _names(entry):
-      problem = _check_tensor(tensors, key, name, want)
+      problem = _check_tensor(tensors, key, name, want, entry.rule)
       if problem is not None:
         problems.append(problem)
         break
@@ -142,7 +154,7 @@ def check(tensors: Tensors, plan: dict, cfg) -> tuple[list[Problem], set[str]]:
         name = pattern.replace("{i}", str(layer))
         experts = range(_layer_shape(entry)[0]) if "{j}" in name else (None,)
         known.update(name.replace("{j}", str(j)) for j in experts)
-  known.update([name + SCALE_SUFFIX for name in known])
+  known.update([scale for scale in map(tensors.scale_name, known & set(tensors.table)) if scale])
   return problems, known
 
 
@@ -152,6 +164,8 @@ def check(tensors: Tensors, plan: dict, cfg) -> tuple[list[Problem], set[str]]:
 def _layer_value(tensors: Tensors, entry, layer, index: tuple, cfg) -> np.ndarray:
   """One layer's MaxText slice, `index`ed (for routed experts only the experts `index[0]` selects are read)."""
   rule, shape = entry.rule, _layer_shape(entry)
+  if rule.kind == hf_names_v4.ONES:
+    return np.ones(shape, np.float32)[index]
   name = rule.names[0].replace("{i}", str(layer))
   if rule.kind == hf_names.EXPERTS_FP8:
     experts = range(shape[0])[index[0]]
@@ -162,6 +176,8 @@ def _layer_value(tensors: Tensors, entry, layer, index: tuple, cfg) -> np.ndarra
   value = tensors.read(name)
   if rule.kind in (hf_names.FP8, hf_names.BF16_LINEAR):
     value = hf_names.maxtext_kernel(value, rule, shape, cfg, tensors.rope_interleaved)
+  elif hf_names_v4.hf_shape(rule, shape, cfg) is not None:
+    value = hf_names_v4.to_maxtext(rule, value, shape, cfg)
   return value.reshape(shape)[index]
 
 
@@ -201,8 +217,9 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
     errors.MismatchError: a tensor the model needs is missing or mis-shaped (checked before reading data).
   """
 
-  plan = hf_names.leaf_plan(cfg)
   tensors = Tensors(path)
+  tensors.check_format()
+  plan = hf_names_v4.plan(cfg, tensors.table)
   problems, known = check(tensors, plan, cfg)
   if problems:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -225,8 +242,11 @@ def restore_leaves(path: str, cfg, leaves: Iterable[tree.Leaf], *, mesh=None,
 
 
 def load_checkpoint(model, path: str, *, mesh=None):
-  """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`."""
+  """Loads every weight of the NNX `model` (its `config` says which names) from the HF checkpoint `path`; what the
+  directory's model computes that MaxText does not (DeepSeek-V4's YaRN) is named on stderr."""
   hf_config.check_keys(model.config, path)
+  for text in hf_config.differences(path):
+    progress.note(f"warning: {path} computes what MaxText does not: {text}")
   leaves = params.param_leaves(model, include_non_params=True)
   params.assign_arrays(model, restore_leaves(path, model.config, leaves, mesh=mesh, report_unused=True))
   return model

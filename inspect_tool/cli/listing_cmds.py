@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from inspect_tool.cli import options
@@ -24,12 +26,15 @@ MAX_DEVICES = 1 << 20  # far above any slice or job MaxText runs on
 @click.option("--train", type=click.Choice(["adamw", "adam_pax", "sgd"]),
               help="With --summary: add optimizer state and gradients per device (default: MaxText's opt_type "
               "when the config sets it).")
+@click.option("--compile", "compile_", is_flag=True, help="Compile the step for the --topology TPU slice with libtpu "
+              "(no TPU needed; the `tpu` extra installs it) and print XLA's per-device memory beside the plan: the "
+              "training step with --train, else the forward pass. The verdict is XLA's: exit 1 when it does not fit.")
 @click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB; default: the --topology "
               "chip's): exit 1 when the largest device does not fit, naming the largest contributors and what fits.")
 @options.output_options
 @options.listing_options
-def maxtext(overrides, include_all, verbose, devices, topology, train, device_memory, fmt, check_dtype, output_file,
-            html_file, summary, key_filter, collapse):
+def maxtext(overrides, include_all, verbose, devices, topology, train, compile_, device_memory, fmt, check_dtype,
+            output_file, html_file, summary, key_filter, collapse):
   """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.listings import model_listing  # pylint: disable=import-outside-toplevel
@@ -37,6 +42,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
 
   options.check_output_files(output_file, html_file)
   key_filter = select.compile_filter(key_filter)
+  if compile_:
+    _check_compile(topology, key_filter)
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
@@ -52,16 +59,38 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, device_me
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
                                topology=topology, overrides=overrides)
+  if compile_:
+    from inspect_tool import xla_compile  # pylint: disable=import-outside-toplevel
+    verdict = xla_compile.judge(cfg, topology, train=train, device_memory=device_memory, leaves=report.leaves,
+                                plan_memory=report.memory, overrides=overrides)
+    plan = report.memory and dataclasses.replace(report.memory, limit=None, advice=None)  # the verdict is XLA's
+    report = dataclasses.replace(report, xla=verdict, memory=plan)
   report = options.listing_view(report, collapse=collapse)
   options.emit_report(report, fmt=fmt, check_dtype=check_dtype, output_file=output_file, summary=summary)
   if html_file:
     from inspect_tool.report import html  # pylint: disable=import-outside-toplevel
     options.write_html(html_file, html.render_model_html(model, title=report.source, sharding=report.sharding))
+  if report.xla is not None:
+    if not report.xla.fits:
+      click.echo(f"does not fit: {report.xla.verdict()}", err=True)
+    return 0 if report.xla.fits else 1
   if report.memory is not None and report.memory.fits is False:
     from inspect_tool.sharding import memory  # pylint: disable=import-outside-toplevel
     click.echo(memory.overflow_message(report.memory), err=True)
     return 1
   return 0
+
+
+def _check_compile(topology, key_filter) -> None:
+  """`--compile` needs a TPU slice name and libtpu, checked before any work; it judges the whole model."""
+  if topology is None:
+    raise click.UsageError("--compile needs --topology NAME (a TPU slice: v5p-8, v5e-256, ...)")
+  if key_filter is not None:
+    raise click.UsageError("--compile compiles the whole model; it cannot be given with --filter")
+  from inspect_tool.xla_compile import libtpu  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import topology as topology_lib  # pylint: disable=import-outside-toplevel
+  topology_lib.slice_of(topology)
+  libtpu.require()
 
 
 @click.command(epilog=options.example("orbax --path tests/data/ckpt_deepseek3-tiny-L4-V1024 --summary"))

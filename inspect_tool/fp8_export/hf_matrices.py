@@ -1,12 +1,15 @@
-"""`--layout deepseek-fp8`: the FP8 tensors (attention, dense MLP, shared and routed experts), read in blocks of a
-leaf and converted matrix by matrix: each Linear weight transposed to Hugging Face's (out, in) and quantized to
-float8_e4m3fn with one float32 `weight_scale_inv` per 128×128 block (DeepSeek-V3's release), or cast to bfloat16
-(`--layout deepseek-bf16`). `write_hf` places the tensors and plans the memory.
+"""`--layout deepseek-fp8` / `deepseek-v4`: the quantized tensors (attention, dense MLP, shared and routed experts),
+read in blocks of a leaf and converted matrix by matrix: each Linear weight transposed to Hugging Face's (out, in)
+and stored as its `Codec` says: float8_e4m3fn with one float32 `weight_scale_inv` per 128×128 block (DeepSeek-V3's
+release; powers of two with `scale_fmt: ue8m0`, V3.1's), the same with float8_e8m0fnu `.scale` blocks (V4's), FP4
+(V4's routed experts: `quant.microscaling`), or bfloat16 (`--layout deepseek-bf16`). `write_hf` / `write_v4`
+place the tensors and plan the memory.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 from typing import Callable, Iterator, Sequence
@@ -16,27 +19,82 @@ import ml_dtypes
 import numpy as np
 
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
 from quant import fp8
+from quant import microscaling
+from quant import microscaling_quantize
 
+MATRIX_KINDS = (FP8, EXPERTS_FP8, hf_names_v4.GROUPED_FP8)  # leaves written matrix by matrix, by a `Codec`
 MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
 CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their work (numpy and XLA free the GIL)
 
 
 @functools.cache
-def _jitted_block_quantize():
+def _jitted_block_quantize(power_of_two: bool = False):
   # Fused (~5x faster than op-by-op on CPU), the transpose to (out, in) inside: XLA's is faster than numpy's copy.
-  return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype), static_argnums=(1, 2))
+  return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype, power_of_two=power_of_two),
+                 static_argnums=(1, 2))
 
 
-def _block_quantize_transposed(w_io: np.ndarray):
+@functools.cache
+def _jitted_fp4_quantize():
+  return jax.jit(lambda w_io: microscaling_quantize.fp4_quantize(w_io.T))
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """How a matrix of an FP8-kind leaf is stored: `fmt` "fp8" (e4m3 values, a scale per 128×128 block), "fp4"
+  (packed e2m1, an e8m0 scale per 32 values of a row) or "bf16"; `power_of_two` scales (ue8m0); `e8m0` stores the
+  scales as float8_e8m0fnu bytes (V4), else float32; `v4_names`: the scale of `<x>.weight` is `<x>.scale` (V4's
+  release), else `<name>_scale_inv`."""
+
+  fmt: str = "fp8"
+  power_of_two: bool = False
+  e8m0: bool = False
+  v4_names: bool = False
+
+  def scale_name(self, name: str) -> str:
+    return name[:-len("weight")] + "scale" if self.v4_names else name + "_scale_inv"
+
+  def regions(self, writer, name: str, shape: tuple[int, int]) -> tuple:
+    if self.fmt == "bf16":
+      return (writer.reserve(name, ml_dtypes.bfloat16, shape),)
+    if self.fmt == "fp4":
+      return (writer.reserve(name, np.int8, (shape[0], shape[1] // 2)),
+              writer.reserve(self.scale_name(name), ml_dtypes.float8_e8m0fnu,
+                             (shape[0], shape[1] // microscaling.FP4_GROUP)))
+    grid = tuple(-(-d // b) for d, b in zip(shape, BLOCK))
+    return (writer.reserve(name, ml_dtypes.float8_e4m3fn, shape),
+            writer.reserve(self.scale_name(name), ml_dtypes.float8_e8m0fnu if self.e8m0 else np.float32, grid))
+
+  def convert(self, matrix: np.ndarray, name: str, tally=None) -> tuple:
+    """The stored arrays of an (in, out) matrix, its HF weight (out, in) converted; `tally` sees the quantized."""
+    if self.fmt == "bf16":
+      return (hf_rows.cast(matrix.T, ml_dtypes.bfloat16),)
+    if self.fmt == "fp4":
+      microscaling.check_finite(matrix, name)
+      packed, codes = (np.asarray(a) for a in _jitted_fp4_quantize()(read_lib.to_jax(matrix)))
+      if tally is not None:
+        tally.observe(name, matrix.T, microscaling.fp4_dequantize(packed, codes),
+                      np.repeat(microscaling.e8m0_decode(codes), microscaling.FP4_GROUP, -1) * microscaling.E2M1_MAX)
+      return packed.view(np.int8), codes.view(ml_dtypes.float8_e8m0fnu)
+    qvalue, scale_inv = _block_quantize_transposed(*((matrix, True) if self.power_of_two else (matrix,)))
+    if tally is not None:
+      tally.observe_quantized(name, matrix.T, qvalue, scale_inv, BLOCK)
+    if self.e8m0:
+      return qvalue, np.asarray(microscaling_quantize.e8m0_encode(scale_inv)).view(ml_dtypes.float8_e8m0fnu)
+    return qvalue, scale_inv
+
+
+def _block_quantize_transposed(w_io: np.ndarray, power_of_two: bool = False):
   """(fp8 values, float32 scale_inv) of the (out, in) weight `w_io.T`, 128×128 blocks, as numpy arrays; `w_io`
   used in place where it is aligned (`to_jax`)."""
-  qvalue, scale_inv = _jitted_block_quantize()(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
+  qvalue, scale_inv = _jitted_block_quantize(power_of_two)(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
   return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
 
 
@@ -45,25 +103,30 @@ def _expert_axis(entry: hf_names.Entry) -> int | None:
   return (1 if entry.layer_axis == 0 else 0) if entry.rule.kind == EXPERTS_FP8 else None
 
 
-def _fp8_regions(writer, entry: hf_names.Entry, cfg, fp8: bool = True) -> dict[tuple[int, int], tuple]:
-  """Places every FP8 tensor of a leaf (bf16 with `fp8=False`), in release order (layer, then expert):
-  (stack index, expert) -> regions."""
-  rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
+def hf_matrix_shape(entry: hf_names.Entry) -> tuple[int, int]:
+  """The (out, in) shape of one HF weight of a matrix leaf (one layer's, one expert's)."""
   per_layer = list(entry.shape)
   if entry.layer_axis is not None:
     del per_layer[entry.layer_axis]
-  matrix = per_layer[1:] if experts else per_layer
-  shape = (math.prod(matrix[rule.n_in:]), math.prod(matrix[:rule.n_in]))
-  scale_shape = tuple(-(-d // b) for d, b in zip(shape, BLOCK))
+  if entry.rule.kind == hf_names_v4.GROUPED_FP8:
+    g, i, o = per_layer
+    return (g * o, i)
+  matrix = per_layer[1:] if entry.rule.kind == EXPERTS_FP8 else per_layer
+  return (math.prod(matrix[entry.rule.n_in:]), math.prod(matrix[:entry.rule.n_in]))
+
+
+def _fp8_regions(writer, entry: hf_names.Entry, codec: Codec) -> dict[tuple[int, int], tuple]:
+  """Places every matrix tensor of a leaf (with its scale), in release order (layer, then expert):
+  (stack index, expert) -> regions."""
+  rule, experts = entry.rule, entry.rule.kind == EXPERTS_FP8
+  shape = hf_matrix_shape(entry)
+  per_layer = [d for axis, d in enumerate(entry.shape) if axis != entry.layer_axis]
   layers = entry.layers or (None,)
   regions = {}
   for s, layer in enumerate(layers if entry.layer_axis is not None else layers[:1]):
     name = rule.names[0].replace("{i}", str(layer))
     for j in range(per_layer[0] if experts else 1):
-      tensor = name.replace("{j}", str(j))
-      regions[s, j] = ((writer.reserve(tensor, ml_dtypes.float8_e4m3fn, shape),
-                        writer.reserve(tensor + "_scale_inv", np.float32, scale_shape)) if fp8 else
-                       (writer.reserve(tensor, ml_dtypes.bfloat16, shape),))
+      regions[s, j] = codec.regions(writer, name.replace("{j}", str(j)), shape)
   return regions
 
 
@@ -87,7 +150,8 @@ def _blocks(read: Callable[[tuple[slice, ...]], np.ndarray], cut: budget.Slicing
 
 
 def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Sequence[int] | None,
-               fp8: bool = True, overhead: Callable[[Sequence[int]], int] = lambda box: 0, tally=None) -> None:
+               codec: Codec = Codec(), overhead: Callable[[Sequence[int]], int] = lambda box: 0,
+               tally=None) -> None:
   """Quantizes and writes every FP8 matrix of a leaf (a layer's projection, or one routed expert of a layer).
 
   The leaf is read in blocks cut along its expert axis, then its layer axis, whose sides are whole multiples of
@@ -101,7 +165,7 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   computes absmax/448 through a reciprocal differently by shape), and an expert's bytes must not depend on its
   neighbours. `tally` (`manifest.tally.Tally`) sees every quantized matrix beside its source.
   """
-  regions = _fp8_regions(writer, entry, cfg, fp8)
+  regions = _fp8_regions(writer, entry, codec)
   layer_axis = entry.layer_axis
   expert_axis = _expert_axis(entry)
   cuttable = read_axes(entry)
@@ -119,11 +183,8 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   blocks = ((index, value.cached(index)) for index in cut.slices()) if cached else _blocks(read, cut, ahead)
 
   def convert(kernel, places) -> None:
-    matrix = hf_names.kernel_matrix(kernel, entry.rule, cfg)  # (in, out)
-    arrays = _block_quantize_transposed(matrix) if fp8 else (hf_rows.cast(matrix.T, ml_dtypes.bfloat16),)
-    if fp8 and tally is not None:
-      tally.observe_quantized(places[0].name, matrix.T, arrays[0], arrays[1], BLOCK)
-    for region, array in zip(places, arrays):
+    matrix = hf_names_v4.linear_matrix(kernel, entry.rule, cfg)  # (in, out)
+    for region, array in zip(places, codec.convert(matrix, places[0].name, tally)):
       region.write(array)
 
   with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fp8-convert") as pool:
@@ -159,7 +220,7 @@ def unit_bytes(entry: hf_names.Entry) -> int:
 
 def read_axes(entry: hf_names.Entry) -> list[int]:
   """The axes a leaf is read in blocks along: expert and layer axes of FP8 leaves; `hf_rows.read_axis` else."""
-  if entry.rule.kind in (FP8, EXPERTS_FP8):
+  if entry.rule.kind in MATRIX_KINDS:
     return [axis for axis in (_expert_axis(entry), entry.layer_axis) if axis is not None]
   axis = hf_rows.read_axis(entry)
   return [] if axis is None else [axis]

@@ -17,13 +17,14 @@ import ml_dtypes
 import numpy as np
 
 from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16_LINEAR, F32
+from inspect_tool.checkpoint.hf_names import BF16_LINEAR, F32, F32_LINEAR
 from inspect_tool.streaming import read_plan
 
 
 def _rows_by_columns(shape: Sequence[int], rule: hf_names.Rule) -> bool:
-  """Whether a BF16_LINEAR tensor's HF rows are its kernel's columns (a 2-D kernel without rope columns)."""
-  return rule.kind == BF16_LINEAR and len(shape) == 2 and rule.n_in == 1 and not rule.rope
+  """Whether a BF16_LINEAR (F32_LINEAR) tensor's HF rows are its kernel's columns (a 2-D kernel without rope
+  columns)."""
+  return rule.kind in (BF16_LINEAR, F32_LINEAR) and len(shape) == 2 and rule.n_in == 1 and not rule.rope
 
 
 def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
@@ -32,9 +33,9 @@ def _row_blocks(value, rule: hf_names.Rule, cfg) -> tuple[tuple[int, ...], Calla
   Elementwise tensors and 2-D Linear kernels without rope columns are read by rows (kernel columns), so a
   129280 x 7168 embedding or head never sits whole in memory; other BF16 Linears (small) come as one block.
   """
-  dtype = np.float32 if rule.kind == F32 else ml_dtypes.bfloat16
+  dtype = np.float32 if rule.kind in (F32, F32_LINEAR) else ml_dtypes.bfloat16
   shape = tuple(int(d) for d in value.shape)
-  if rule.kind == BF16_LINEAR:
+  if rule.kind in (BF16_LINEAR, F32_LINEAR):
     if _rows_by_columns(shape, rule):
       return (shape[1], shape[0]), lambda a, b: cast(np.asarray(value[:, a:b], np.float32).T, dtype)
     matrix = cast(hf_names.hf_matrix(value, rule, cfg), dtype)
@@ -56,7 +57,8 @@ def write_rows(writer, value, rule: hf_names.Rule, layer: int | None, cfg, block
   Returns the regions."""
   shape, rows = _row_blocks(value, rule, cfg)
   if regions is None:
-    regions = [writer.reserve(n.replace("{i}", str(layer)), np.float32 if rule.kind == F32 else ml_dtypes.bfloat16,
+    regions = [writer.reserve(n.replace("{i}", str(layer)),
+                              np.float32 if rule.kind in (F32, F32_LINEAR) else ml_dtypes.bfloat16,
                               tuple(hf_shape) if hf_shape is not None else shape)
                for n in rule.names]  # copies (MTP embed_tokens / shared_head) get every block
   n_rows = shape[0] if shape else 1
@@ -83,7 +85,7 @@ def read_axis(entry: hf_names.Entry) -> int | None:
     return entry.layer_axis
   if _rows_by_columns(entry.shape, entry.rule):
     return 1
-  return 0 if entry.rule.kind != BF16_LINEAR and entry.shape else None
+  return 0 if entry.rule.kind not in (BF16_LINEAR, F32_LINEAR) and entry.shape else None
 
 
 def write_leaf(writer, value, entry: hf_names.Entry, cfg, block_bytes: int, chunk: Sequence[int] | None = None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Sequence
 
 from inspect_tool import errors
@@ -26,10 +25,12 @@ from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
 from inspect_tool.coverage import plan as plan_lib
 from inspect_tool.distributed import runtime as distributed
+from inspect_tool.fp8_export import hf_layouts
 from inspect_tool.fp8_export import quantize
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_hf
+from inspect_tool.fp8_export import write_v4
 from inspect_tool.manifest import build as manifest_lib
 from inspect_tool.manifest import stored as stored_lib
 from inspect_tool.manifest import tally as tally_lib
@@ -42,6 +43,7 @@ from inspect_tool.run import limits
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import object_shards
 from inspect_tool.streaming import read
 from inspect_tool.streaming import write_orbax
 
@@ -150,7 +152,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     skipped = "--no-validate"
   with job_plan.temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
-    step_dir = os.path.join(tmp, str(report_lib.STEP))
+    step_dir = paths.join(tmp, str(report_lib.STEP))
     tally = tally_lib.Tally()
     written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
                                            label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
@@ -180,7 +182,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
                                      mesh_devices=int(mesh.size), validation=validation,
                                      validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
     report["manifest"] = manifest
-    atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+    atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")
@@ -199,7 +201,7 @@ def _write_manifest(tmp: str, described: dict, tally: tally_lib.Tally, layout: s
                                 manifest_lib.piece_bytes_for(max_memory, budget.current_rss()))
   if distributed.process_index() != 0:
     return {}
-  atomic.atomic_write_text(os.path.join(tmp, manifest_lib.NAME), json.dumps(doc, indent=1) + "\n")
+  atomic.write_inside(tmp, manifest_lib.NAME, json.dumps(doc, indent=1) + "\n")
   return manifest_lib.summary(doc)
 
 
@@ -207,10 +209,12 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                         mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
                         max_kl: float = validate_lib.DEFAULT_MAX_KL, run_validation: bool = True,
                         command: str | None = None, fp8: bool = True,
-                        batch_options: Sequence[str] = ()) -> ExportResult:
-  """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales); with
-  `fp8=False`, `--layout deepseek-bf16`: the same names and files in bfloat16, unquantized (the way back to
-  Hugging Face after `import`).
+                        batch_options: Sequence[str] = (), layout: str | None = None,
+                        scale_fmt: str | None = None) -> ExportResult:
+  """`--layout deepseek-fp8`: DeepSeek-V3's FP8 release layout (HF safetensors, 128x128 block scales; power-of-two
+  scales with `scale_fmt="ue8m0"`, V3.1's); with `fp8=False`, `--layout deepseek-bf16`: the same names and files in
+  bfloat16, unquantized (the way back to Hugging Face after `import`); `layout="deepseek-v4"`: DeepSeek-V4's release
+  layout (`write_v4`: FP4 routed experts, FP8 with e8m0 scales).
 
   The conversion is `write_hf.write_deepseek_fp8`; here the source arrays are read by blocks and converted one
   unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
@@ -221,8 +225,11 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   `quantization_report.json` is written in DST either way.
   """
   tokens = list(tokens)
+  chosen = hf_layouts.resolve(layout or ("deepseek-fp8" if fp8 else "deepseek-bf16"), scale_fmt)
   cfg = config_lib.resolve_config(tokens)
   _check_source(cfg, source)
+  if chosen.v4:
+    write_v4.check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
   budget.return_freed_memory()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
@@ -246,15 +253,17 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
     def cached_overhead(key, box):  # read through a chunk cache (`read.ArrayView.cached`)
       return arrays.cached_overhead(store(key), box)
 
-    work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory,
-                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES,
+    work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory, v4=chosen.v4,
+                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES
+                                      + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
                                       cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
                                       stream_overhead=(lambda key: arrays.stream_overhead(store(key)))
                                       if hasattr(arrays, "stream_overhead") else None)
     skipped = "--no-validate"
-    rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, fp8=fp8, max_memory=_validation_memory(leaves),
-                                        batch_options=batch_options, max_kl=max_kl)
+    rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, layout=chosen,
+                                        max_memory=_validation_memory(leaves), batch_options=batch_options,
+                                        max_kl=max_kl)
     if run_validation:
       skipped = _validation_skip(sum(read.nbytes(leaf) for leaf in leaves), max_memory)
       if skipped:
@@ -263,10 +272,15 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       tally = tally_lib.Tally()
-      with progress.step(f"writing DeepSeek {'FP8' if fp8 else 'bf16'} safetensors ({len(arrays)} arrays)"):
+      what = "DeepSeek-V4" if chosen.v4 else f"DeepSeek {'FP8' if chosen.fp8 else 'bf16'}"
+      with progress.step(f"writing {what} safetensors ({len(arrays)} arrays)"):
         try:
-          summary = write_hf.write_deepseek_fp8(_Views(arrays), cfg, tmp, work_bytes=work_bytes, fp8=fp8,
-                                                chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally)
+          args = dict(work_bytes=work_bytes, chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally)
+          if chosen.v4:
+            summary = write_v4.write_deepseek_v4(_Views(arrays), cfg, tmp, **args)
+          else:
+            summary = write_hf.write_deepseek_fp8(_Views(arrays), cfg, tmp, fp8=chosen.fp8,
+                                                  scale_fmt=chosen.scale_fmt, **args)
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
         finally:
@@ -276,20 +290,20 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       stores.clear()
-      manifest = _write_manifest(tmp, manifest_lib.hf_described(summary.pop("origins")), tally,
-                                 "deepseek-fp8" if fp8 else "deepseek-bf16", max_memory)
+      manifest = _write_manifest(tmp, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
+                                 chosen.label, max_memory)
       validation = None
       if not skipped:
-        validation = validate_lib.validate_hf(cfg, source, tmp, data, fp8=fp8, max_kl=max_kl,
+        validation = validate_lib.validate_hf(cfg, source, tmp, data, layout=chosen, max_kl=max_kl,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
       summary = dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding)
       summary.pop("config", None)
       report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
-                                          validation=validation, validation_skipped=skipped, fp8=fp8,
+                                          validation=validation, validation_skipped=skipped, layout=chosen,
                                           rerun=rerun)
       report["manifest"] = manifest
-      atomic.atomic_write_text(os.path.join(tmp, exports.REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
   return ExportResult(claimed.path, report, validation)
 
 

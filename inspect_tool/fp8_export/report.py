@@ -69,17 +69,11 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
 
 
 def build_hf_report(cfg, written: dict, *, tokens: Sequence[str], source: str | None, command: str | None,
-                    validation, validation_skipped: str | None = None, fp8: bool = True, rerun: str = "") -> dict:
-  """`quantization_report.json` of a `--layout deepseek-fp8` (or, `fp8=False`, `deepseek-bf16`) export: what was
-  written (`written`: the writer's summary), from what, and what validation found (or why not)."""
-  layout = ({"layout": "deepseek-fp8",
-             "quantized": "float8_e4m3fn weight + float32 weight_scale_inv per 128x128 block of the (out, in) "
-                          "matrix (DeepSeek-V3's FP8 release): attention, dense MLP, shared and routed experts",
-             "copied": "bfloat16 (router, norms, embedding, lm_head, eh_proj); e_score_correction_bias float32"}
-            if fp8 else {"layout": "deepseek-bf16", "quantized": None,
-                         "copied": "bfloat16 (every weight); e_score_correction_bias float32"})
+                    validation, layout, validation_skipped: str | None = None, rerun: str = "") -> dict:
+  """`quantization_report.json` of a Hugging Face export (`layout`: `hf_layouts.HfLayout`): what was written
+  (`written`: the writer's summary), from what, and what validation found (or why not)."""
   return {
-      "format": {"version": FORMAT_VERSION, **layout},
+      "format": {"version": FORMAT_VERSION, **layout.report_format()},
       **origin(cfg, source, command),
       "config": {"overrides": list(tokens), "model_name": cfg.model_name, "quantization": cfg.quantization,
                  "scan_layers": cfg.scan_layers},
@@ -120,13 +114,13 @@ def run_elsewhere(tokens: Sequence[str], dst: str | None, batch_options: Sequenc
                      "--compare"])
 
 
-def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None, *, fp8: bool, max_memory: int,
+def run_elsewhere_hf(tokens: Sequence[str], source: str | None, dst: str | None, *, layout, max_memory: int,
                      batch_options: Sequence[str] = (), max_kl: float | None = None) -> str:
-  """A deepseek-fp8 (or -bf16) export is validated by exporting it again where the models fit (`forward --compare`
-  would compare the read-back export with itself): the same export with `max_memory` bytes (rounded up to whole
-  GB), the user's --tokens/--targets (`batch_options`) and --max-kl."""
+  """A Hugging Face export (`layout`: `hf_layouts.HfLayout`) is validated by exporting it again where the models
+  fit (`forward --compare` would compare the read-back export with itself): the same export with `max_memory`
+  bytes (rounded up to whole GB), the user's --tokens/--targets (`batch_options`) and --max-kl."""
   return shlex.join(["inspect_checkpoint", "export", *tokens, *(["--checkpoint", source] if source else []),
-                     "--output", str(dst), "--layout", "deepseek-fp8" if fp8 else "deepseek-bf16",
+                     "--output", str(dst), *layout.options(),
                      *batch_options, *(["--max-kl", f"{max_kl:g}"] if max_kl is not None else []),
                      "--overwrite", "--max-memory", f"{max(1, -(-max_memory // 10**9))}GB"])
 
@@ -150,8 +144,11 @@ def format_text(result) -> str:
 def format_hf_text(result) -> str:
   """The summary `export --layout deepseek-fp8` prints: what was written, and the validation table."""
   r = result.report
-  kind = ("bf16, unquantized" if r["format"]["layout"] == "deepseek-bf16"
-          else f"{r['num_fp8']} fp8 with 128x128 block scales")
+  kind = ("bf16, unquantized" if r["format"]["layout"] == "deepseek-bf16" else
+          f"{r['num_fp4']} fp4 experts with e8m0 scales per 32 values, {r['num_fp8']} fp8 with 128x128 e8m0 block "
+          "scales" if r["format"]["layout"] == "deepseek-v4" else
+          f"{r['num_fp8']} fp8 with 128x128 block scales"
+          + (" (powers of two, ue8m0)" if r["format"].get("scale_fmt") == "ue8m0" else ""))
   lines = [f"wrote {r['dst']}: {r['num_tensors']} tensors ({kind}) in {len(r['files'])} file(s), "
            f"{r['total_size']:,} bytes"]
   return "\n".join(lines + validation_lines(result.validation, r["validation"])) + "\n"

@@ -33,6 +33,8 @@ SOURCE_QUANTIZED, SOURCE_PLAIN, EXPORT = "source under the export's numerics", "
 QWIX_NUMERICS = "the config's rules, Qwix QT"
 LAYOUT_NUMERICS = "128x128 e4m3 weight blocks, 1x128 e4m3 activations"  # DeepSeek's FP8 serving numerics
 BF16_NUMERICS = "bf16 weights, unquantized"
+V4_NUMERICS = ("fp4 experts (e2m1, ue8m0 per 32 values), 128x128 e4m3 blocks with ue8m0 scales, bf16 / float32 "
+               "rest; activations unquantized")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +73,18 @@ def validate(cfg, source: str | None, exported: str, data, *, max_kl: float = DE
                   max_kl=max_kl, tokens=tokens)
 
 
-def validate_hf(cfg, source: str | None, exported: str, data, *, fp8: bool = True, max_kl: float = DEFAULT_MAX_KL,
+def validate_hf(cfg, source: str | None, exported: str, data, *, layout, max_kl: float = DEFAULT_MAX_KL,
                 mesh=None, tokens: str = "fixed") -> Validation:
-  """The same for a `deepseek-fp8` export, under the layout's own numerics (`layout_numerics`): the source with
-  its weights as the layout stores them (128×128 e4m3 blocks, bf16 rest) and the export read back dequantized
-  (`hf_restore`), both with activations quantized 1×128. `fp8=False` (`deepseek-bf16`): every weight in bf16,
-  activations as they are."""
+  """The same for a Hugging Face export (`layout`: `hf_layouts.HfLayout`), under the layout's own numerics
+  (`layout_numerics`): the source with its weights as the layout stores them (`deepseek-fp8`: 128×128 e4m3 blocks,
+  bf16 rest) and the export read back dequantized (`hf_restore`), both with activations quantized 1×128.
+  `deepseek-bf16`: every weight in bf16, activations as they are; `deepseek-v4`: FP4 experts, power-of-two FP8
+  blocks, bf16 / float32 rest, activations as they are."""
+  fp8 = layout.fp8 and not layout.v4  # activations quantized 1x128 (DeepSeek-V3's serving numerics)
   model = running.load_model(cfg, source, mesh=mesh)
   plain = running.forward(model, data, f"validation 1/3: {SOURCE_PLAIN}")
   with progress.step("the source's weights as the layout stores them", plain=True):
-    model = layout_numerics.layout_weights(model, cfg, fp8=fp8)
+    model = layout_numerics.layout_weights(model, cfg, layout)
   numerics = layout_numerics.under_layout if fp8 else (lambda m, _: m)
   quantized = running.forward(numerics(model, cfg), data, f"validation 2/3: {SOURCE_QUANTIZED}")
   del model
@@ -88,11 +92,15 @@ def validate_hf(cfg, source: str | None, exported: str, data, *, fp8: bool = Tru
   def read_back():
     return numerics(hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), exported, mesh=mesh), cfg)
 
-  stored = "fp8 x weight_scale_inv of its 128x128 block, activations 1x128" if fp8 else "bf16 weights"
+  stored = ("fp4 x e8m0 per 32 values (experts), fp8 x e8m0 of its 128x128 block" if layout.v4 else
+            "fp8 x weight_scale_inv of its 128x128 block, activations 1x128" if fp8 else "bf16 weights")
   method = ("whole models, one at a time: the source (unquantized, then under the layout's numerics), then the "
             f"export read back ({stored})")
+  names = V4_NUMERICS if layout.v4 else LAYOUT_NUMERICS if fp8 else BF16_NUMERICS
+  if layout.scale_fmt and not layout.v4:
+    names = names.replace("128x128 e4m3 weight blocks", "128x128 e4m3 weight blocks with power-of-two scales")
   return dataclasses.replace(_compare(quantized, plain, data, read_back, max_kl=max_kl, tokens=tokens),
-                             numerics=LAYOUT_NUMERICS if fp8 else BF16_NUMERICS, method=method)
+                             numerics=names, method=method)
 
 
 def _compare(quantized, plain, data, read_export, *, max_kl, tokens) -> Validation:

@@ -30,16 +30,17 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
+from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read_plan
@@ -77,7 +78,7 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
                 read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                 mtp_shared_copies: bool = True,
                 cached_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
-                stream_overhead: Callable[[tuple[str, ...]], int | None] | None = None) -> int:
+                stream_overhead: Callable[[tuple[str, ...]], int | None] | None = None, v4: bool = False) -> int:
   """The memory `write_deepseek_fp8(work_bytes=...)` may use for its work under `max_memory`.
 
   A leaf needs at least its smallest read (one source chunk along the axes it is read along, whole elsewhere,
@@ -92,7 +93,7 @@ def plan_memory(keys, cfg, max_memory: int, *, held: int,
     errors.InputError: `max_memory` is smaller than what the largest leaf needs; the line names the smallest
       budget that works.
   """
-  plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
+  plan = hf_names_v4.leaf_plan(cfg) if v4 else hf_names.leaf_plan(cfg, mtp_shared_copies)
   worst = (0, None, None, 0)
   for key, target in _match(list(keys), plan):
     entry = plan[target]
@@ -140,9 +141,9 @@ def _rope_scaling(cfg) -> dict[str, Any]:
           "truncate": bool(cfg.rope_truncate)}
 
 
-def hf_config(cfg, fp8: bool = True) -> dict[str, Any]:
+def hf_config(cfg, fp8: bool = True, scale_fmt: str | None = None) -> dict[str, Any]:
   """`config.json` of the exported model: DeepSeek-V3 (or V2 for plain top-k routing) fields from `cfg`; the FP8
-  layout's `quantization_config` with `fp8`."""
+  layout's `quantization_config` with `fp8` (and `scale_fmt: ue8m0`, V3.1's, with that `scale_fmt`)."""
   v3 = cfg.deepseek_routing
   groups = cfg.n_routing_groups > 0 and v3
   rope_scaling = None
@@ -193,7 +194,8 @@ def hf_config(cfg, fp8: bool = True) -> dict[str, Any]:
       "torch_dtype": "bfloat16",
       "use_cache": True,
   }
-  return dict(doc, quantization_config=dict(QUANTIZATION_CONFIG)) if fp8 else doc
+  quantization = dict(QUANTIZATION_CONFIG) | ({"scale_fmt": scale_fmt} if scale_fmt else {})
+  return dict(doc, quantization_config=quantization) if fp8 else doc
 
 
 def _check_supported(cfg) -> None:
@@ -232,6 +234,14 @@ def _match(keys: list[tuple[str, ...]], plan: Mapping) -> list[tuple[tuple[str, 
   return sorted(pairs, key=lambda pair: tree.natural_key(".".join(pair[0])))
 
 
+def write_index_and_config(dst_dir: str, weight_map: dict, total_size: int, config: dict) -> None:
+  """`model.safetensors.index.json` and `config.json` of a Hugging Face export, in `dst_dir` (local, or objects
+  under gs://)."""
+  index = {"metadata": {"total_size": total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
+  for name, doc in ((INDEX_NAME, index), ("config.json", config)):
+    atomic.write_inside(dst_dir, name, json.dumps(doc, indent=2) + "\n")
+
+
 def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
                        work_bytes: int = DEFAULT_WORK_BYTES,
@@ -239,7 +249,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                        read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       fp8: bool = True, tally=None) -> dict[str, Any]:
+                       fp8: bool = True, tally=None, scale_fmt: str | None = None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
   checkpoint in `dst_dir`.
 
@@ -266,6 +276,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     progress: called as `progress(done, total, dotted_key)` before each leaf.
     fp8: False writes bfloat16, unquantized (`--layout deepseek-bf16`).
     tally: a `manifest.tally.Tally` that sees every quantized matrix beside its source.
+    scale_fmt: "ue8m0" (`--scale-fmt ue8m0`, DeepSeek-V3.1's layout): every scale a power of two (float32), and
+      `scale_fmt: ue8m0` in config.json's quantization_config; None: DeepSeek-V3's absmax / 448.
 
   Returns:
     {"files": shard names, "num_tensors", "num_fp8", "total_size" (bytes of tensor data), "config": config.json,
@@ -279,6 +291,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   _check_supported(cfg)
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
   pairs = _match(list(arrays.keys()), plan)
+  codec = hf_matrices.Codec(power_of_two=scale_fmt == "ue8m0") if fp8 else hf_matrices.Codec("bf16")
   with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
@@ -293,7 +306,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       overhead = functools.partial(read_overhead, key) if read_overhead else (lambda box: 0)
       if entry.rule.kind in (FP8, EXPERTS_FP8):
         spare = work_bytes - budget.SLICE_FACTOR * hf_matrices.unit_bytes(entry)
-        hf_matrices.write_leaf(writer, value, entry, cfg, spare, chunk, fp8, overhead, tally)
+        hf_matrices.write_leaf(writer, value, entry, cfg, spare, chunk, codec, overhead, tally)
         continue
       # Rows are converted in blocks of `row_bytes`, read in boxes of about as much beside a stream's windows (what
       # `SLICE_FACTOR` blocks leave): boxes of a streamed array are not cut down to single rows.
@@ -306,15 +319,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
       writer.add(name, array)
     weight_map = writer.close()
   num_fp8 = sum(name.endswith("_scale_inv") for name in weight_map)
-  config = hf_config(cfg, fp8)
-  index = {"metadata": {"total_size": writer.total_size, "producer": "inspect_checkpoint"}, "weight_map": weight_map}
-  for name, doc in ((INDEX_NAME, index), ("config.json", config)):
-    path = os.path.join(dst_dir, name)
-    try:
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
-    except OSError as e:
-      raise errors.InputError(f"cannot write {path!r}: {e.strerror or e}") from None
+  config = hf_config(cfg, fp8, scale_fmt)
+  write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   files = sorted(set(weight_map.values()))
   return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
           "config": config, "origins": writer.origins}

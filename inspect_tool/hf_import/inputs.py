@@ -15,7 +15,7 @@ from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 
-SUPPORTED = "DeepSeek-V2, V3 and V3.2 layouts (decoder_block=deepseek)"
+SUPPORTED = "DeepSeek-V2, V3, V3.2 (decoder_block=deepseek) and V4 (decoder_block=deepseek4) layouts"
 
 
 def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
@@ -39,6 +39,6 @@ def resolve_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None
 
 
 def _check_supported(cfg) -> None:
-  if cfg.decoder_block != "deepseek":
+  if cfg.decoder_block not in ("deepseek", "deepseek4"):
     raise errors.ConfigError(f"import reads {SUPPORTED}; model {cfg.model_name!r} (decoder_block="
                              f"{cfg.decoder_block}) has no Hugging Face DeepSeek layout here")

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from inspect_tool import errors
 from inspect_tool.checkpoint import hf_config
+from inspect_tool.checkpoint import hf_names_v4
+from inspect_tool.checkpoint import safetensors_header
 from inspect_tool.configuration import config as config_lib
+
+MTP_REASON = ("MaxText's deepseek4 decoder has no MTP layers (\"DeepSeek4 decoder block currently does not support "
+              "MTP layers\")")
 
 
 def maxtext_keys(path: str, tokens: Sequence[str]) -> list[str]:
@@ -20,7 +26,24 @@ def maxtext_keys(path: str, tokens: Sequence[str]) -> list[str]:
   following them. Raises `errors.ConfigError` for a contradiction, `errors.CheckpointError` for a directory whose
   config.json cannot be read or expressed."""
   merged = dict(config_lib.parse_overrides(hf_config.tokens(hf_config.derive_keys(path))))
-  merged.update(config_lib.parse_overrides(tokens))
+  given = config_lib.parse_overrides(tokens)
+  merged.update(given)
   keys = [f"{key}={value}" for key, value in merged.items()]
-  hf_config.check_keys(config_lib.resolve_config(keys), path)
+  cfg = config_lib.resolve_config(keys)
+  hf_config.check_keys(cfg, path)
+  if cfg.decoder_block == "deepseek4" and "mtp_num_layers" not in given:
+    refuse_v4_mtp(path)
   return keys
+
+
+def refuse_v4_mtp(path: str) -> None:
+  """Refuses a DeepSeek-V4 directory that stores an MTP block, naming its arrays and why, unless the user said
+  `mtp_num_layers=0` (then the import leaves them out and its report lists them)."""
+  mtp = hf_names_v4.mtp_tensors(safetensors_header.read_tensor_table(path))
+  if mtp:
+    blocks = sorted({".".join(name.split(".")[:2] if name.startswith("mtp.") else name.split(".")[:3])
+                     for name in mtp})
+    raise errors.ConfigError(
+        f"{path} stores DeepSeek-V4's MTP block ({', '.join(blocks)}: {len(mtp)} tensors, e.g. {mtp[0]}): "
+        f"{MTP_REASON}; accepted: mtp_num_layers=0 to import the main model without them (import_report.json "
+        "then lists them as not imported)")

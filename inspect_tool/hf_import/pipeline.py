@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 from typing import Sequence
 
 import numpy as np
 
 from inspect_tool import progress
+from inspect_tool.checkpoint import hf_config
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.distributed import runtime as distributed
 from inspect_tool.hf_import import inputs
+from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
@@ -65,7 +67,8 @@ def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwr
   if distributed.process_index() != 0:
     report = _import(cfg, keys, path, dst, **args)
   else:
-    with destination.claim(dst, sources=[path], overwrite=overwrite) as claimed:
+    sources = [] if paths.is_web(path) else [path]  # a URL is no place on this machine to keep DST out of
+    with destination.claim(dst, sources=sources, overwrite=overwrite) as claimed:
       report = _import(cfg, keys, path, claimed.path, **args)
   return ImportResult(given, paths.absolute(dst), report)
 
@@ -85,9 +88,13 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
     job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
     stop.check()
     unused = src.unused_names()
-    if unused and index == 0:
-      shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
-      progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
+    differences = hf_config.differences(path)
+    if index == 0:
+      for text in differences:
+        progress.note(f"warning: {path} computes what MaxText does not: {text}")
+      if unused:
+        shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+        progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
     with job_plan.temporary_directory(dst, overwrite) as tmp:
       atomic.test_point("start")
       written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
@@ -99,10 +106,11 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
       atomic.test_point("written")
       copies = mtp_copies(src, cfg)
       report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
+                       differences=differences,
                        memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
                                "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
                                "processes": distributed.process_count()})
-      atomic.atomic_write_text(os.path.join(tmp, REPORT_NAME), json.dumps(report, indent=1) + "\n")
+      atomic.write_inside(tmp, REPORT_NAME, json.dumps(report, indent=1) + "\n")
       atomic.test_point("report")
       stop.check()
     distributed.barrier("committed")
@@ -142,11 +150,11 @@ def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
   """The HF tensors of one leaf, compactly: the first name's pattern, the layers, the expert count, the count."""
   entry = src.entry(key)
   names = src.source_names(key)
-  return {"pattern": entry.rule.names[0], "layers": list(entry.layers), "count": len(names),
-          "first": names[0] if names else None}
+  return {"pattern": entry.rule.names[0] if entry.rule.names else None, "layers": list(entry.layers),
+          "count": len(names), "first": names[0] if names else None}
 
 
-def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, memory) -> dict:
+def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences, memory) -> dict:
   arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
                                     "source": _sources(src, job.leaf.key)} for job in jobs}
   return {
@@ -165,8 +173,16 @@ def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, mem
       "bytes_written": written.written_bytes,
       "mtp_shared_copies": copies,
       "unused_tensors": unused,
+      "mtp_not_imported": _mtp_not_imported(cfg, src),
+      "not_computed_by_maxtext": differences,
       "memory": memory,
   }
+
+
+def _mtp_not_imported(cfg, src: source_lib.HfSource) -> dict | None:
+  """DeepSeek-V4's MTP block, left out (the user said mtp_num_layers=0; `keys.refuse_v4_mtp` otherwise)."""
+  names = hf_names_v4.mtp_tensors(src.tensors.table) if cfg.decoder_block == "deepseek4" else []
+  return {"tensors": names, "count": len(names), "reason": keys_lib.MTP_REASON} if names else None
 
 
 def format_text(result: ImportResult) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import hf_names
+from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint import hf_restore
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
@@ -44,7 +45,8 @@ class HfSource:
     self.items_dir = paths.absolute(path)  # named in error lines, as the export's sources do
     self._cfg = cfg
     self._tensors = hf_restore.Tensors(path)
-    plan = hf_names.leaf_plan(cfg)
+    self._tensors.check_format()
+    plan = hf_names_v4.plan(cfg, self._tensors.table)
     problems, self.known_names = hf_restore.check(self._tensors, plan, cfg)
     if problems:
       more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -70,14 +72,15 @@ class HfSource:
     """The HF tensors the leaf `key` is read from (`{i}` and `{j}` filled in; scales of FP8 ones included)."""
     entry = self._entries[key]
     names = []
-    for layer in entry.layers or (None,):
+    for layer in (entry.layers or (None,)) if entry.rule.names else ():
       name = entry.rule.names[0].replace("{i}", str(layer))
       experts = range(_layer_shape(entry)[0]) if "{j}" in name else (None,)
       for j in experts:
         one = name.replace("{j}", str(j))
         names.append(one)
-        if one + hf_restore.SCALE_SUFFIX in self._tensors:
-          names.append(one + hf_restore.SCALE_SUFFIX)
+        scale = self._tensors.scale_name(one) if one in self._tensors else None
+        if scale:
+          names.append(scale)
     return names
 
   def unused_names(self) -> list[str]:
@@ -99,10 +102,10 @@ class HfSource:
     """What one read holds: one layer (one expert) of a stack; a band of rows of a 2-D top-level tensor."""
     entry = self._entries[key]
     shape = list(entry.shape)
+    if entry.rule.kind == hf_names.EXPERTS_FP8:  # one expert (of one layer): an unscanned layer's too
+      shape[1 if entry.layer_axis == 0 else 0] = 1
     if entry.layer_axis is not None:
       shape[entry.layer_axis] = 1
-      if entry.rule.kind == hf_names.EXPERTS_FP8:
-        shape[1 if entry.layer_axis == 0 else 0] = 1
     elif _row_axis(entry) is not None:
       axis = _row_axis(entry)
       other = math.prod(shape) // shape[axis]

@@ -129,16 +129,25 @@ def orbax_described(jobs) -> dict[str, Described]:
   return out
 
 
-def hf_described(origins: dict, scale_suffix: str = "_scale_inv") -> dict[str, Described]:
-  """What a DeepSeek safetensors export's writer recorded (tensor name -> (MaxText key, shape, dtype)), by name."""
+def hf_described(origins: dict, scale_suffix: str = "_scale_inv", v4: bool = False) -> dict[str, Described]:
+  """What a DeepSeek safetensors export's writer recorded (tensor name -> (MaxText key, shape, dtype)), by name;
+  `v4`: DeepSeek-V4's release, whose `<x>.weight` is scaled by `<x>.scale` (FP4 experts: per 32 values)."""
   out = {}
+
+  def scale_of(name: str) -> str:
+    return name[:-len("weight")] + "scale" if v4 and name.endswith(".weight") else name + scale_suffix
+
+  weights = {scale_of(name): name for name in origins if scale_of(name) in origins and scale_of(name) != name}
   for name, (key, shape, dtype) in origins.items():
     source = source_of(key, shape, dtype)
-    if name.endswith(scale_suffix):
-      out[name] = Described(source=source, scale_of=name[:-len(scale_suffix)])
-    elif name + scale_suffix in origins:
-      out[name] = Described(source=source, quantized=True, scale=name + scale_suffix,
-                            layout="128x128 blocks: one float32 weight_scale_inv per block (DeepSeek-V3's release)")
+    if name in weights:
+      out[name] = Described(source=source, scale_of=weights[name])
+    elif scale_of(name) in origins:
+      layout = ("1x32 groups: one float8_e8m0fnu scale per 32 values of a row, two e2m1 values per byte "
+                "(DeepSeek-V4's FP4 experts)" if v4 and ".ffn.experts." in name else
+                "128x128 blocks: one float8_e8m0fnu scale per block (DeepSeek-V4's release)" if v4 else
+                "128x128 blocks: one float32 weight_scale_inv per block (DeepSeek-V3's release)")
+      out[name] = Described(source=source, quantized=True, scale=scale_of(name), layout=layout)
     else:
       out[name] = Described(source=source)
   return out

@@ -25,7 +25,8 @@ from inspect_tool.storage import remote
 
 ORBAX, SAFETENSORS = "orbax", "safetensors"
 SAFETENSORS_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "BF16": ml_dtypes.bfloat16,
-                      "F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+                      "F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64, "I32": np.int32,
+                      "F8_E8M0": ml_dtypes.float8_e8m0fnu, "I8": np.int8}  # DeepSeek-V4: e8m0 scales, FP4 bytes
 
 
 def format_of(path: str) -> str:

@@ -19,6 +19,7 @@ from inspect_tool.model import indexer as indexer_lib
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import rope
+from inspect_tool.model import splash
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
 
@@ -37,12 +38,16 @@ class AttentionOp(nnx.Module):
   def __init__(self, cfg):
     self.float32_qk_product = bool(cfg.float32_qk_product)
     self.precision = layers.precision(cfg)
+    self.kernel = str(cfg.attention)  # on a TPU mesh, flash (and autoselected) run the splash kernel (`splash`)
+    self.blocks = tuple(int(getattr(cfg, k)) for k in splash.BLOCK_KEYS)  # a tuple: graph definitions are hashed
 
   def __call__(self, query, key, value, segment_ids=None, keep=None, *, allowed=None, sinks=None):
     """`keep` [b, t, s] (the indexer's selection) further restricts the causal / segment mask; `allowed`
     [b, t, s] replaces that mask (DeepSeek-V4); `sinks` [n] are per-head logits that join the softmax only."""
     b, t, n, d = query.shape
     n_kv = key.shape[-2]
+    if keep is None and allowed is None and sinks is None and n_kv == n and splash.applies(self.kernel, t):
+      return splash.attend(query, key, value, segment_ids, self.blocks)
     if self.float32_qk_product:
       query, key = query.astype(jnp.float32), key.astype(jnp.float32)
     query = jnp.reshape(query, (b, t, n_kv, n // n_kv, d))

@@ -18,6 +18,10 @@ from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import mhc
 from inspect_tool.model import moe
+from inspect_tool.model import partitioning
+
+EMBED_ACTIVATION = ("activation_batch", "activation_norm_length", "activation_embed")  # MaxText's layer activations
+LOGITS = ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
 
 
 class DeepSeekLayer(nnx.Module):
@@ -36,9 +40,11 @@ class DeepSeekLayer(nnx.Module):
   def _apply(self, x, segment_ids, positions, mlp):
     """Attention then `mlp`, each with its pre-norm and residual (or mHC mixing of the k streams of x)."""
     if self.mhc_attention is None:
-      attended = self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
+      pin = lambda a: partitioning.constrain(a, EMBED_ACTIVATION)  # pylint: disable=unnecessary-lambda-assignment
+      x = pin(x)
+      attended = pin(self.self_attention(pin(self.pre_self_attention_layer_norm(x)), positions, segment_ids))
       residual = x + attended
-      return mlp(self.post_self_attention_layer_norm(residual)) + residual
+      return pin(pin(mlp(pin(self.post_self_attention_layer_norm(residual)))) + residual)
     residual = self.mhc_attention(self.pre_self_attention_layer_norm,
                                   lambda h: self.self_attention(h, positions, segment_ids), x)
     self.post_self_attention_layer_norm(residual)  # MaxText computes (and drops) it too: Qwix sees its einsum
@@ -164,11 +170,11 @@ class Decoder(nnx.Module):
       logits = self.logits_dense(y)
     if self.cast_logits_to_fp32:
       logits = logits.astype(jnp.float32)
-    return logits
+    return partitioning.constrain(logits, LOGITS)
 
   def __call__(self, embedder, tokens, positions, segment_ids=None):
     """Returns (logits, hidden state before `decoder_norm`)."""
-    y = embedder(tokens).astype(self.dtype)
+    y = partitioning.constrain(embedder(tokens).astype(self.dtype), EMBED_ACTIVATION)
     if self.mhc_expansion_rate > 1:
       y = mhc.expand(y, self.mhc_expansion_rate)
     dynamic = bool(getattr(self, "disable_quant_stats_update", False))  # set by Qwix for its first call

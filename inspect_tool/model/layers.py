@@ -36,6 +36,19 @@ def kernel_value(kernel, dtype):
   return jnp.asarray(kernel, dtype)
 
 
+def activation_operand(x: jax.Array) -> jax.Array:
+  """`x` unchanged (x + 0), ending Qwix's search for the weight behind a matmul operand at `x` itself.
+
+  Qwix's QT provider decides which operand is a weight by following unary ops back to the module's Params and,
+  failing that, by comparing shapes with the Params, but it compares the last operand it reached, not `x`: an
+  activation made by a transposed `einsum` (an RMSNorm's output, e.g. MLA's `kv_norm` before `wkv_b`) is compared
+  in its pre-transpose shape, which can equal the kernel's ([B, S, r] → [r, B, S] against wkv_b's [r, H, D] when
+  B = H and S = D: deepseek3-tiny at 4 sequences of 256), and Qwix stops ("lhs and rhs cannot be both weights", as
+  MaxText's own train_compile does there). The add ends the search at `x`'s own shape.
+  """
+  return x + jnp.zeros_like(x)
+
+
 def _tuple(x) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, (tuple, list)) else (int(x),)
 
@@ -70,7 +83,7 @@ class DenseGeneral(nnx.Module):
                             inits.dense(range(len(self.in_features)), distribution), dtype=weight_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x, self.dtype)
+    x = activation_operand(jnp.asarray(x, self.dtype))
     kernel = kernel_value(self.kernel, self.dtype)
     n_in = len(self.in_features)
     axes = tuple(range(x.ndim - n_in, x.ndim))

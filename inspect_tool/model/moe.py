@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
+from inspect_tool.model import moe_dispatch
+from inspect_tool.model import partitioning
 from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
 
@@ -202,6 +204,9 @@ class RoutedMoE(nnx.Module):
     w1 = layers.kernel_value(self.wi_1, self.dtype)
     wo = layers.kernel_value(self.wo, self.dtype)
     if self.sparse_matmul:
+      part = partitioning.active()
+      if part is not None:  # traced for a device mesh: per device, as MaxText runs it there
+        return moe_dispatch.routed_experts(self, part, x, weights, idx, w0, w1, wo)
       return self._sparse(x, weights, idx, w0, w1, wo)
     return self._dense(x, weights, idx, w0, w1, wo)
 

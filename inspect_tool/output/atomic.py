@@ -15,6 +15,7 @@ from inspect_tool.output import object_store
 from inspect_tool.output import stop
 from inspect_tool.output import trees
 from inspect_tool.output.hooks import KILL_ENV, PAUSE_ENV, test_point  # noqa: F401  (re-exported)
+from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 
 
@@ -102,6 +103,19 @@ def _file_no_replace(tmp: str, target: str) -> None:
 
 def atomic_write_text(path: str, text: str, *, overwrite: bool = True) -> None:
   atomic_write_bytes(path, text.encode("utf-8"), overwrite=overwrite)
+
+
+def write_inside(directory: str, name: str, text: str) -> None:
+  """The file `name` of an output being written in `directory` (from `atomic_directory`): atomically on a local
+  disk; under a gs:// staging prefix one object, written whole (the prefix is published only once complete)."""
+  path = paths.join(directory, name)
+  if not paths.is_remote(path):
+    atomic_write_text(path, text)
+    return
+  try:
+    objects.write(path, text.encode("utf-8"))
+  except (OSError, ValueError, RuntimeError) as e:
+    raise errors.InputError(f"cannot write {path!r}: {errors.first_line(e)[:300]}") from None
 
 
 @contextlib.contextmanager

@@ -3,17 +3,20 @@
 `claim(dst, ...)` (through `destination.claim`) refuses a DST that is the bucket, is, contains or lies inside a gs://
 source, an existing DST without `--overwrite`, and with it anything but an earlier export or an Orbax checkpoint;
 it takes DST's lock object (`remote_lock`: create-only, heartbeat) and cleans up after earlier runs that died.
-`staged_directory(dst)` (through `atomic.atomic_directory`) then runs the export as on a local disk:
-1. the writers and the validation work in a local directory (`$TMPDIR/inspect-gs-<pid>-*`, marked partial);
-2. it is uploaded to the sibling staging prefix `.<name>.inspect-tmp-<run id>/`, `STAGED` written there last;
+`staged_directory(dst)` (through `atomic.atomic_directory`) then gives the run its staging prefix:
+1. every process writes its share of the export directly under the sibling staging prefix
+   `.<name>.inspect-tmp-<run id>/` (Orbax's layout: its own OCDBT database through tensorstore's `gcs` kvstore;
+   safetensors: streamed uploads, `streaming.object_shards`), and process 0 completes it there (the merge, the
+   metadata, the validation reading it back, the reports): nothing is written to local disk;
+2. `STAGED` is written last into the staging prefix;
 3. publish: the lock records "publishing"; DST's commit marker goes first, then the objects that are not in the
    new export; the staged objects are copied in (server-side), Orbax's own marker `<step>/commit_success.txt`
    is written into each step and item, and `DST/commit_success.txt` last; the staging prefix and the lock are removed.
 A reader that lists DST sees nothing or the previous export until step 3; during step 3, objects without
 `DST/commit_success.txt` and with the lock beside DST, which readers refuse as incomplete (`storage.commit`). A run
-killed before step 3 leaves only its staging prefix, its lock and its local directory, which the next run on DST
-removes; one killed in step 3 leaves the lock saying "publishing" and the complete staging prefix, and the next run
-completes the publication.
+killed before step 3 leaves only its staging prefix and its lock, which the next run on DST removes; one killed in
+step 3 leaves the lock saying "publishing" and the complete staging prefix, and the next run completes the
+publication.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ import json
 import os
 import re
 import secrets
-import shutil
-import tempfile
 from typing import Iterator, Sequence
 
 from inspect_tool import errors
@@ -42,7 +43,6 @@ REPORTS = (("quantization_report.json", "producer"), ("import_report.json", "pro
            ("model.safetensors.index.json", "metadata"))
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", MARKER)
 _ORBAX_DIRS = ("/_CHECKPOINT_METADATA", "/_METADATA")  # a step, an item: Orbax wants its marker in each
-_LOCAL_PATTERN = re.compile(r"^inspect-gs-(\d+)-[A-Za-z0-9_]+$")
 _held: dict[str, tuple[remote_lock.Lock, bool]] = {}  # DST -> (its lock, overwrite) while claimed
 
 
@@ -133,8 +133,8 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
 
 def reclaim(dst: str, lock: remote_lock.Lock) -> list[str]:
   """Cleans up after dead runs on DST (we hold its lock: every other staging prefix is a dead run's): completes
-  the publication of a run that died publishing, removes the other staging prefixes and, in this host's
-  temporary directory, the local work directories of dead processes. Returns what was completed or removed."""
+  the publication of a run that died publishing and removes the other staging prefixes. Returns what was completed
+  or removed."""
   parent, start, done = paths.parent(dst), staging_prefix(dst), []
   staged: dict[str, list[str]] = {}
   for name in objects.names_from(parent, start):
@@ -150,19 +150,6 @@ def reclaim(dst: str, lock: remote_lock.Lock) -> list[str]:
       done.append(f"{dst} (published from {prefix})")
     objects.delete_all(prefix, names)
     done.append(prefix)
-  return done + _reclaim_local()
-
-
-def _reclaim_local() -> list[str]:
-  root, done = tempfile.gettempdir(), []
-  with contextlib.suppress(OSError):
-    for name in sorted(os.listdir(root)):
-      match = _LOCAL_PATTERN.match(name)
-      path = os.path.join(root, name)
-      if (match and int(match.group(1)) != os.getpid() and not remote_lock.alive(int(match.group(1)))
-          and os.path.isfile(os.path.join(path, ours.TMP_MARKER))):
-        shutil.rmtree(path, ignore_errors=True)
-        done.append(path)
   return done
 
 
@@ -201,39 +188,33 @@ def publish(staging: str, dst: str, names: Sequence[str]) -> None:
 
 @contextlib.contextmanager
 def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
-  """`atomic.atomic_directory` for a gs:// DST claimed by `claim`: yields a local work directory; on success
-  its content replaces DST (upload to the staging prefix, then `publish`)."""
+  """`atomic.atomic_directory` for a gs:// DST claimed by `claim`: yields the staging prefix, where every process
+  writes its share directly; on success its objects replace DST (`STAGED` written there, then `publish`)."""
   dst = paths.normalize(dst)
   if dst not in _held:
     raise AssertionError(f"{dst} is written without being claimed (destination.claim)")
   lock, _ = _held[dst]
-  try:
-    tmp = tempfile.mkdtemp(prefix=f"inspect-gs-{os.getpid()}-")
-    with open(os.path.join(tmp, ours.TMP_MARKER), "w", encoding="utf-8") as f:
-      f.write(f"{os.getpid()}\n")
-  except OSError as e:
-    raise errors.InputError(f"cannot stage {dst!r} in {tempfile.gettempdir()!r}: {e.strerror or e}") from None
-  cleanup = stop.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))
   staging = paths.join(paths.parent(dst), staging_prefix(dst) + lock.content["id"])
+  cleanup = stop.add_cleanup(  # if a stop cannot wait for us; once publishing, the next run completes it
+      lambda: None if lock.content.get("state") == "publishing" else _abandon(staging, None))
   try:
     try:
-      yield tmp
+      yield staging
     except BaseException:  # the run's own failure, reported as it is
       _abandon(staging, None)
       raise
-    _publish_staged(tmp, staging, dst, lock, overwrite)
+    _publish_staged(staging, dst, lock, overwrite)
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
     stop.remove_cleanup(cleanup)
 
 
-def _publish_staged(tmp: str, staging: str, dst: str, lock: remote_lock.Lock, overwrite: bool) -> None:
-  """Steps 2 and 3 of the module docstring for the finished local work directory `tmp`."""
+def _publish_staged(staging: str, dst: str, lock: remote_lock.Lock, overwrite: bool) -> None:
+  """Steps 2 and 3 of the module docstring for the complete staging prefix."""
   publishing = False
   try:
     stop.check()
     hooks.test_point("upload")
-    names = objects.upload(tmp, staging, skip={ours.TMP_MARKER})
+    names = [n for n in objects.names(staging) if n != STAGED]
     objects.write(paths.join(staging, STAGED), f"{dst}\n".encode())
     hooks.test_point("staged")
     stop.check()

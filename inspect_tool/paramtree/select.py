@@ -64,17 +64,19 @@ def apply(key_filter: KeyFilter | None, leaves: Sequence[tree.Leaf]) -> tuple[li
 
 
 ORBAX_SCALE, ORBAX_QVALUE = ("array", "scale"), ("array", "qvalue")
-HF_SCALE, HF_WEIGHT = "weight_scale_inv", "weight"
+HF_SCALE, HF_WEIGHT, HF_V4_SCALE = "weight_scale_inv", "weight", "scale"
 
 
 def scale_keys(leaves: Iterable[tree.Leaf]) -> frozenset[tuple[str, ...]]:
-  """Keys of the FP8 scales among `leaves`: `<w>/array/scale` beside `<w>/array/qvalue`, `<m>.weight_scale_inv`
-  beside `<m>.weight`."""
+  """Keys of the FP8 (and FP4) scales among `leaves`: `<w>/array/scale` beside `<w>/array/qvalue`,
+  `<m>.weight_scale_inv` or `<m>.scale` beside `<m>.weight`."""
   keys = {leaf.key for leaf in leaves}
   out = set()
   for key in keys:
     if key[-2:] == ORBAX_SCALE and key[:-2] + ORBAX_QVALUE in keys:
       out.add(key)
     elif key[-1:] == (HF_SCALE,) and key[:-1] + (HF_WEIGHT,) in keys:
+      out.add(key)
+    elif key[-1:] == (HF_V4_SCALE,) and key[:-1] + (HF_WEIGHT,) in keys:  # DeepSeek-V4's release: `<m>.scale`
       out.add(key)
   return frozenset(out)

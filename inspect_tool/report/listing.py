@@ -34,6 +34,7 @@ class ParamReport:
   memory: Any = None  # `sharding.memory.DeviceMemory`: bytes per device by group
   key_filter: select.KeyFilter | None = None  # `--filter`: leaves and totals are those it matched
   collapse: bool = False  # `--collapse`: repeated layers and experts as one line per stack
+  xla: Any = None  # `xla_compile.report.XlaVerdict` (`--compile`): XLA's per-device memory and verdict
 
   @property
   def items(self) -> list[str]:
@@ -185,6 +186,8 @@ def format_text(report: ParamReport, *, check_dtype: bool = False, with_summary:
     lines.extend(summary_lines(report.summary, report.key_filter))
     if report.memory is not None:
       lines.extend(sharding_format.memory_lines(report.memory, report.sharding))
+  if report.xla is not None:
+    lines.extend(report.xla.text_lines())
   return "\n".join(lines) + "\n"
 
 
@@ -208,6 +211,7 @@ def to_dict(report: ParamReport) -> dict:
       **({"config": report.config} if report.config is not None else {}),
       **({"sharding": report.sharding.to_dict()} if report.sharding is not None else {}),
       **({"device_memory": report.memory.to_dict()} if report.memory is not None else {}),
+      **({"xla": report.xla.to_dict()} if report.xla is not None else {}),
   }
 
 
@@ -246,6 +250,8 @@ def format_markdown(report: ParamReport, *, check_dtype: bool = True) -> str:
   out += ["", _fp8_note(s)]
   if report.memory is not None:
     out += sharding_format.memory_markdown(report.memory, report.sharding)
+  if report.xla is not None:
+    out += report.xla.markdown_lines()
   columns = (["key"] + (["count", "shape each"] if report.collapse else ["shape"]) + (["dtype"] if check_dtype else [])
              + (["spec", "shard"] if report.sharding else []) + (["total"] if report.collapse else []))
   out += ["", "## Arrays", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -61,6 +61,8 @@ class Invocation:
   topology: str | None
   train: str | None
   device_memory: str | None
+  compile: bool = False  # `--compile`: each printed line asks XLA again
+  planning_limit: int | None = None  # plans against this many bytes per device instead (XLA-calibrated advice)
 
   def with_keys(self, keys: dict) -> Invocation:
     """The same line with each `key=value` of `keys` set (an earlier token for that key is dropped)."""
@@ -86,6 +88,7 @@ class Invocation:
                         ("--device-memory", self.device_memory)):
       if value is not None:
         flags += [flag, str(value)]
+    flags += ["--compile"] if self.compile else []
     return shlex.join(["inspect_checkpoint", "maxtext", *self.overrides, *flags])
 
   def memory(self, leaves):
@@ -94,6 +97,7 @@ class Invocation:
     cfg = config_lib.resolve_config(self.overrides)
     devices = devices_for(cfg, self.devices, self.topology)
     limit, source = limit_of(self.device_memory, self.topology)
+    limit = self.planning_limit if self.planning_limit is not None else limit
     plan = placement.plan(leaves, cfg, devices)
     optimizer = memory_lib.optimizer_of(cfg, self.train)
     return cfg, devices, memory_lib.device_memory(leaves, plan, cfg, optimizer=optimizer, limit=limit,

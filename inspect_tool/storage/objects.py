@@ -1,15 +1,14 @@
-"""Objects under a gs:// prefix: list, read, write (create-only too), upload a local tree, copy, delete.
+"""Objects under a gs:// prefix: list, read, write (create-only too), stream an upload, compose, copy, delete.
 
 Reads and writes go through tensorstore's `gcs` kvstore (`paths.kvstore_spec`; a create-only write is a write
-conditional on "no object", GCS's `ifGenerationMatch=0`); listings (by prefix), uploads, server-side copies (GCS
-`rewrite`) and deletions through gcsfs, the file system under Orbax's `epath`. No HTTP client of our own. Names are relative to
-the prefix they are listed or written under.
+conditional on "no object", GCS's `ifGenerationMatch=0`); listings (by prefix), streamed uploads (resumable),
+server-side copies (GCS `rewrite`), compositions (GCS `compose`) and deletions through gcsfs, the file system under
+Orbax's `epath`. No HTTP client of our own. Names are relative to the prefix they are listed or written under.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from inspect_tool import errors
 from inspect_tool.storage import paths
@@ -96,31 +95,35 @@ def delete_all(prefix: str, names_: Iterable[str] | None = None) -> None:
     filesystem().rm([_fs_path(paths.join(prefix, n)) for n in names_])
 
 
-def upload(local_dir: str, prefix: str, *, skip: Iterable[str] = ()) -> list[str]:
-  """Uploads every file under `local_dir` to `prefix/<relative name>` (streamed, in parallel), except the names in
-  `skip`; returns the names uploaded."""
-  skip, files = set(skip), []
-  for directory, _, found in os.walk(local_dir):
-    for name in found:
-      relative = os.path.relpath(os.path.join(directory, name), local_dir).replace(os.sep, "/")
-      if relative not in skip:
-        files.append(relative)
-  files.sort()
-  if files:
-    # lazy: gcsfs, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
-    from gcsfs import retry  # pylint: disable=import-outside-toplevel
-
-    try:  # each upload's MD5 checked against the one the store computed of what it keeps
-      filesystem().put([os.path.join(local_dir, n) for n in files], [_fs_path(paths.join(prefix, n)) for n in files],
-                       consistency="md5")
-    except retry.ChecksumError:
-      raise OSError(f"an upload to {prefix} was stored with other bytes than were sent (MD5 differs)") from None
-  return files
-
-
 def copy(src_prefix: str, dst_prefix: str, names_: Iterable[str]) -> None:
   """Server-side copies (GCS rewrite: no bytes through this machine) of `names_` from one prefix to another."""
   names_ = list(names_)
   if names_:
     filesystem().copy([_fs_path(paths.join(src_prefix, n)) for n in names_],
                       [_fs_path(paths.join(dst_prefix, n)) for n in names_])
+
+
+def open_write(url: str, block_size: int):
+  """A stream writing the object `url` (gcsfs: held in memory up to `block_size` bytes, a multiple of 256 KiB, then
+  sent as pieces of one resumable upload), complete once closed."""
+  return filesystem().open(_fs_path(url), "wb", block_size=block_size)
+
+
+COMPOSE_MAX = 32  # source objects per GCS compose request
+
+
+def compose(url: str, parts: Sequence[str]) -> None:
+  """Makes the object `url` of the objects `parts` (gs:// URLs, one bucket) in order, server side; more than
+  `COMPOSE_MAX` are composed in groups first (into `url.compose-<level>-<i>`, removed afterwards)."""
+  fs, level, temporaries = filesystem(), 0, []
+  parts = [_fs_path(p) for p in parts]
+  while len(parts) > COMPOSE_MAX:
+    groups = [parts[i:i + COMPOSE_MAX] for i in range(0, len(parts), COMPOSE_MAX)]
+    parts = [f"{_fs_path(url)}.compose-{level}-{i}" for i in range(len(groups))]
+    for target, group in zip(parts, groups):
+      fs.merge(target, group)
+    temporaries += parts
+    level += 1
+  fs.merge(_fs_path(url), parts)
+  if temporaries:
+    fs.rm(temporaries)

@@ -5,7 +5,9 @@ through etils `epath`, the file-system layer Orbax itself uses (gcsfs underneath
 Both honour the standard variables: `STORAGE_EMULATOR_HOST` (gcsfs) and `TENSORSTORE_GCS_HTTP_URL` (tensorstore);
 `configure()` derives the second from the first, so that an emulator named once serves both.
 
-A gs:// "directory" is a prefix: it exists when some object's name starts with `prefix/`.
+A gs:// "directory" is a prefix: it exists when some object's name starts with `prefix/`. Read-only sources named by
+URL (`http://`, `https://`, `hf://ORG/REPO[@REVISION]`: `storage.web`) share the same vocabulary of names:
+`normalize`, `join`, `parent` and `basename` treat them as gs:// paths are treated.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import posixpath
 
 GS = "gs://"
+WEB = ("http://", "https://", "hf://")  # read-only sources (`storage.web`)
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 TENSORSTORE_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
 
@@ -22,6 +25,23 @@ TENSORSTORE_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
 def is_remote(path: str | os.PathLike) -> bool:
   """Whether `path` names an object-store location (gs://)."""
   return os.fspath(path).startswith(GS)
+
+
+def is_web(path: str | os.PathLike) -> bool:
+  """Whether `path` names a read-only source by URL: http://, https:// or hf:// (`storage.web`)."""
+  return os.fspath(path)[:8].lower().startswith(WEB)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+  """Whether `path` is a location by URL (gs://, or a read-only web source): no local file system beneath it."""
+  return is_remote(path) or is_web(path)
+
+
+def _url_parts(path: str) -> tuple[str, str, str]:
+  """(scheme://, root: a bucket, host or Hub organisation, the name below it without slashes at its ends)."""
+  scheme, _, rest = path.partition("://")
+  root, _, name = rest.partition("/")
+  return scheme.lower() + "://", root, name.strip("/")
 
 
 def split(path: str) -> tuple[str, str]:
@@ -34,35 +54,35 @@ def normalize(path: str | os.PathLike) -> str:
   """A local path as `os.path.normpath` gives it; a gs:// path with `.`/`..`/double slashes resolved, no
   trailing slash (`os.path.normpath` would turn `gs://b` into `gs:/b`)."""
   path = os.fspath(path)
-  if not is_remote(path):
+  if not is_url(path):
     return os.path.normpath(path)
-  bucket, name = split(path)
+  scheme, root, name = _url_parts(path)
   name = posixpath.normpath("/" + name).lstrip("/") if name else ""
-  return f"{GS}{bucket}/{name}" if name else f"{GS}{bucket}"
+  return f"{scheme}{root}/{name}" if name else f"{scheme}{root}"
 
 
 def join(path: str, *parts: str) -> str:
-  if not is_remote(path):
+  if not is_url(path):
     return os.path.join(path, *parts)
   return "/".join([path.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
 
 def parent(path: str) -> str:
-  if not is_remote(path):
+  if not is_url(path):
     return os.path.dirname(os.path.normpath(path))
-  bucket, name = split(normalize(path))
-  return normalize(f"{GS}{bucket}/{posixpath.dirname(name)}")
+  scheme, root, name = _url_parts(normalize(path))
+  return normalize(f"{scheme}{root}/{posixpath.dirname(name)}")
 
 
 def basename(path: str) -> str:
-  if not is_remote(path):
+  if not is_url(path):
     return os.path.basename(os.path.normpath(path))
-  return split(normalize(path))[1].rpartition("/")[2]
+  return _url_parts(normalize(path))[2].rpartition("/")[2]
 
 
 def absolute(path: str) -> str:
-  """An absolute local path, a normalized gs:// one."""
-  return normalize(path) if is_remote(path) else os.path.abspath(path)
+  """An absolute local path, a normalized gs:// (or http://, https://, hf://) one."""
+  return normalize(path) if is_url(path) else os.path.abspath(path)
 
 
 def configure() -> None:

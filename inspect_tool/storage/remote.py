@@ -21,21 +21,21 @@ from inspect_tool.storage import paths
 TIMEOUT_ENV = "INSPECT_GCS_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 RETRIES = 4
+REQUEST_RETRIES = {"max_retries": RETRIES, "initial_delay": "0.5s", "max_delay": "4s"}  # tensorstore's resource
 _DENIED = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|Forbidden|Unauthorized|Invalid Credentials|"
                      r"does not have storage\.", re.I)
 _UNREACHABLE = re.compile(r"retry attempts failed|(?:Could not|Couldn't|Cannot) connect|CURL error|UNAVAILABLE", re.I)
 
 
-def timeout_s() -> float:
-  """Seconds one gcsfs call may take (`INSPECT_GCS_TIMEOUT`, a positive number; default 60)."""
-  text = os.environ.get(TIMEOUT_ENV, "")
+def timeout_s(env: str = TIMEOUT_ENV, default: float = DEFAULT_TIMEOUT_S) -> float:
+  """Seconds one gcsfs call may take (`INSPECT_GCS_TIMEOUT`, a positive number; default 60), or what `env` says."""
+  text = os.environ.get(env, "")
   try:
-    value = float(text) if text else DEFAULT_TIMEOUT_S
+    value = float(text) if text else default
   except ValueError:
     value = 0.0
   if not 0 < value < float("inf"):
-    raise errors.InputError(f"{TIMEOUT_ENV}={errors.shown(text)} is not a number of seconds; accepted: a positive "
-                            "number")
+    raise errors.InputError(f"{env}={errors.shown(text)} is not a number of seconds; accepted: a positive number")
   return value
 
 
@@ -53,7 +53,7 @@ def context():
   # lazy: tensorstore, ~0.1 s to import: `hf --path`, `hf --summary` load this module without it
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   paths.configure()
-  return ts.Context({"gcs_request_retries": {"max_retries": RETRIES, "initial_delay": "0.5s", "max_delay": "4s"}})
+  return ts.Context({"gcs_request_retries": REQUEST_RETRIES})
 
 
 def error(path: str, e: BaseException, *, tensorstore: bool = False) -> errors.CheckpointError:

@@ -10,6 +10,7 @@ The layer `export` and `import` both stand on. One module per job, in the order 
 * `absmax_ahead`: pass 1 of streamed two-pass weights, in a thread of its own;
 * `write_orbax`, `orbax_writer`: every array into an Orbax checkpoint (OCDBT + zarr3, a database per process), copied
   or quantized by the quantizers the caller gives; `verify`: the merged checkpoint checked before the commit;
-* `safetensors_writer`: safetensors files written tensor by tensor, with their index;
+* `safetensors_writer`: safetensors files written tensor by tensor, with their index; `object_shards`: such a file
+  streamed into objects on gs:// and composed there;
 * `job_plan`: one plan per job (the processes agree before any writes) and the job's temporary directory.
 """

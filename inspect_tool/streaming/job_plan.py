@@ -86,7 +86,8 @@ def agree_on_plan(jobs) -> None:
 
 @contextlib.contextmanager
 def temporary_directory(dst: str, overwrite: bool):
-  """Process 0: the atomic temporary directory of DST, its path sent to the other processes; they get it."""
+  """Process 0: the atomic temporary directory of DST (for gs://, its staging prefix), its path sent to the other
+  processes; they get it and write their share there."""
   if distributed.process_index() != 0:
     yield distributed.broadcast_text(None)
     return

@@ -3,14 +3,18 @@
 `OrbaxArrayWriter` creates the arrays (one database commit for all), writes slices (a quantized weight's
 qvalue and scale together), copies stored chunks as they are, and on process 0 merges the processes' databases
 into the checkpoint's root and writes Orbax's `_METADATA`, `_sharding` and the step's `_CHECKPOINT_METADATA`.
-`ts_context` is the tensorstore context every export read and write shares.
+`ts_context` is the tensorstore context every export read and write shares. The items directory may be a gs://
+prefix: every process then writes its database there through tensorstore's `gcs` kvstore, and the merge, the
+checks and the metadata files go there too (nothing on local disk).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import shutil
 import time
 from typing import Sequence
 
@@ -18,7 +22,11 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from inspect_tool.storage import commit
 from inspect_tool.storage import mapped_reads
+from inspect_tool.storage import objects
+from inspect_tool.storage import paths
+from inspect_tool.storage import remote
 from inspect_tool.streaming import verify
 from quant import compat
 from quant import ptq_weights
@@ -28,24 +36,27 @@ PROCESS_DIR = "ocdbt.process_{}"
 
 
 def ts_context():
-  """A tensorstore context without a chunk cache (every byte read is used once) and bounded copy threads."""
+  """A tensorstore context without a chunk cache (every byte read is used once), bounded copy threads and, for
+  gs://, `remote.RETRIES` tries per request."""
   return ts.Context({"cache_pool": {"total_bytes_limit": 0},
                      "data_copy_concurrency": {"limit": min(os.cpu_count() or 1, 4)},
-                     "file_io_concurrency": {"limit": 16}})
+                     "file_io_concurrency": {"limit": 16}, "gcs_request_retries": remote.REQUEST_RETRIES})
 
 
 def _ocdbt(path: str, mapped: bool = False) -> dict:
-  """The OCDBT database at the local directory `path`; `mapped`: its files read by mapping them where allowed
-  (`storage.mapped_reads`)."""
-  base = {"driver": "file", "path": os.path.abspath(path) + "/"}
-  return {"driver": "ocdbt", "base": mapped_reads.kvstore_spec(base, path) if mapped else base}
+  """The OCDBT database at the directory `path` (local or gs://); `mapped`: a local one's files read by mapping them
+  where allowed (`storage.mapped_reads`)."""
+  base = paths.kvstore_spec(path)
+  if mapped and not paths.is_remote(path):
+    base = mapped_reads.kvstore_spec(base, path)
+  return {"driver": "ocdbt", "base": base}
 
 
 class OrbaxArrayWriter:
   """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
 
   def __init__(self, items_dir: str, *, process_index: int = 0, context=None):
-    self.items_dir = os.path.abspath(items_dir)
+    self.items_dir = paths.absolute(items_dir)
     self.process_index = process_index
     self._context = context or ts_context()
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
@@ -72,7 +83,7 @@ class OrbaxArrayWriter:
       shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
       self._entries[key] = tuple(chunk)
       self._specs[key] = (tuple(shape), np.dtype(dtype).name, tuple(chunk))
-      kvstore = dict(_ocdbt(os.path.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
+      kvstore = dict(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(self.process_index))),
                      path=".".join(key) + "/")
       metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
                   "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
@@ -163,29 +174,34 @@ class OrbaxArrayWriter:
     self.wait()
     verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
     try:
-      self._merge()
+      self._merge(process_count)
       merged = ts.KvStore.open(_ocdbt(self.items_dir, mapped=True), context=self._context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
     verify.check_merged(merged, self._specs, self._context, complete=complete)
     try:
-      _write_json(os.path.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
+      _write_json(paths.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
-      _write_json(os.path.join(self.items_dir, "_sharding"), _default_shardings(arrays))
+      _write_json(paths.join(self.items_dir, "_sharding"), _default_shardings(arrays))
       now = time.time_ns()
-      _write_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"),
+      _write_json(paths.join(step_dir, "_CHECKPOINT_METADATA"),
                   {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
                    "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+      if paths.is_remote(step_dir):  # on object stores Orbax reads a step (and item) as finalized by its marker
+        for directory in (step_dir, self.items_dir):
+          objects.write(paths.join(directory, commit.MARKER),
+                        f"Checkpoint commit was successful to {directory}".encode())
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
-  def _merge(self) -> None:
-    """Copies every process's OCDBT database into the root database of the pytree (as Orbax does)."""
-    children = sorted(d for d in os.listdir(self.items_dir) if d.startswith(PROCESS_DIR.format("")))
+  def _merge(self, process_count: int) -> None:
+    """Copies every process's OCDBT database into the root database of the pytree (as Orbax does): the root's
+    B-tree refers to the processes' data files, which stay where they are."""
     parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
     txn = ts.Transaction(atomic=True)
-    for child in children:
-      store = ts.KvStore.open(_ocdbt(os.path.join(self.items_dir, child)), context=self._context).result()
+    for index in range(process_count):
+      store = ts.KvStore.open(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(index))),
+                              context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
 
@@ -212,7 +228,28 @@ def _default_shardings(entries) -> dict:
 
 
 def _write_json(path: str, doc: dict) -> None:
+  if paths.is_remote(path):  # one object, written whole
+    objects.write(path, json.dumps(doc).encode())
+    return
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(doc, f)
   os.replace(tmp, path)
+
+
+def remove_share(tmp: str, items_dir: str, index: int) -> None:
+  """Process `index` (not 0) of a failed job: removes its database, and the directories up to `tmp` once empty
+  (process 0 removes `tmp`; writing after that recreates the path without the marker that lets a later run
+  reclaim it). On gs:// its database's objects (what is left of the staging prefix, the next run removes)."""
+  share = paths.join(items_dir, PROCESS_DIR.format(index))
+  if paths.is_remote(share):
+    with contextlib.suppress(Exception):
+      objects.delete_all(share)
+    return
+  shutil.rmtree(share, ignore_errors=True)
+  for directory in (items_dir, os.path.dirname(items_dir), tmp):
+    try:
+      os.rmdir(directory)
+    except OSError:
+      break
+

@@ -10,7 +10,9 @@ never a shard. A shard is closed before a tensor would take its data past `max_s
 that gets a shard of its own) or its header past the reserve.
 
 Shards are written as `.shard-0000k.safetensors.tmp` and renamed to `model-0000k-of-0000n.safetensors` by
-`close`, with the permissions `open()` gives a new file.
+`close`, with the permissions `open()` gives a new file. Into a gs:// directory (a staging prefix) each shard's bytes
+are streamed into objects as they come and composed into the final name by `close` (`object_shards`): the same
+bytes, nothing on local disk.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
+from inspect_tool.streaming import object_shards
 
 DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
 METADATA = {"format": "pt"}
 DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16",
-          np.dtype(np.float32): "F32"}
+          np.dtype(np.float32): "F32", np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",  # DeepSeek-V4: e8m0 scales,
+          np.dtype(np.int8): "I8", np.dtype(np.int32): "I32"}  # FP4 bytes, tid2eid
 _HEAD = json.dumps({"__metadata__": METADATA}, separators=(",", ":"))[:-1]  # '{"__metadata__":{...}' without '}'
 
 
@@ -62,8 +67,48 @@ class Region:
       self.shard.region_done()
 
 
+class _FileSink:
+  """A shard's bytes in a local file: data at `header_reserve` + its offset, the header at 0."""
+
+  def __init__(self, path: str, header_reserve: int):
+    self.path, self.header_reserve = path, header_reserve
+    try:
+      self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # open()'s permissions
+    except OSError as e:
+      raise _write_error(path, e) from None
+
+  def write(self, data: memoryview, position: int) -> None:
+    offset = self.header_reserve + position
+    try:
+      while data:
+        written = os.pwrite(self.fd, data, offset)
+        data, offset = data[written:], offset + written
+    except OSError as e:
+      raise _write_error(self.path, e) from None
+
+  def finish(self, header: bytes, size: int) -> None:
+    try:
+      os.pwrite(self.fd, header, 0)
+      os.ftruncate(self.fd, self.header_reserve + size)  # a shard whose last tensor is empty
+      os.close(self.fd)
+    except OSError as e:
+      raise _write_error(self.path, e) from None
+    self.fd = None
+
+  def publish(self, final: str) -> None:
+    try:
+      os.replace(self.path, final)
+    except OSError as e:
+      raise _write_error(final, e) from None
+
+  def abandon(self) -> None:
+    if self.fd is not None:
+      os.close(self.fd)
+      self.fd = None
+
+
 class _Shard:
-  """One shard file being written: its entries, data size and open file."""
+  """One shard being written: its entries, data size and where its bytes go (a local file or objects)."""
 
   def __init__(self, path: str, header_reserve: int):
     self.path, self.header_reserve = path, header_reserve
@@ -74,10 +119,8 @@ class _Shard:
     self.pending = 0  # regions not yet complete
     self.retired = False
     self._lock = threading.Lock()  # regions may be completed by other threads than the one adding them
-    try:
-      self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # open()'s permissions
-    except OSError as e:
-      raise _write_error(path, e) from None
+    self.sink = (object_shards.ObjectSink(path, header_reserve) if paths.is_remote(path)
+                 else _FileSink(path, header_reserve))
 
   def member(self, name: str, dtype: np.dtype, shape: Sequence[int], nbytes: int) -> str:
     entry = {"dtype": DTYPES[dtype], "shape": [int(d) for d in shape], "data_offsets": [self.size,
@@ -101,13 +144,7 @@ class _Shard:
     return region
 
   def pwrite(self, data: memoryview, position: int) -> None:
-    offset = self.header_reserve + position
-    try:
-      while data:
-        written = os.pwrite(self.fd, data, offset)
-        data, offset = data[written:], offset + written
-    except OSError as e:
-      raise _write_error(self.path, e) from None
+    self.sink.write(data, position)
 
   def region_done(self) -> None:
     with self._lock:
@@ -127,18 +164,10 @@ class _Shard:
   def finish(self) -> None:
     header = (_HEAD + "".join("," + m for m in self.entries) + "}").encode()
     header += b" " * (self.header_reserve - 8 - len(header))
-    try:
-      os.pwrite(self.fd, struct.pack("<Q", len(header)) + header, 0)
-      os.ftruncate(self.fd, self.header_reserve + self.size)  # a shard whose last tensor is empty
-      os.close(self.fd)
-    except OSError as e:
-      raise _write_error(self.path, e) from None
-    self.fd = None
+    self.sink.finish(struct.pack("<Q", len(header)) + header, self.size)
 
   def abandon(self) -> None:
-    if self.fd is not None:
-      os.close(self.fd)
-      self.fd = None
+    self.sink.abandon()
 
 
 class ShardedWriter:
@@ -169,7 +198,7 @@ class ShardedWriter:
       shard.abandon()
 
   def _path(self, k: int) -> str:
-    return os.path.join(self.dst_dir, f".shard-{k:05d}.safetensors.tmp")
+    return paths.join(self.dst_dir, f".shard-{k:05d}.safetensors.tmp")
 
   def _new_shard(self) -> _Shard:
     if self.shards:
@@ -210,10 +239,7 @@ class ShardedWriter:
     n = len(self.shards)
     weight_map = {}
     for k, shard in enumerate(self.shards, start=1):
-      final = os.path.join(self.dst_dir, f"model-{k:05d}-of-{n:05d}.safetensors")
-      try:
-        os.replace(shard.path, final)
-      except OSError as e:
-        raise _write_error(final, e) from None
-      weight_map.update({name: os.path.basename(final) for name in shard.names})
+      final = paths.join(self.dst_dir, f"model-{k:05d}-of-{n:05d}.safetensors")
+      shard.sink.publish(final)
+      weight_map.update({name: paths.basename(final) for name in shard.names})
     return dict(sorted(weight_map.items(), key=lambda item: tree.natural_key(item[0])))

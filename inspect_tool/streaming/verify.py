@@ -21,12 +21,14 @@ import numpy as np
 import tensorstore as ts
 
 from inspect_tool import errors
+from inspect_tool.storage import objects
+from inspect_tool.storage import paths
 
 
 def check_databases(items_dir: str, process_dir: str, count: int) -> None:
-  """Every process's database (`process_dir.format(i)`, i < `count`) exists and has its manifest."""
-  missing = [i for i in range(count)
-             if not os.path.isfile(os.path.join(items_dir, process_dir.format(i), "manifest.ocdbt"))]
+  """Every process's database (`process_dir.format(i)`, i < `count`) exists and has its manifest (local or gs://)."""
+  exists = objects.exists if paths.is_remote(items_dir) else os.path.isfile
+  missing = [i for i in range(count) if not exists(paths.join(items_dir, process_dir.format(i), "manifest.ocdbt"))]
   if missing:
     raise errors.CheckpointError(f"the databases of process(es) {', '.join(map(str, missing))} are missing from "
                                  f"the checkpoint being written ({count} processes); nothing was committed")

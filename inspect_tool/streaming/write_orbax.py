@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from inspect_tool import progress
 from inspect_tool.distributed import runtime as distributed
 from inspect_tool.output import atomic
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import paths
 from inspect_tool.streaming import absmax_ahead
 from inspect_tool.streaming import box_reads
 from inspect_tool.streaming import budget as budget_lib
@@ -413,9 +413,10 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
   metadata once all have written (and, with `step`, MaxText's scalar `step` = 0 as its converter does); a progress
   bar named `label`; `quantizers` and `tally` as `write_arrays` takes them. A write error names `dst`, not `tmp`."""
   index, count = distributed.process_index(), distributed.process_count()
-  step_dir = os.path.join(tmp, str(STEP))
-  items_dir = os.path.join(step_dir, ITEM)
-  os.makedirs(items_dir, exist_ok=True)
+  step_dir = paths.join(tmp, str(STEP))
+  items_dir = paths.join(step_dir, ITEM)
+  if not paths.is_remote(items_dir):  # a gs:// prefix needs no directories
+    os.makedirs(items_dir, exist_ok=True)
   total = sum(math.prod(job.leaf.shape) * np.dtype(job.leaf.dtype).itemsize for job in jobs)
   try:
     with progress.ByteProgress(label, total, len(jobs)) as bar:
@@ -428,23 +429,10 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
       writer.finalize(step_dir, ITEM, count)
   except quant_errors.QuantError as e:
     if index:
-      _remove_share(tmp, items_dir, index)
+      orbax_writer.remove_share(tmp, items_dir, index)
     raise errors.InputError(str(e).replace(tmp, dst)) from None
   except BaseException:
     if index:
-      _remove_share(tmp, items_dir, index)
+      orbax_writer.remove_share(tmp, items_dir, index)
     raise
   return written
-
-
-def _remove_share(tmp: str, items_dir: str, index: int) -> None:
-  """Process `index` (not 0) of a failed job: removes its database, and the directories up to `tmp` once empty
-  (process 0 removes `tmp`; writing after that recreates the path without the marker that lets a later run
-  reclaim it)."""
-  shutil.rmtree(os.path.join(items_dir, orbax_writer.PROCESS_DIR.format(index)), ignore_errors=True)
-  for directory in (items_dir, os.path.dirname(items_dir), tmp):
-    try:
-      os.rmdir(directory)
-    except OSError:
-      break
-

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 
-import jax
 import jax.numpy as jnp
 
 from quant import compat
 from quant import errors
 from quant.gmm import pallas as gmm_pallas
 from quant.gmm import ragged as gmm_ragged
+from quant.gmm import target
 from quant.gmm import tiled as gmm_tiled
 
 BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
@@ -59,7 +59,8 @@ def requested(name: str = "auto", *, use_tokamax_backend: bool = False) -> str:
 
 
 def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: str | None = None) -> str:
-  """The kernel `name` stands for on `platform` (default: JAX's default backend), checked to be available.
+  """The kernel `name` stands for on `platform` (default: the compilation target, `target.platform()`: JAX's
+  default backend unless a TPU topology is being compiled for), checked to be available.
 
   Raises:
     errors.QuantError: an unknown name, a contradiction with use_tokamax_backend, or a backend not installed.
@@ -67,7 +68,7 @@ def resolve(name: str = "auto", *, use_tokamax_backend: bool = False, platform: 
   name = requested(name, use_tokamax_backend=use_tokamax_backend)
   if name == "auto":
     if platform is None:
-      platform = jax.default_backend()
+      platform = target.platform()
     name = _auto(platform)
   if name == "tokamax" and not tokamax_installed():
     raise errors.QuantError("gmm_backend=tokamax needs the tokamax package, which is not installed; accepted: "
@@ -84,37 +85,39 @@ def _reference_dtype(*operands):
   return jnp.result_type(*operands)
 
 
-def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str, transpose_rhs: bool = False):
-  """float32 `lhs[r] @ rhs[g(r)]` ([M, K] x [G, K, N] -> [M, N]; `rhs[g].T` with transpose_rhs) on `backend`.
+def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str, transpose_rhs: bool = False,
+           out_dtype=jnp.float32):
+  """`lhs[r] @ rhs[g(r)]` ([M, K] x [G, K, N] -> [M, N]; `rhs[g].T` with transpose_rhs) on `backend`, float32
+  products rounded once to `out_dtype` (by the Pallas kernel itself: no float32 copy of the output).
 
   Rows past sum(group_sizes) are undefined: the caller masks them.
   """
   if backend == "reference":
     return gmm_tiled.matmul(lhs, rhs, group_sizes, tile=tile_rows, strategy=strategy,
-                            compute_dtype=_reference_dtype(lhs, rhs), transpose_rhs=transpose_rhs)
+                            compute_dtype=_reference_dtype(lhs, rhs), transpose_rhs=transpose_rhs).astype(out_dtype)
   if backend == "pallas":
-    return gmm_pallas.matmul(lhs, rhs, group_sizes, tile_rows=tile_rows, transpose_rhs=transpose_rhs)
-
+    return gmm_pallas.matmul(lhs, rhs, group_sizes, tile_rows=tile_rows, transpose_rhs=transpose_rhs,
+                             out_dtype=out_dtype)
   if backend == "xla":
-    return gmm_ragged.xla_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    return gmm_ragged.xla_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(out_dtype)
   if backend == "tokamax":
-    return gmm_ragged.tokamax_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    return gmm_ragged.tokamax_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(out_dtype)
   raise errors.QuantError(f"grouped-matmul kernel {backend!r} is unknown; accepted: {', '.join(KERNELS)}")
 
 
-def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str):
-  """float32 per-group `lhs[rows of g]^T grad[rows of g]` ([M, K], [M, N] -> [G, K, N]) on `backend`.
+def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str, out_dtype=jnp.float32):
+  """Per-group `lhs[rows of g]^T grad[rows of g]` ([M, K], [M, N] -> [G, K, N]) on `backend`, float32 sums rounded
+  once to `out_dtype`.
 
   Rows of `grad` past sum(group_sizes) must be zero.
   """
   if backend == "reference":
     return gmm_tiled.outer(lhs, grad, group_sizes, tile=tile_rows, strategy=strategy,
-                           compute_dtype=_reference_dtype(lhs, grad))
+                           compute_dtype=_reference_dtype(lhs, grad)).astype(out_dtype)
   if backend == "pallas":
-    return gmm_pallas.outer(lhs, grad, group_sizes, tile_rows=tile_rows)
-
+    return gmm_pallas.outer(lhs, grad, group_sizes, tile_rows=tile_rows, out_dtype=out_dtype)
   if backend == "xla":
-    return gmm_ragged.xla_outer(lhs, grad, group_sizes)
+    return gmm_ragged.xla_outer(lhs, grad, group_sizes).astype(out_dtype)
   if backend == "tokamax":
-    return gmm_ragged.tokamax_outer(lhs, grad, group_sizes)
+    return gmm_ragged.tokamax_outer(lhs, grad, group_sizes).astype(out_dtype)
   raise errors.QuantError(f"grouped-matmul kernel {backend!r} is unknown; accepted: {', '.join(KERNELS)}")

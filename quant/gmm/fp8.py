@@ -180,9 +180,9 @@ def _quantize(x, qtype, axis: int, calibration: str, channelwise: bool):
   return fp8.quantize(x, qtype, [axis] if channelwise else [], calibration, scale_dtype=jnp.float32)
 
 
-def _matmul(spec: _Spec, lhs, rhs, group_sizes, transpose_rhs=False):
+def _matmul(spec: _Spec, lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
   return gmm_backends.matmul(spec.backend, lhs, rhs, group_sizes, tile_rows=spec.tile_rows, strategy=spec.strategy,
-                             transpose_rhs=transpose_rhs)
+                             transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
 def _fwd(lhs, rhs, group_sizes, spec: _Spec):
@@ -200,12 +200,14 @@ def _fwd_with_rhs(lhs, rhs, rhs_scale, group_sizes, spec: _Spec):
     lhs = act_tiles.fake_quantize(lhs, (1,), cfg.act_tile, cfg.act_qtype)
   elif cfg is not None and cfg.act_qtype is not None:
     lhs, lhs_scale = _quantize(lhs, cfg.act_qtype, 0, cfg.act_calibration, cfg.channelwise)  # scale [M|1, 1]
-  acc = _matmul(spec, lhs, rhs, group_sizes)
+  # Without scales to apply, the kernel rounds to the output dtype itself (no float32 [M, N] in memory).
+  unscaled = lhs_scale is None and rhs_scale is None
+  acc = _matmul(spec, lhs, rhs, group_sizes, out_dtype=spec.out_dtype if unscaled else jnp.float32)
   if lhs_scale is not None:
     acc = acc * lhs_scale
   if rhs_scale is not None:
     acc = acc * rhs_scale.reshape(1, -1)
-  acc = jnp.where(_rows_in_groups(group_sizes, acc.shape[0]), acc, 0.0)
+  acc = jnp.where(_rows_in_groups(group_sizes, acc.shape[0]), acc, jnp.zeros((), acc.dtype))
   return acc.astype(spec.out_dtype), lhs, lhs_scale
 
 
@@ -221,10 +223,11 @@ def _bwd(spec: _Spec, residuals, grad):
   dlhs_scale = None
   if bwd_qtype is not None:
     dlhs_dout, dlhs_scale = _quantize(dlhs_dout, bwd_qtype, 0, cfg.bwd_calibration, cfg.channelwise)
-  dlhs = _matmul(spec, dlhs_dout, rhs, group_sizes, transpose_rhs=True)
+  dlhs = _matmul(spec, dlhs_dout, rhs, group_sizes, transpose_rhs=True,
+                 out_dtype=spec.lhs_dtype if dlhs_scale is None else jnp.float32)
   if dlhs_scale is not None:
     dlhs = dlhs * dlhs_scale
-  dlhs = jnp.where(in_groups, dlhs, 0.0)
+  dlhs = jnp.where(in_groups, dlhs, jnp.zeros((), dlhs.dtype))
 
   # drhs[g] = lhs[rows of g]^T @ (g * lhs_scale), the gradient quantized per output column.
   drhs_dout = grad if lhs_scale is None else jnp.where(in_groups, grad * lhs_scale.astype(grad.dtype), 0)
@@ -232,7 +235,7 @@ def _bwd(spec: _Spec, residuals, grad):
   if bwd_qtype is not None:
     drhs_dout, drhs_scale = _quantize(drhs_dout, bwd_qtype, 1, cfg.bwd_calibration, cfg.channelwise)
   drhs = gmm_backends.outer(spec.backend, lhs, drhs_dout, group_sizes, tile_rows=spec.tile_rows,
-                            strategy=spec.strategy)
+                            strategy=spec.strategy, out_dtype=spec.rhs_dtype if drhs_scale is None else jnp.float32)
   if drhs_scale is not None:
     drhs = drhs * drhs_scale.reshape(1, 1, -1)
   return dlhs.astype(spec.lhs_dtype), drhs.astype(spec.rhs_dtype), None

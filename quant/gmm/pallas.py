@@ -1,4 +1,5 @@
-"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled on TPU, Pallas interpret mode elsewhere.
+"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled by Mosaic for a TPU target, Pallas interpret mode
+elsewhere (the target is `quant.gmm.target.platform()`: a TPU topology compiled from any host counts as TPU).
 
 Megablox multiplies bfloat16 or float32 tiles with float32 accumulation. FP8 operands enter as bfloat16, which
 holds every float8_e4m3fn and float8_e5m2 value exactly, so each tile product is the exact product of the fp8
@@ -6,17 +7,17 @@ values, as on an FP8 matrix unit; the caller applies the scales to the float32 r
 padded to a multiple of the row tile (Megablox requires it); K and N may be ragged against their tiles (`tile`).
 """
 
-import jax
 import jax.numpy as jnp
 
 from quant import compat
+from quant.gmm import target
 
 DEFAULT_TILE = 128  # Megablox's default tile on each of M, K, N
 
 
 def interpret() -> bool:
-  """Interpret mode anywhere but on TPU (where the kernel is compiled by Mosaic)."""
-  return jax.default_backend() != "tpu"
+  """Interpret mode unless the program is compiled for TPU (where Mosaic compiles the kernel)."""
+  return target.platform() != "tpu"
 
 
 def _operand(x, other):
@@ -36,22 +37,25 @@ def _pad_rows(x, tm: int):
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
-def matmul(lhs, rhs, group_sizes, *, tile_rows: int, transpose_rhs: bool = False, tile: int = DEFAULT_TILE):
-  """float32 `lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs); rows past the groups are undefined (mask them)."""
+def matmul(lhs, rhs, group_sizes, *, tile_rows: int, transpose_rhs: bool = False, tile: int = DEFAULT_TILE,
+           out_dtype=jnp.float32):
+  """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs), accumulated in float32 and stored as `out_dtype` by the kernel
+  (as MaxText's Megablox call stores bf16); rows past the groups are undefined (mask them)."""
   kernels = compat.megablox_kernels()
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tiling = _tiling(m, k, n, tile_rows, tile)
-  out = kernels.gmm(_pad_rows(_operand(lhs, rhs), tiling[0]), _operand(rhs, lhs), group_sizes, jnp.float32, tiling,
+  out = kernels.gmm(_pad_rows(_operand(lhs, rhs), tiling[0]), _operand(rhs, lhs), group_sizes, out_dtype, tiling,
                     transpose_rhs=transpose_rhs, interpret=interpret())
   return out[:m]
 
 
-def outer(lhs, grad, group_sizes, *, tile_rows: int, tile: int = DEFAULT_TILE):
-  """float32 `sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N]; empty groups give 0."""
+def outer(lhs, grad, group_sizes, *, tile_rows: int, tile: int = DEFAULT_TILE, out_dtype=jnp.float32):
+  """`sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N], accumulated in float32, stored as `out_dtype`;
+  empty groups give 0."""
   kernels = compat.megablox_kernels()
   m, k = lhs.shape
   tiling = _tiling(m, k, grad.shape[1], tile_rows, tile)
   lhs_t = _pad_rows(_operand(lhs, grad), tiling[0]).swapaxes(0, 1)
-  return kernels.tgmm(lhs_t, _pad_rows(_operand(grad, lhs), tiling[0]), group_sizes, jnp.float32, tiling,
+  return kernels.tgmm(lhs_t, _pad_rows(_operand(grad, lhs), tiling[0]), group_sizes, out_dtype, tiling,
                       num_actual_groups=group_sizes.shape[0], interpret=interpret())
