@@ -2,7 +2,7 @@
 
     .venv-py3.12/bin/python scripts/xla_grid_table.py [DIR_OR_JSON ...] [--markdown] [--parts] [--write]
 
-DIR defaults to tests/data/xla (the JSONs scripts/maxtext_compile_memory.py wrote). Ours: `inspect_checkpoint
+DIR defaults to tests/data/xla_ref (the JSONs scripts/maxtext_compile_memory.py wrote). Ours: `inspect_checkpoint
 maxtext KEYS --topology T --train adamw`'s needed bytes (state, gradients, the estimate); XLA's: code + arguments +
 outputs - aliases + temporaries. A case XLA refused (its HBM OOM) shows XLA's own figure when its message has one.
 `--write` rewrites inspect_tool/sharding/xla_grid.json (the table `maxtext --summary` names its nearest point from)
@@ -10,48 +10,20 @@ with these rows.
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
 
-from inspect_tool import sharding
-from inspect_tool.configuration import config
-from inspect_tool.listings import model_listing
+from inspect_tool.listings import grid_plan
+from inspect_tool.output import atomic
 
 GIB = 2**30
 GRID_FILE = os.path.join(os.path.dirname(__file__), "..", "inspect_tool", "sharding", "xla_grid.json")
+DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "xla_ref")
 
 
 def load(paths):
-  out = []
-  for path in paths or [os.path.join(os.path.dirname(__file__), "..", "tests", "data", "xla")]:
-    files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
-    for f in files:
-      with open(f, encoding="utf-8") as fh:
-        d = json.load(fh)
-      if "keys" in d:
-        d["name"] = os.path.basename(f)[:-5]
-        out.append(d)
-  return out
-
-
-_LISTINGS = {}
-
-
-def ours(keys):
-  """(needed bytes, the memory record) of our plan for MaxText's keys."""
-  topology = next(k.split("=", 1)[1] for k in keys if k.startswith("compile_topology="))
-  overrides = [k for k in keys if not k.startswith("compile_topology")]
-  cfg = config.resolve_config(overrides)
-  model_keys = tuple(k for k in overrides if not k.startswith(("per_device_batch_size", "max_target_length",
-                                                               "remat_policy")))
-  if model_keys not in _LISTINGS:
-    _LISTINGS[model_keys] = model_listing.model_listing(cfg, include_all=False, source="", key_filter=None,
-                                                        fp8_column=False)[0]
-  devices = sharding.devices_for(cfg, None, topology)
-  report = sharding.annotate(_LISTINGS[model_keys], cfg, devices=devices, train="adamw", topology=topology)
-  return report.memory.needed, report.memory
+  return [dict(d, name=name) for name, d in grid_plan.results(*(paths or [DATA])).items()]
 
 
 def xla_peak(d):
@@ -72,23 +44,30 @@ def main(argv=None):
   for d in load(args.paths):
     if not d["ok"] and not d.get("oom"):
       continue
-    needed, mem = ours(d["keys"])
+    mem = grid_plan.plan(d["keys"])
+    needed = mem.needed
     xla = xla_peak(d)
     rows.append((d["name"], needed, xla, mem, d))
   if args.markdown:
-    print("| grid point | ours (GiB) | XLA (GiB) | ours / XLA |")
-    print("|---|---:|---:|---:|")
+    print("| grid point | model | topology | mesh | batch | length | remat | MTP | XLA peak (GiB) | plan (GiB) "
+          "| plan / XLA | plan's peak phase |")
+    print("|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---|")
   if args.write:
     points = [{"name": name, "keys": d["keys"], "xla_peak": d.get("peak_bytes") if d["ok"] else None,
                "oom_used": None if d["ok"] else xla, "ours": int(needed)} for name, needed, xla, mem, d in rows]
-    with open(GRID_FILE, "w", encoding="utf-8") as f:
-      json.dump({"maxtext": "0.2.5", "libtpu": "0.0.50.1", "points": points}, f, indent=1)
-      f.write("\n")
-  for name, needed, xla, mem, _ in rows:
+    table = {"maxtext": "0.2.5", "libtpu": "0.0.50.1", "points": points}
+    atomic.atomic_write_text(GRID_FILE, json.dumps(table, indent=1) + "\n")
+  for name, needed, xla, mem, d in rows:
     ratio = f"{needed / xla:.3f}" if xla else "-"
     xla_text = f"{xla / GIB:.2f}" if xla else "OOM"
     if args.markdown:
-      print(f"| {name} | {needed / GIB:.2f} | {xla_text} | {ratio} |")
+      k = dict(key.split("=", 1) for key in d["keys"])
+      mesh = " ".join(f"{key[4:-12]} {v}" for key, v in k.items() if key.startswith("ici_")) or "fsdp (all)"
+      layers = f" L{k['base_num_decoder_layers']}" if "base_num_decoder_layers" in k else ""
+      print(f"| {name} | {k['model_name']}{layers} | {k['compile_topology']} | {mesh} | "
+            f"{k.get('per_device_batch_size', '12')} | {k.get('max_target_length', '2048')} | "
+            f"{k.get('remat_policy', 'full')} | {k.get('mtp_num_layers', '0')} | {xla_text} | {needed / GIB:.2f} | "
+            f"{ratio} | {mem.activations.phase} |")
     else:
       print(f"{name:50s} ours {needed / GIB:8.3f}  xla {xla_text:>8s}  ratio {ratio}  ({mem.activations.phase})")
       if args.parts:

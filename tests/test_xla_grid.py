@@ -1,5 +1,5 @@
 """The plan (`maxtext KEYS --topology T --train adamw`, instant, no compile) against XLA's own figures for MaxText
-0.2.5's `train_compile` of the same keys on v5p (`tests/data/xla/*.json`: how they were made is in its README):
+0.2.5's `train_compile` of the same keys on v5p (`tests/data/xla_ref/*.json`: how they were made is in its README):
 
 - the training state the plan sizes in TPU tiles is XLA's `argument_size_in_bytes` (within 0.1 %: the rest is the
   batch and the step counter);
@@ -10,49 +10,22 @@
   holds these XLA figures and our estimate as it is now.
 """
 
-import glob
 import json
 import os
 
 import pytest
 
 from inspect_tool import cli
-from inspect_tool import sharding
-from inspect_tool.configuration import config
-from inspect_tool.listings import model_listing
+from inspect_tool.listings import grid_plan
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import xla_grid
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "xla")
+DATA = os.path.join(os.path.dirname(__file__), "data", "xla_ref")
 TOLERANCE = 0.15
-
-
-def _results() -> dict:
-  out = {}
-  for path in sorted(glob.glob(os.path.join(DATA, "*.json"))):
-    with open(path, encoding="utf-8") as f:
-      out[os.path.basename(path)[:-5]] = json.load(f)
-  return out
-
-
-RESULTS = _results()
+RESULTS = grid_plan.results(DATA)
 COMPILED = sorted(name for name, d in RESULTS.items() if d["ok"])
 REFUSED = sorted(name for name, d in RESULTS.items() if not d["ok"] and d.get("oom"))
-_LISTINGS = {}
-
-
-def _plan(keys):
-  """Our memory record for MaxText's keys (compile_topology=T becomes --topology T)."""
-  topology = next(k.split("=", 1)[1] for k in keys if k.startswith("compile_topology="))
-  overrides = [k for k in keys if not k.startswith("compile_topology")]
-  cfg = config.resolve_config(overrides)
-  model_keys = tuple(k for k in overrides if k.split("=", 1)[0] not in
-                     ("per_device_batch_size", "max_target_length", "remat_policy"))
-  if model_keys not in _LISTINGS:
-    _LISTINGS[model_keys] = model_listing.model_listing(cfg, include_all=False, source="", key_filter=None,
-                                                        fp8_column=False)[0]
-  devices = sharding.devices_for(cfg, None, topology)
-  return sharding.annotate(_LISTINGS[model_keys], cfg, devices=devices, train="adamw", topology=topology).memory
+_plan = grid_plan.plan
 
 
 def test_the_grid_spans_models_batches_lengths_policies_and_a_refusal():
@@ -86,9 +59,8 @@ def test_the_planned_peak_is_within_15_percent_of_xlas(name):
 @pytest.mark.parametrize("name", REFUSED)
 def test_where_xla_refuses_the_step_the_plan_does_not_fit_either(name):
   d = RESULTS[name]
-  topology = next(k.split("=", 1)[1] for k in d["keys"] if k.startswith("compile_topology="))
   mem = _plan(d["keys"])
-  assert mem.needed > mesh_lib.topology_chip(topology).memory
+  assert mem.needed > mesh_lib.topology_chip(grid_plan.topology_of(d["keys"])).memory
   used = (d.get("oom_figures") or {}).get("used_bytes")
   if used:
     assert abs(mem.needed / used - 1) <= TOLERANCE, (name, mem.needed / 2**30, used / 2**30)

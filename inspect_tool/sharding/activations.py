@@ -136,10 +136,16 @@ class ActivationEstimate:
   phase: str  # "backward" or "loss"
   parts: tuple[tuple[str, float], ...]
   layout: StepLayout | None = None
+  with_state: float = 0.0  # of `total`, what is proportional to the per-device state (shrinks as it is sharded)
 
   @property
   def total(self) -> float:
     return sum(b for _, b in self.parts)
+
+  @property
+  def fixed(self) -> float:
+    """What more devices of the same mesh shape leave as it is: the tokens' share, the scratch, the code."""
+    return self.total - self.with_state
 
   def to_dict(self) -> dict:
     return {"estimate": True, "per_device_batch_size": self.batch, "max_target_length": self.seq,
@@ -229,15 +235,22 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
       (f"logits of the loss (float32 and {cfg.dtype})", size((tokens, v), F32) + size((tokens, v), a) + extra),
       ("output head's kernel gathered", size((e, v), a)),
       ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths else [])
+  state = layout.stack_copies + layout.padding
   if sum(b for _, b in backward) >= sum(b for _, b in loss):
-    return ActivationEstimate(batch, seq, policy, "backward", tuple(backward + fixed), layout)
-  return ActivationEstimate(batch, seq, policy, "loss", tuple(loss + fixed), layout)
+    state += _scoped_grads(layout) if layout.tpu else 0.0
+    return ActivationEstimate(batch, seq, policy, "backward", tuple(backward + fixed), layout, state)
+  return ActivationEstimate(batch, seq, policy, "loss", tuple(loss + fixed), layout, state - gradients)
 
 
 def _loop_scoped(cfg, layout: StepLayout, batch: float, seq: int) -> float:
   """Scoped HBM XLA's TPU backend adds to the backward layer loop, beyond its buffer assignment (measured)."""
+  return _scoped_grads(layout) + SCOPED_INPUTS * saved(cfg, layout, batch, seq, "full")
+
+
+def _scoped_grads(layout: StepLayout) -> float:
+  """The share of the loop's scoped HBM that follows the stacks' gradients (more with expert parallelism >= 8)."""
   per_grad = SCOPED_GRADS_EP if layout.mesh.get("expert", 1) >= SCOPED_EP else SCOPED_GRADS
-  return per_grad * layout.stack_grads + SCOPED_INPUTS * saved(cfg, layout, batch, seq, "full")
+  return per_grad * layout.stack_grads
 
 
 def _held(cfg, layout: StepLayout, batch: float, tokens: float, depths: int, a: int) -> tuple[str, float]:

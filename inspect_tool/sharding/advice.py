@@ -118,15 +118,15 @@ def _grow(leaves, cfg, devices: int, mem, plan) -> tuple[str, int, int | None, f
   axis = _axis(plan.mesh)
   size = plan.mesh.shape[axis]
   start = 2
-  if size > 1:  # bytes(k) = rest + sharded / k (the bf16 weight copies shrink with the axis too): the lower bound
+  if size > 1:  # bytes(k) = rest + (sharded + the estimate's share that follows the state) / k: the lower bound
     sharded = sum(b for key, b in mem.contributors if _on_axis(plan.placements[key].spec, axis))
-    step = mem.activation_bytes - _copies(mem)
+    step = _fixed(mem)
     room = mem.limit - step - (mem.total.total - sharded)
     if room <= 0:
       hb = summary_lib.human_bytes
       return axis, size, None, None, (f"{hb(mem.total.total - sharded)} per device is not sharded over {axis} and "
                                       f"the step's temporaries take {hb(step)} (estimate)")
-    start = max(2, math.ceil((sharded + _copies(mem)) / room))
+    start = max(2, math.ceil((sharded + mem.activation_bytes - step) / room))
     if devices * start > MAX_DEVICES:
       hb = summary_lib.human_bytes
       return axis, size, None, None, (f"{hb(sharded)} per device is sharded over {axis} and {hb(room)} is left for "
@@ -168,9 +168,10 @@ def _tpu(mem) -> bool:
   return mem.activations.layout.tpu if mem.activations is not None else True
 
 
-def _copies(mem) -> float:
-  """The estimate's bf16 weight copies: sharded like the weights, they shrink as a mesh axis grows."""
-  return mem.activations.layout.stack_copies if mem.activations is not None else 0.0
+def _fixed(mem) -> float:
+  """The estimate's share that more devices leave as it is (its weight copies, padding and the scratch that follows
+  the gradients shrink as a mesh axis grows)."""
+  return mem.activations.fixed if mem.activations is not None else 0.0
 
 
 def _batch_changes(cfg, room: float, mem) -> list[tuple[str, dict]]:
@@ -202,16 +203,16 @@ def _batch_changes(cfg, room: float, mem) -> list[tuple[str, dict]]:
 
 
 def _fill_note(mem, room: float) -> str | None:
-  """Says so when the step's temporaries are what does not fit: alone (less the weight copies, which more devices
-  would shrink), beside a state that fits by itself, or taking most of a device."""
+  """Says so when the step's temporaries are what does not fit: alone (their share that more devices would not
+  shrink), beside a state that fits by itself, or taking most of a device."""
   if mem.activations is None or (room >= mem.activation_bytes and 2 * mem.activation_bytes < mem.limit):
     return None
   hb = summary_lib.human_bytes
   est = mem.activations
   at = (f"(estimate, per_device_batch_size={_number(est.batch)}, max_target_length={est.seq}, "
         f"remat_policy={est.remat_policy})")
-  if mem.activation_bytes - _copies(mem) >= mem.limit:
-    return (f"the step's temporaries alone fill a device: {hb(mem.activation_bytes)} {at} of its {hb(mem.limit)}, "
+  if _fixed(mem) >= mem.limit:
+    return (f"the step's temporaries alone fill a device: {hb(_fixed(mem))} {at} of its {hb(mem.limit)}, "
             "on any number of devices")
   return (f"the step's temporaries take {hb(mem.activation_bytes)} {at} of a device's {hb(mem.limit)}, leaving "
           f"{hb(mem.limit - mem.activation_bytes)} for the parameters, optimizer state and gradients, which need "
@@ -257,7 +258,7 @@ def advise(leaves, cfg, devices: int, mem, call: invocation_lib.Invocation | Non
   ways = []  # (change, keys, devices or None, bytes per device)
   if mem.activations is not None and room > 0:
     ways += [(change, keys, None, None) for change, keys in _batch_changes(cfg, room, mem)]
-  if mem.activations is not None and mem.activation_bytes - _copies(mem) >= mem.limit:  # more devices cannot help
+  if mem.activations is not None and _fixed(mem) >= mem.limit:  # more devices cannot help
     axis = _axis(plan.mesh)
     size, needed_devices, needed_there, why_not = plan.mesh.shape[axis], None, None, None  # the fill note says why
   else:
