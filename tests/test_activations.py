@@ -1,69 +1,82 @@
-"""The activation estimate (`inspect_tool/sharding/activations.py`) against XLA's own `memory_analysis()` of the
-forward + backward step (`run.runner.grad_step`, what `forward --grad` runs) compiled on CPU.
-
-XLA's `temp_size_in_bytes` is everything the compiled step holds besides its arguments (the parameters) and
-outputs (loss, gradients). `param_scan_axis=0` keeps the stacked layers' axis where the scan reads it: with
-MaxText's default 1 our scan also holds transposed copies of the stacked parameters and their gradients, which are
-XLA temporaries but not activations. Measured ratios estimate / XLA (2026-12-01, jax 0.12.0.1 CPU, MaxText's
-stack), L4 model with MTP, `attention=dot_product`: batch 4 × 128: 0.980 (remat none), 0.946 (full); 8 × 256: 1.022,
-1.011; the same without MTP: 0.845, 1.022 (4 × 128), 0.973 (8 × 256, full). jax 0.10.2's XLA (the Python 3.11
-stack) holds more for the same step: 0.597, 0.538 (4 × 128), 0.590, 0.485 (8 × 256).
+"""The terms of the training step's estimate (`inspect_tool/sharding/activations.py`), worked out by hand from its
+documented formula with the sizes of deepseek3-tiny cut to 4 layers (E 64, H 4, qk 128 + 64, v 128, M 64, mlp 64,
+16 experts, 8 per token, V 1024, yarn RoPE over 163840 positions), bf16 compute (a = 2), batch 2 × 256 (T = 512).
+On TPU every array is laid out in (8, 128) tiles: a 64-wide minor dimension takes 128 lanes, 192 takes 256, and
+fewer than 8 rows of a 16-bit type take 4 (`tpu_layout`). The estimate's total against XLA's own TPU figures is
+`tests/test_xla_grid.py`'s.
 """
 
-import jax
+import dataclasses
+
 import pytest
 
-from inspect_tool import model as model_lib
 from inspect_tool.configuration import config
-from inspect_tool.run import batch as batch_lib
-from inspect_tool.run import runner
+from inspect_tool.listings import model_listing
+from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import activations
+from inspect_tool.sharding import placement
 
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
-      "first_num_dense_layers=1", "vocab_size=1024", "param_scan_axis=0", "attention=dot_product"]
+      "first_num_dense_layers=1", "vocab_size=1024", "per_device_batch_size=2", "max_target_length=256"]
+MESH = {"fsdp": 4, "expert": 2}
 
 
-def _xla_temp_bytes(cfg, batch: int, seq: int, remat: str) -> int:
-  model = model_lib.build_model(cfg, abstract=True)  # shapes only: nothing is allocated or run
-  model.decoder.remat_policy = remat
-  data = batch_lib.make_batch(batch_lib.fixed_tokens(batch, seq, cfg.vocab_size))
-  step, params, rest = runner.grad_step(model, data)
-  return step.lower(params, rest).compile().memory_analysis().temp_size_in_bytes
+@pytest.fixture(scope="module")
+def cfg():
+  return config.resolve_config(L4)
 
 
-# The measured band of estimate / XLA temp bytes, with a margin of about 0.02 on each side, per XLA.
-BAND = (0.93, 1.04) if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12) else (0.465, 0.62)
+def _layout(tpu: bool, **sizes) -> activations.StepLayout:
+  return activations.StepLayout(MESH, tpu, sizes.get("copies", 0.0), sizes.get("grads", 0.0),
+                                sizes.get("gathered", 0.0), sizes.get("state_padding", 0.0))
 
 
-@pytest.mark.parametrize("batch, seq", [(4, 128), (8, 256)])
-@pytest.mark.parametrize("remat", ["full", "minimal"])
-def test_estimate_is_within_the_measured_band_of_xla_memory_analysis(batch, seq, remat):
-  cfg = config.resolve_config(L4 + [f"per_device_batch_size={batch}", f"max_target_length={seq}",
-                                    f"remat_policy={remat}"])
-  estimate = activations.estimate(cfg)
-  assert (estimate.batch, estimate.seq, estimate.remat_policy) == (batch, seq, remat)
-  # `minimal` is estimated as "everything saved": the step is compiled without rematerialisation.
-  xla = _xla_temp_bytes(cfg, batch, seq, "full" if remat == "full" else None)
-  assert BAND[0] <= estimate.total / xla <= BAND[1], (estimate.total, xla, estimate.total / xla)
+def test_the_tensors_each_remat_policy_saves_are_sized_in_tpu_tiles(cfg):
+  tokens, layers = 512, 4
+  layer_input = tokens * 128 * 2  # E 64 -> 128 lanes
+  assert activations.saved(cfg, _layout(True), 2, 256, "full") == layers * layer_input == 524_288
+  assert activations.saved(cfg, _layout(False), 2, 256, "full") == layers * tokens * 64 * 2
+  rows = 512 * 8 * 2  # T·K, times min(expert parallelism 2, 16 experts / 8 per token)
+  qk = tokens * 256 * 4 * 2  # (heads 4, 192 -> 256 lanes) per token
+  v = tokens * 128 * 4 * 2
+  moe = 3 * rows * 128 * 2 * 2  # wi_0 (R·M) and wo (R·E), 64 -> 128 lanes, in the 3 MoE layers
+  dense = tokens * 128 * 2 * 3  # wi_0, wi_1, wo of the dense layer
+  minimal = layers * 2 * layer_input + layers * (2 * qk + v) + moe + dense
+  assert activations.saved(cfg, _layout(True), 2, 256, "minimal") == minimal == 24_510_464
+  assert activations.saved(cfg, _layout(True), 2, 256, "save_qkv_proj") == layers * (layer_input + 2 * qk + v)
 
 
-def test_remat_full_saves_layer_inputs_and_flash_attention_drops_the_scores():
-  """Hand-computed from the documented formula with the L4 sizes (E 64, H 4, dq 192, dv 128, rq 32, rkv 16,
-  dr 64, X 16, K 8, M 64, D 64, V 1024, one shared expert), bf16 compute (a = 2), B 4, S 128 (T 512)."""
-  cfg = config.resolve_config(L4 + ["per_device_batch_size=4", "max_target_length=128"])
-  attention = 4 * 64 + 2 * 32 + 3 * 4 * 192 + (16 + 64) + 16 + 4 * (128 + 128) + 4 * 128  # 4256 per token
-  moe = 2 * 2 * 16 + 8 * (2 * 64 + 4 * 64) + 2 * 2 * 8 * 64 + 4 * 64 + 64  # 5504
-  dense = 4 * 64 + 64
-  scores = (2 + 4) * 4 * 4 * 128 * 128
-  t = 512
-  moe_layer = t * 2 * (attention + moe) + scores
-  dense_layer = t * 2 * (attention + dense) + scores
-  mtp = moe_layer + t * 2 * 3 * 64
-  heads = 2 * 2 * 4 * t * 1024
-  none = activations.estimate(cfg, remat_policy="minimal")
-  assert none.total == 3 * moe_layer + dense_layer + mtp + heads == 61_112_320
-  full = activations.estimate(cfg, remat_policy="full")
-  assert full.total == 4 * t * 64 * 2 + max(moe_layer, mtp) + heads == 20_414_464
-  flash = activations.estimate(config.resolve_config(L4[:-1] + ["attention=autoselected"]), batch=4, seq=128,
-                               remat_policy="minimal")
-  assert none.total - flash.total == 5 * scores
+def test_moe_rows_take_maxtexts_worst_case_ragged_buffer_with_expert_parallelism(cfg):
+  assert activations.moe_rows(cfg, {"fsdp": 8}, 512) == 512 * 8
+  assert activations.moe_rows(cfg, {"expert": 2}, 512) == 512 * 8 * 2
+  assert activations.moe_rows(cfg, {"expert": 8}, 512) == 512 * 8 * 2  # capped at experts / per token
+
+
+def test_yarn_rope_tables_span_max_position_embeddings_laid_out_128_lanes_wide(cfg):
+  assert activations.rope_tables(cfg, _layout(True)) == 2 * 163840 * 128 * 4 == 167_772_160
+  assert activations.rope_tables(cfg, _layout(False)) == 2 * 163840 * 32 * 4
+  assert activations.rope_tables(dataclasses.replace(cfg, rope_type="default"), _layout(True)) == 0
+
+
+def test_the_share_that_follows_the_state_is_what_doubling_the_state_adds(cfg):
+  """Doubling the per-device state (weight copies, gradients, padding) changes the estimate by its `with_state`."""
+  sizes = {"copies": 3e6, "grads": 6e6, "state_padding": 1e6}
+  for vocab, phase in ((1024, "backward"), (129280, "loss")):  # the full vocabulary's logits peak in the loss
+    at = dataclasses.replace(cfg, vocab_size=vocab)
+    one = activations.estimate(at, _layout(True, **sizes), gradients=6e6)
+    two = activations.estimate(at, _layout(True, **{k: 2 * v for k, v in sizes.items()}), gradients=12e6)
+    assert one.phase == two.phase == phase
+    assert two.total - one.total == one.with_state and one.fixed == one.total - one.with_state
+
+
+def test_the_layout_holds_the_stacks_weights_in_bf16_and_their_float32_gradients(cfg):
+  """Without TPU tiles, the copies are half the float32 stacks' bytes and the gradients all of them (the shard
+  shapes of the `moe stack` and `dense stack` groups); in TPU tiles both take more."""
+  leaves = model_listing.model_listing(cfg, include_all=False, source="", key_filter=None, fp8_column=False)[0].leaves
+  plan = placement.plan(leaves, cfg, 8)
+  stacks = sum(plan.of(leaf).shard_size * 4 for leaf in leaves if leaf.is_param and summary_lib.group_of(leaf)[0] in ("moe stack", "dense stack"))
+  layout = activations.layout_of(leaves, plan, cfg, optimizer="adamw", tpu=False)
+  assert layout.stack_copies * 2 == layout.stack_grads == stacks
+  assert layout.padding == 0
+  tiled = activations.layout_of(leaves, plan, cfg, optimizer="adamw", tpu=True)
+  assert tiled.stack_copies > layout.stack_copies and tiled.state_padding > 0

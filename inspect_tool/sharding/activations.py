@@ -150,7 +150,7 @@ class ActivationEstimate:
   def to_dict(self) -> dict:
     return {"estimate": True, "per_device_batch_size": self.batch, "max_target_length": self.seq,
             "remat_policy": self.remat_policy, "peak_phase": self.phase, "parts": dict(self.parts),
-            "total_bytes": self.total}
+            "total_bytes": self.total, "with_state_bytes": self.with_state}
 
 
 def _dtype_bytes(name) -> int:
@@ -238,8 +238,13 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
   state = layout.stack_copies + layout.padding
   if sum(b for _, b in backward) >= sum(b for _, b in loss):
     state += _scoped_grads(layout) if layout.tpu else 0.0
-    return ActivationEstimate(batch, seq, policy, "backward", tuple(backward + fixed), layout, state)
-  return ActivationEstimate(batch, seq, policy, "loss", tuple(loss + fixed), layout, state - gradients)
+    return ActivationEstimate(batch, seq, policy, "backward", _whole(backward + fixed), layout, round(state))
+  return ActivationEstimate(batch, seq, policy, "loss", _whole(loss + fixed), layout, round(state - gradients))
+
+
+def _whole(parts) -> tuple[tuple[str, float], ...]:
+  """The parts in whole bytes."""
+  return tuple((name, float(round(b))) for name, b in parts)
 
 
 def _loop_scoped(cfg, layout: StepLayout, batch: float, seq: int) -> float:
