@@ -156,7 +156,7 @@ def overflow_message(mem: DeviceMemory, n: int = 3) -> str:
   """One line: needed vs available, the largest contributors, and what would fit."""
   hb = summary_lib.human_bytes
   top = ", ".join(f"{key} {hb(b)}" for key, b in mem.contributors[:n])
-  estimate = (f" ({hb(mem.total.total)} exact + {hb(mem.activation_bytes)} activations, estimated)"
+  estimate = (f" ({hb(mem.total.total)} exact + {hb(mem.activation_bytes)} the step's temporaries, estimated)"
               if mem.activations is not None else "")
   advice = f"; {mem.advice.describe()}" if mem.advice is not None else ""
   return (f"does not fit: each device needs {hb(mem.needed)} ({int(mem.needed)} B){estimate}, {mem.limit_source} "

@@ -2,9 +2,9 @@
 figures (`xla_grid.json`, made by scripts/xla_grid_table.py from scripts/maxtext_compile_memory.py's results), and
 our plan's peak at each point as of that table (`tests/test_xla_grid.py` recomputes it: it must not go stale).
 
-`nearest(overrides, topology)` names the grid point closest to a plan: the same model first (`model_name`, MTP
-depth, layer count overrides), then the same topology and mesh keys, then the fewest doublings of batch and length
-and the same `remat_policy`.
+`nearest(overrides, topology)` names the grid point closest to a plan: the same `model_name` first, then the fewest
+other model keys that differ (MTP depth, layer counts, ...), then the same topology, the same mesh keys, and the
+fewest doublings of batch and length, a differing `remat_policy` counting as one.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def nearest(overrides, topology: str | None) -> GridPoint | None:
   best, best_key = None, None
   for point in points():
     p_model, p_run = _split(point.keys)
-    key = (p_model != model, point.topology != (topology or ""),
+    key = (p_model.get("model_name") != model.get("model_name"),
+           len(set(p_model.items()) ^ set(model.items())), point.topology != (topology or ""),
            {k: v for k, v in p_run.items() if k.startswith(_MESH_KEYS)}
            != {k: v for k, v in run.items() if k.startswith(_MESH_KEYS)},
            _doublings(p_run.get("per_device_batch_size"), run.get("per_device_batch_size"), 12)
