@@ -44,6 +44,11 @@ def _oom_figures(message):
   if used:
     figures["used_bytes"] = round(float(used.group(1)) * unit[used.group(2)])
     figures["hbm_bytes"] = round(float(used.group(3)) * unit[used.group(4)])
+  temps = re.search(r"memory required for HLO temporaries \(([0-9.]+)([KMGT]?)i?B?\) exceeds available HBM "
+                    r"\(([0-9.]+)([KMGT]?)i?B?\)", message)
+  if temps:  # libtpu 0.0.50's E1000 CompileTimeHbmOom: the temporaries alone
+    figures["temp_bytes"] = round(float(temps.group(1)) * unit[temps.group(2)])
+    figures["hbm_bytes"] = round(float(temps.group(3)) * unit[temps.group(4)])
   exceeded = re.search(r"Exceeded hbm capacity by ([0-9.]+)([KMGT]?)i?B?", message)
   if exceeded:
     figures["exceeded_bytes"] = round(float(exceeded.group(1)) * unit[exceeded.group(2)])

@@ -54,12 +54,15 @@ def main(argv=None):
     print("|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---|")
   if args.write:
     points = [{"name": name, "keys": d["keys"], "xla_peak": d.get("peak_bytes") if d["ok"] else None,
-               "oom_used": None if d["ok"] else xla, "ours": int(needed)} for name, needed, xla, mem, d in rows]
+               "oom_used": None if d["ok"] else xla,
+               "oom_temp": None if d["ok"] else (d.get("oom_figures") or {}).get("temp_bytes"),
+               "ours": int(needed)} for name, needed, xla, mem, d in rows]
     table = {"maxtext": "0.2.5", "libtpu": "0.0.50.1", "points": points}
     atomic.atomic_write_text(GRID_FILE, json.dumps(table, indent=1) + "\n")
   for name, needed, xla, mem, d in rows:
     ratio = f"{needed / xla:.3f}" if xla else "-"
-    xla_text = f"{xla / GIB:.2f}" if xla else "OOM"
+    temps = (d.get("oom_figures") or {}).get("temp_bytes")
+    xla_text = f"{xla / GIB:.2f}" if xla else f"refused (temporaries {temps / GIB:.2f})" if temps else "refused"
     if args.markdown:
       k = dict(key.split("=", 1) for key in d["keys"])
       mesh = " ".join(f"{key[4:-12]} {v}" for key, v in k.items() if key.startswith("ici_")) or "fsdp (all)"

@@ -29,7 +29,8 @@ class GridPoint:
   keys: tuple[str, ...]  # MaxText's overrides, compile_topology=T first
   xla_peak: int | None  # code + arguments + outputs - aliases + temporaries; None when XLA refused (OOM)
   ours: int  # our plan's needed bytes per device when the table was written
-  oom_used: int | None = None  # XLA's figure from its HBM OOM message, when it gave one
+  oom_used: int | None = None  # XLA's figure from its HBM OOM message, when it gave one ("Used X of Y hbm")
+  oom_temp: int | None = None  # ... its temporaries alone, when that is what it gave (libtpu 0.0.50's E1000)
 
   @property
   def topology(self) -> str:
@@ -40,14 +41,16 @@ class GridPoint:
 
   def to_dict(self) -> dict:
     return {"name": self.name, "maxtext_keys": list(self.keys), "xla_peak_bytes": self.xla_peak,
-            "xla_oom_bytes": self.oom_used, "ours_bytes": self.ours,
+            "xla_oom_bytes": self.oom_used, "xla_oom_temp_bytes": self.oom_temp, "ours_bytes": self.ours,
             "ratio": self.ours / self.xla_peak if self.xla_peak else None}
 
   def describe(self) -> str:
     """`NAME (MaxText 0.2.5 train_compile on T): ours X, XLA Y (ours/XLA r)`."""
     hb = summary_lib.human_bytes
     if self.xla_peak is None:
-      said = f"XLA refused it (HBM OOM{': ' + hb(self.oom_used) + ' needed' if self.oom_used else ''})"
+      figure = (f": {hb(self.oom_used)} needed" if self.oom_used else
+                f": {hb(self.oom_temp)} of temporaries alone" if self.oom_temp else "")
+      said = f"XLA refused it (HBM OOM{figure})"
       return f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): this estimate {hb(self.ours)}; {said}"
     return (f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): this estimate {hb(self.ours)}, "
             f"XLA {hb(self.xla_peak)} (ours/XLA {self.ours / self.xla_peak:.2f})")
@@ -57,8 +60,8 @@ class GridPoint:
 def points() -> tuple[GridPoint, ...]:
   with open(GRID_FILE, encoding="utf-8") as f:
     rows = json.load(f)["points"]
-  return tuple(GridPoint(r["name"], tuple(r["keys"]), r.get("xla_peak"), r["ours"], r.get("oom_used"))
-               for r in rows)
+  return tuple(GridPoint(r["name"], tuple(r["keys"]), r.get("xla_peak"), r["ours"], r.get("oom_used"),
+                         r.get("oom_temp")) for r in rows)
 
 
 def _split(tokens) -> tuple[dict, dict]:
