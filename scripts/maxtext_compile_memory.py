@@ -111,7 +111,7 @@ def main():
     record["error_type"] = type(exc).__name__
     record["error_line"] = _telling_line(message)
     record["error_message"] = message[:6000]
-    record["oom"] = "resource_exhausted" in message.lower() or "hbm" in message.lower()
+    record["oom"] = "hbm" in message.lower()  # XLA refused for lack of HBM (not vector memory: E1001)
     record["oom_figures"] = _oom_figures(message)
     frames = traceback.extract_tb(exc.__traceback__)
     record["error_frames"] = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:]]
