@@ -93,7 +93,15 @@ def test_summary_names_the_nearest_grid_point_and_the_ratio_there(capsys):
   assert point.name == "tiny_v5p-8_b1_s256_mtp1"  # same model, topology, batch, policy; 256 the closest length
   ratio = point.ours / point.xla_peak
   assert (f"Against XLA at the nearest calibration point: tiny_v5p-8_b1_s256_mtp1 (MaxText 0.2.5 train_compile on "
-          f"v5p-8): this estimate ") in out and f"(ours/XLA {ratio:.2f})" in out
+          f"v5p-8): the plan there ") in out and f"(ours/XLA {ratio:.2f})" in out
   assert cli.main(["maxtext", *keys, "--topology", "v5p-8", "--summary", "--train", "adamw", "--format", "json"]) == 0
   grid = json.loads(capsys.readouterr().out)["device_memory"]["xla_grid_point"]
   assert grid["name"] == "tiny_v5p-8_b1_s256_mtp1" and grid["xla_peak_bytes"] == point.xla_peak
+
+
+def test_summary_at_a_refused_point_says_xla_refused_it_with_its_figure(capsys):
+  keys = ["model_name=deepseek2-16b", "per_device_batch_size=24", "max_target_length=4096"]
+  assert cli.main(["maxtext", *keys, "--topology", "v5p-8", "--summary", "--train", "adamw"]) == 1
+  out = capsys.readouterr().out
+  assert ("Against XLA at the nearest calibration point: ds2-16b_v5p-8_b32_s4096 (MaxText 0.2.5 train_compile on "
+          "v5p-8): the plan there 140.25 GiB; XLA refused it (HBM OOM: 105.82 GiB of temporaries alone).") in out

@@ -51,8 +51,8 @@ class GridPoint:
       figure = (f": {hb(self.oom_used)} needed" if self.oom_used else
                 f": {hb(self.oom_temp)} of temporaries alone" if self.oom_temp else "")
       said = f"XLA refused it (HBM OOM{figure})"
-      return f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): this estimate {hb(self.ours)}; {said}"
-    return (f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): this estimate {hb(self.ours)}, "
+      return f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): the plan there {hb(self.ours)}; {said}"
+    return (f"{self.name} (MaxText 0.2.5 train_compile on {self.topology}): the plan there {hb(self.ours)}, "
             f"XLA {hb(self.xla_peak)} (ours/XLA {self.ours / self.xla_peak:.2f})")
 
 
