@@ -19,7 +19,7 @@ SHELL := /bin/bash
 IC := $(BIN)/python -m inspect_tool
 M671 := model_name=deepseek3-671b mtp_num_layers=1
 
-.PHONY: help demo test test-fast durations bench clean stack
+.PHONY: help demo test test-stress test-fast durations bench clean stack
 
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
@@ -48,9 +48,12 @@ demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on 
 	  --topology v5p-512 --summary --train adamw | sed -n '/^Per-device memory/,$$p' \
 	  | grep -E '^(Per-device|  group|  total|Largest|Plus|Against|v5p)'
 
-test: stack ## run the whole test suite (installs Chromium for the HTML browser test when missing)
+test: stack ## the test suite: every test but the stress ones (installs Chromium for the browser tests when missing)
 	bash scripts/install_chromium.sh
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
+
+test-stress: stack ## the stress tests (`slow`: memory cgroups, kills, signals, multi-process jobs, bench scripts; root)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m slow
 
 test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"

@@ -28,6 +28,8 @@ from inspect_tool.output import stop
 from test_export_distributed import finish as _finish
 from test_export_kill import _wait_for
 
+pytestmark = pytest.mark.slow  # stress: multi-process jobs killed, stopped, timed out (.ci/run: once)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
@@ -366,7 +368,7 @@ POINTS = ("start", "arrays", "written", "report", "swap")
 
 
 # Repeated signals: the first attempt runs on every stack, the other 19 once, on the primary stack (marked slow).
-@pytest.mark.parametrize("attempt", [0] + [pytest.param(i, marks=pytest.mark.slow) for i in range(1, 20)])
+@pytest.mark.parametrize("attempt", range(20))
 def test_sigterm_during_an_overwrite_export_ends_it_promptly(tmp_path, attempt):
   """The intermittent hang: a SIGTERM whose exception landed in JAX's gc callback was dropped and the export ran on
   (validation included) for tens of seconds. 20 attempts at the stages' pause points, each must end within 30 s

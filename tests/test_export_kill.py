@@ -17,6 +17,8 @@ import pytest
 from inspect_tool.output import atomic
 from inspect_tool.fp8_export import pipeline as export
 
+pytestmark = pytest.mark.slow  # stress: kills and stops of running exports (.ci/run: once)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",

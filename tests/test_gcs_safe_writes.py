@@ -23,6 +23,8 @@ from inspect_tool.output import remote_lock
 from inspect_tool.storage import commit
 from test_export_kill import CKPT, REPO, TOKENS, _argv, _env, _wait_for
 
+pytestmark = pytest.mark.slow  # stress: exports paused, killed, raced by readers (.ci/run: once)
+
 _COUNT = iter(range(1_000_000))
 
 
@@ -144,7 +146,6 @@ def test_a_reader_refuses_dst_while_it_is_being_published(gcs, tmp_path, capsys)
   assert _is_new_export(gcs, dst) and cli.main(["orbax", "--path", dst]) == 0
 
 
-@pytest.mark.slow  # kills a running export: run once, on the primary stack (.ci/run)
 @pytest.mark.parametrize("point", ["arrays", "staged"])
 def test_a_killed_export_leaves_the_previous_one_and_the_next_run_cleans_up(gcs, tmp_path, point):
   dst = _dst("fp8")
@@ -162,7 +163,6 @@ def test_a_killed_export_leaves_the_previous_one_and_the_next_run_cleans_up(gcs,
   assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
 
 
-@pytest.mark.slow  # kills a running export: run once, on the primary stack (.ci/run)
 def test_an_export_killed_while_publishing_is_completed_by_the_next_run(gcs, tmp_path, capsys):
   dst = _dst("fp8")
   _previous(gcs, tmp_path, dst)

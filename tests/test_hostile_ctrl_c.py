@@ -18,6 +18,8 @@ import pytest
 
 from test_export_kill import CKPT, REPO, _env
 
+pytestmark = pytest.mark.slow  # stress: repeated SIGINTs at every moment of a run (.ci/run: once)
+
 KEYS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
 LINE = "interrupted by SIGINT; nothing was left half-written\n"
@@ -44,7 +46,6 @@ def _when_handled(proc, deadline_s: float = 30.0) -> None:
     time.sleep(0.0005)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("after_s", [0.0, 0.002, 0.005, 0.01, 0.03, 0.06, 0.09, 0.12, 0.15, 0.2, 0.3, 0.5, 0.8, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5])
 def test_ctrl_c_at_any_moment_of_a_forward_run_is_one_line(after_s):
   proc = subprocess.Popen([sys.executable, "-m", "inspect_tool", "forward", *KEYS, "--checkpoint", CKPT],

@@ -19,6 +19,8 @@ from hostile import without_progress
 from inspect_tool.output import atomic
 from test_export_kill import CKPT, REPO, TOKENS, _env, _wait_for
 
+pytestmark = pytest.mark.slow  # stress: runs raced by a second writer of the same destination (.ci/run: once)
+
 
 
 def _runs(dst):

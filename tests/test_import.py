@@ -265,6 +265,7 @@ def test_two_processes_import_what_one_process_imports(imported, tmp_path):
       "ocdbt.process_0", "ocdbt.process_1"]
 
 
+@pytest.mark.slow  # kills a running import: stress (.ci/run: once)
 @pytest.mark.parametrize("point", ["start", "written", "report"])
 def test_a_killed_import_leaves_no_destination_and_the_next_run_cleans_up(point, tmp_path):
   dst = tmp_path / "dst"
