@@ -106,6 +106,27 @@ def test_xla_refusal_for_lack_of_hbm_is_the_verdict():
   assert result.to_dict()["fits"] is False and result.to_dict()["xla_used_bytes"] == int(120.50 * 2**30)
 
 
+def test_libtpu_0_0_50_refusal_names_the_temporaries_as_its_figure():
+  """libtpu 0.0.50 says only that the temporaries alone exceed the HBM (its words on a v5e chip and for its AOT
+  topology alike: tests/data/xla_ref/tpu_v5e_device_check.json)."""
+  check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
+  message = next(v for k, v in _items(check) if k == "aot_refusal" and v)
+  result = memory.XlaMemory.refused("train", "v5e-1", message, int(15.75 * 2**30), 1.0)
+  assert result.fits is False and result.xla_used is None
+  assert result.xla_temporaries == int(18.89 * 2**30) and result.to_dict()["xla_temporaries_bytes"] == result.xla_temporaries
+
+
+def _items(node):
+  """Every (key, value) of a JSON document, depth first."""
+  if isinstance(node, dict):
+    for key, value in node.items():
+      yield key, value
+      yield from _items(value)
+  elif isinstance(node, list):
+    for value in node:
+      yield from _items(value)
+
+
 def test_libtpu_missing_is_one_line_exit_2(monkeypatch, capsys):
   monkeypatch.setattr(accelerator, "libtpu_installed", lambda: False)
   assert main(["maxtext", *L4, "--topology", "v5p-8", "--compile"]) == 2

@@ -13,6 +13,8 @@ import re
 FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
           "generated_code_size_in_bytes")
 _USED = re.compile(r"Used\s+([0-9.]+)([KMGT]?)\s+of\s+([0-9.]+)([KMGT]?)\s+hbm", re.IGNORECASE)
+# libtpu 0.0.50's words when the temporaries alone overflow: "... required for HLO temporaries (18.89G) exceeds ..."
+_TEMPORARIES = re.compile(r"HLO temporaries\s+\(([0-9.]+)([KMGT]?)\)\s+exceeds available HBM", re.IGNORECASE)
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -48,6 +50,12 @@ class XlaMemory:
     return int(float(found.group(1)) * _UNIT[found.group(2).upper()]) if found else None
 
   @property
+  def xla_temporaries(self) -> int | None:
+    """With a refusal: XLA's temporaries, when it said only that they alone exceed the device's HBM."""
+    found = _TEMPORARIES.search(self.refusal or "")
+    return int(float(found.group(1)) * _UNIT[found.group(2).upper()]) if found else None
+
+  @property
   def fits(self) -> bool:
     return self.refusal is None and self.peak <= self.limit
 
@@ -56,5 +64,5 @@ class XlaMemory:
     out.update(peak_bytes=self.peak, tpu_custom_calls=self.tpu_custom_calls, device_memory_bytes=self.limit,
                fits=self.fits, topology=self.topology, compile_seconds=round(self.seconds, 1), from_cache=self.cached)
     if self.refusal is not None:
-      out.update(xla_refusal=self.refusal, xla_used_bytes=self.xla_used)
+      out.update(xla_refusal=self.refusal, xla_used_bytes=self.xla_used, xla_temporaries_bytes=self.xla_temporaries)
     return out

@@ -47,7 +47,8 @@ class XlaVerdict:
     hb, r = summary_lib.human_bytes, self.result
     head = f"{self.limit_source}: "
     if r.refusal is not None:
-      used = f" (XLA needs {hb(r.xla_used)})" if r.xla_used else ""
+      used = (f" (XLA needs {hb(r.xla_used)})" if r.xla_used else
+              f" (XLA needs {hb(r.xla_temporaries)} of temporaries alone)" if r.xla_temporaries else "")
       return head + f"DOES NOT FIT: XLA refused to compile for lack of HBM{used}: {r.refusal}"
     if r.fits:
       return head + f"XLA's peak {hb(r.peak)}: fits ({hb(r.limit - r.peak)} to spare)"
@@ -94,6 +95,8 @@ def xla_advice(leaves, cfg, devices: int, plan_mem, result: memory_lib.XlaMemory
   if result.fits or plan_mem is None:
     return None
   xla_needed = result.peak if result.peak is not None else result.xla_used
+  if not xla_needed and result.xla_temporaries:  # the state beside them: the plan's, XLA's arguments to 0.1 %
+    xla_needed = result.xla_temporaries + plan_mem.needed - plan_mem.activation_bytes
   if not xla_needed:
     return None
   planning_limit = int(result.limit * plan_mem.needed / xla_needed)
