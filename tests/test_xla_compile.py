@@ -116,6 +116,25 @@ def test_libtpu_0_0_50_refusal_names_the_temporaries_as_its_figure():
   assert result.xla_temporaries == int(18.89 * 2**30) and result.to_dict()["xla_temporaries_bytes"] == result.xla_temporaries
 
 
+def test_a_batch_the_v5e_chip_refused_is_refused_here_with_the_chips_figure_and_a_way_out():
+  """deepseek3-tiny at batch 96 on v5e-1: the lent chip's compiler refused it (tests/data/xla_ref/
+  tpu_v5e_device_check.json); compiled here for the topology, XLA refuses it with the same temporaries, exit 1, and
+  the advice plans from XLA's usable HBM. (Its first way, batch 77, compiled to XLA's peak 15.63 GiB of the 15.75 GiB
+  XLA can use: docs/sharding-and-memory.md; a test would compile for minutes.)"""
+  check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
+  chip = next(v for k, v in _items(check) if k == "device_refusal" and v)
+  code, out, err = _cli("maxtext", "model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=96",
+                        "max_target_length=256", "--topology", "v5e-1", "--compile", "--train", "adamw", "--format",
+                        "json")
+  assert code == 1 and err.startswith("does not fit:") and len(err.strip().splitlines()) == 1, err[-2000:]
+  doc = json.loads(out)
+  xla = doc["xla"]["train"]
+  chips = memory.XlaMemory.refused("train", "v5e-1", chip, xla["device_memory_bytes"], 0.0)
+  assert xla["fits"] is False and xla["xla_temporaries_bytes"] == chips.xla_temporaries
+  ways = doc["xla"]["advice"]["ways"]
+  assert ways and all(w["command"].endswith("--topology v5e-1 --compile") for w in ways)
+
+
 def _items(node):
   """Every (key, value) of a JSON document, depth first."""
   if isinstance(node, dict):

@@ -14,7 +14,8 @@ FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes
           "generated_code_size_in_bytes")
 _USED = re.compile(r"Used\s+([0-9.]+)([KMGT]?)\s+of\s+([0-9.]+)([KMGT]?)\s+hbm", re.IGNORECASE)
 # libtpu 0.0.50's words when the temporaries alone overflow: "... required for HLO temporaries (18.89G) exceeds ..."
-_TEMPORARIES = re.compile(r"HLO temporaries\s+\(([0-9.]+)([KMGT]?)\)\s+exceeds available HBM", re.IGNORECASE)
+_TEMPORARIES = re.compile(r"HLO temporaries\s+\(([0-9.]+)([KMGT]?)\)\s+exceeds available HBM\s+\(([0-9.]+)([KMGT]?)\)",
+                          re.IGNORECASE)
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -54,6 +55,15 @@ class XlaMemory:
     """With a refusal: XLA's temporaries, when it said only that they alone exceed the device's HBM."""
     found = _TEMPORARIES.search(self.refusal or "")
     return int(float(found.group(1)) * _UNIT[found.group(2).upper()]) if found else None
+
+  @property
+  def xla_available(self) -> int | None:
+    """With a refusal: the HBM XLA said it can use (below the chip's nominal memory), when it said so."""
+    found = _USED.search(self.refusal or "")
+    if found:
+      return int(float(found.group(3)) * _UNIT[found.group(4).upper()])
+    found = _TEMPORARIES.search(self.refusal or "")
+    return int(float(found.group(3)) * _UNIT[found.group(4).upper()]) if found else None
 
   @property
   def fits(self) -> bool:

@@ -99,7 +99,8 @@ def xla_advice(leaves, cfg, devices: int, plan_mem, result: memory_lib.XlaMemory
     xla_needed = result.xla_temporaries + plan_mem.needed - plan_mem.activation_bytes
   if not xla_needed:
     return None
-  planning_limit = int(result.limit * plan_mem.needed / xla_needed)
+  usable = min(result.limit, result.xla_available or result.limit)  # XLA's usable HBM, where its refusal says it
+  planning_limit = int(usable * plan_mem.needed / xla_needed)
   scaled = dataclasses.replace(plan_mem, limit=planning_limit)
   if call is not None:
     call = dataclasses.replace(call, compile=True, planning_limit=planning_limit)
