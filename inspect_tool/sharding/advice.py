@@ -202,6 +202,9 @@ def _batch_changes(cfg, room: float, mem) -> list[tuple[str, dict]]:
   return out
 
 
+XLA_SCALE = "the plan's scale, calibrated to XLA"  # `limit_source` of a plan whose limit is scaled to XLA's peak
+
+
 def _fill_note(mem, room: float) -> str | None:
   """Says so when the step's temporaries are what does not fit: alone (their share that more devices would not
   shrink), beside a state that fits by itself, or taking most of a device."""
@@ -211,8 +214,10 @@ def _fill_note(mem, room: float) -> str | None:
   est = mem.activations
   at = (f"(estimate, per_device_batch_size={_number(est.batch)}, max_target_length={est.seq}, "
         f"remat_policy={est.remat_policy})")
+  device = (f"the {hb(mem.limit)} a device holds on {XLA_SCALE}" if mem.limit_source == XLA_SCALE
+            else f"its {hb(mem.limit)}")
   if _fixed(mem) >= mem.limit:
-    return (f"the step's temporaries alone fill a device: {hb(_fixed(mem))} {at} of its {hb(mem.limit)}, "
+    return (f"the step's temporaries alone fill a device: {hb(_fixed(mem))} {at} of {device}, "
             "on any number of devices")
   return (f"the step's temporaries take {hb(mem.activation_bytes)} {at} of a device's {hb(mem.limit)}, leaving "
           f"{hb(mem.limit - mem.activation_bytes)} for the parameters, optimizer state and gradients, which need "

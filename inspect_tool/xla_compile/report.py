@@ -101,7 +101,7 @@ def xla_advice(leaves, cfg, devices: int, plan_mem, result: memory_lib.XlaMemory
     return None
   usable = min(result.limit, result.xla_available or result.limit)  # XLA's usable HBM, where its refusal says it
   planning_limit = int(usable * plan_mem.needed / xla_needed)
-  scaled = dataclasses.replace(plan_mem, limit=planning_limit)
+  scaled = dataclasses.replace(plan_mem, limit=planning_limit, limit_source=advice_lib.XLA_SCALE)
   if call is not None:
     call = dataclasses.replace(call, compile=True, planning_limit=planning_limit)
   return advice_lib.advise(leaves, cfg, devices, scaled, call)
