@@ -15,7 +15,7 @@ from inspect_tool.run import compile_cache
 
 
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
-HEAVY_SECONDS = 1.5  # a test measured at this or more (setup included) is `heavy`
+HEAVY_SECONDS = 1.0  # a test measured at this or more (setup included) is `heavy`
 UNMEASURED_SECONDS = 0.1  # a test under the measured threshold (scripts/test_durations.py), for ordering
 _SAVED_CACHE_ENV = pytest.StashKey[str | None]()
 
