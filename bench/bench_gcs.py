@@ -124,6 +124,8 @@ def main() -> int:
                       choices=(gcs_emulator.FAKE_GCS, gcs_emulator.GCP_STORAGE_EMULATOR))
   args = parser.parse_args()
   repeat = 1 if args.tiny else args.repeat
+  if args.dir:
+    os.makedirs(args.dir, exist_ok=True)
   root = tempfile.mkdtemp(prefix="bench-gcs-", dir=args.dir)
   faithful = args.emulator == gcs_emulator.FAKE_GCS
   try:  # fake-gcs-server needs no proxy; gcp-storage-emulator works only behind it
