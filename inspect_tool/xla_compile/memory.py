@@ -19,6 +19,12 @@ _TEMPORARIES = re.compile(r"HLO temporaries\s+\(([0-9.]+)([KMGT]?)\)\s+exceeds a
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def _figure(message: str | None, pattern: re.Pattern, group: int) -> int | None:
+  """Bytes of the size at `group` (its number; the unit follows) of `pattern` in XLA's `message`, if it is there."""
+  found = pattern.search(message or "")
+  return int(float(found.group(group)) * _UNIT[found.group(group + 1).upper()]) if found else None
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaMemory:
   """One compiled program's per-device bytes (None where XLA refused it), Mosaic kernels, and the device's memory."""
@@ -47,23 +53,17 @@ class XlaMemory:
   @property
   def xla_used(self) -> int | None:
     """With a refusal: the bytes XLA said it needed (its "Used X of Y hbm"), when it said so."""
-    found = _USED.search(self.refusal or "")
-    return int(float(found.group(1)) * _UNIT[found.group(2).upper()]) if found else None
+    return _figure(self.refusal, _USED, 1)
 
   @property
   def xla_temporaries(self) -> int | None:
     """With a refusal: XLA's temporaries, when it said only that they alone exceed the device's HBM."""
-    found = _TEMPORARIES.search(self.refusal or "")
-    return int(float(found.group(1)) * _UNIT[found.group(2).upper()]) if found else None
+    return _figure(self.refusal, _TEMPORARIES, 1)
 
   @property
   def xla_available(self) -> int | None:
     """With a refusal: the HBM XLA said it can use (below the chip's nominal memory), when it said so."""
-    found = _USED.search(self.refusal or "")
-    if found:
-      return int(float(found.group(3)) * _UNIT[found.group(4).upper()])
-    found = _TEMPORARIES.search(self.refusal or "")
-    return int(float(found.group(3)) * _UNIT[found.group(4).upper()]) if found else None
+    return _figure(self.refusal, _USED, 3) or _figure(self.refusal, _TEMPORARIES, 3)
 
   @property
   def fits(self) -> bool:
