@@ -95,8 +95,9 @@ def xla_advice(leaves, cfg, devices: int, plan_mem, result: memory_lib.XlaMemory
   if result.fits or plan_mem is None:
     return None
   xla_needed = result.peak if result.peak is not None else result.xla_used
-  if not xla_needed and result.xla_temporaries:  # the state beside them: the plan's, XLA's arguments to 0.1 %
-    xla_needed = result.xla_temporaries + plan_mem.needed - plan_mem.activation_bytes
+  if not xla_needed and result.xla_temporaries:  # beside them the arguments: the plan's state, XLA's to 0.1 %
+    padding = plan_mem.activations.layout.state_padding if plan_mem.activations is not None else 0
+    xla_needed = result.xla_temporaries + plan_mem.total.params + plan_mem.total.optimizer + padding
   if not xla_needed:
     return None
   usable = min(result.limit, result.xla_available or result.limit)  # XLA's usable HBM, where its refusal says it
