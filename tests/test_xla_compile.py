@@ -110,7 +110,7 @@ def test_libtpu_0_0_50_refusal_names_the_temporaries_as_its_figure():
   """libtpu 0.0.50 says only that the temporaries alone exceed the HBM (its words on a v5e chip and for its AOT
   topology alike: tests/data/xla_ref/tpu_v5e_device_check.json)."""
   check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
-  message = next(v for k, v in _items(check) if k == "aot_refusal" and v)
+  message = next(r["aot_refusal"] for r in check["rows"] if r["aot_refusal"])
   result = memory.XlaMemory.refused("train", "v5e-1", message, int(15.75 * 2**30), 1.0)
   assert result.fits is False and result.xla_used is None
   assert result.xla_temporaries == int(18.89 * 2**30) and result.to_dict()["xla_temporaries_bytes"] == result.xla_temporaries
@@ -122,7 +122,7 @@ def test_a_batch_the_v5e_chip_refused_is_refused_here_with_the_chips_figure_and_
   the advice plans from XLA's usable HBM. (Its first way, batch 77, compiled to XLA's peak 15.63 GiB of the 15.75 GiB
   XLA can use: docs/sharding-and-memory.md; a test would compile for minutes.)"""
   check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
-  chip = next(v for k, v in _items(check) if k == "device_refusal" and v)
+  chip = next(r["device_refusal"] for r in check["rows"] if r.get("device_refusal"))
   code, out, err = _cli("maxtext", "model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=96",
                         "max_target_length=256", "--topology", "v5e-1", "--compile", "--train", "adamw", "--format",
                         "json")
@@ -133,17 +133,6 @@ def test_a_batch_the_v5e_chip_refused_is_refused_here_with_the_chips_figure_and_
   assert xla["fits"] is False and xla["xla_temporaries_bytes"] == chips.xla_temporaries
   ways = doc["xla"]["advice"]["ways"]
   assert ways and all(w["command"].endswith("--topology v5e-1 --compile") for w in ways)
-
-
-def _items(node):
-  """Every (key, value) of a JSON document, depth first."""
-  if isinstance(node, dict):
-    for key, value in node.items():
-      yield key, value
-      yield from _items(value)
-  elif isinstance(node, list):
-    for value in node:
-      yield from _items(value)
 
 
 def test_libtpu_missing_is_one_line_exit_2(monkeypatch, capsys):
