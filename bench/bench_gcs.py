@@ -6,8 +6,9 @@ to the emulator (`tests/gcs_emulator.py`: fake-gcs-server by default, `--emulato
 earlier one behind its proxy; started here on 127.0.0.1). Cases, each one process, wall time and peak RSS from
 /usr/bin/time:
   * `export --no-validate` local -> local;
-  * local -> gs:// (every process writes its share straight under a staging prefix, published by server-side
-    copies with the commit marker last: `inspect_tool/output/object_store.py`);
+  * local -> gs:// (a new DST: every process writes its share straight into it, the commit marker last), and
+    the same again with `--overwrite` over that export ("replacing": written under a staging prefix, then published
+    by server-side copies so that the previous export stays whole until then: `inspect_tool/output/object_store.py`);
   * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver);
   * Orbax: `PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)` (MaxText's configuration) restores the local
     export's arrays, then saves them to the emulator (the same arrays to the same store), and to local disk; its
@@ -46,7 +47,8 @@ FULL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
         "base_moe_mlp_dim=512", "base_mlp_dim=1024", "num_experts=64", "first_num_dense_layers=1",
         "base_num_decoder_layers=4"]  # 1.36 GB float32 (bench_export.py's `scanned`)
 QUANT = ["quantization=fp8_full"]
-CASES = ("local -> local", "local -> gs", "gs -> local", "gs -> gs")
+REPLACING = "local -> gs, replacing"
+CASES = ("local -> local", "local -> gs", REPLACING, "gs -> local", "gs -> gs")
 # The export with its stages timed: each prints "STAGE <name> <seconds>" (the pipeline's functions wrapped, no other
 # change).
 _EXPORT = r"""
@@ -150,7 +152,7 @@ def main() -> int:
             dst = f"gs://{gcs_emulator.BUCKET}/orbax" if case == ORBAX else os.path.join(root, "orbax")
             cmd = [sys.executable, "-c", _ORBAX, os.path.join(kept, "0", "items"), dst]
           else:
-            src, out = (part.strip() for part in case.split("->"))
+            src, out = (part.strip() for part in case.split(",")[0].split("->"))
             dst = kept if case == CASES[0] else outputs[out]
             cmd = [sys.executable, "-c", _EXPORT, "export", *tokens, *QUANT, "--checkpoint", sources[src],
                    "--output", dst, "--no-validate", "--quiet", "--overwrite"]
@@ -167,23 +169,23 @@ def main() -> int:
             for line in stdout.splitlines():
               if line.startswith("STAGE "):
                 stages[case][line.split()[1]].append(float(line.split()[2]))
-          if case != CASES[0]:
+          if case not in (CASES[0], "local -> gs"):  # local -> gs's output is what REPLACING replaces
             _remove(dst)
         _remove(kept)
       base = statistics.median(times[CASES[0]])
       label = "tiny" if args.tiny else "scanned"
       print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
             f"GCS = the local emulator ({args.emulator})")
-      print(f"{'case':<20}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
+      print(f"{'case':<24}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
       for case in (*CASES, *PEERS):
         if case in failed or not times[case]:
           reason = failed.get(case, "no run")
           if case.startswith("gs") and "does not exist" in reason:
             reason = "reading gs:// not available"
-          print(f"{case:<20}  n/a ({reason})")
+          print(f"{case:<24}  n/a ({reason})")
           continue
         wall = statistics.median(times[case])
-        print(f"{case:<20}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
+        print(f"{case:<24}{wall:>8.2f}{size / 1e6 / wall:>9.1f}{rss[case] / 1e6:>13.0f}{wall / base:>8.2f}x")
       if all(times[case] for case in ("local -> gs", *PEERS)):
         med = {case: statistics.median(times[case]) for case in times if times[case]}
         save = {case: statistics.median(saves[case]) for case in PEERS}
@@ -198,6 +200,10 @@ def main() -> int:
           local, remote = (statistics.median(stages[c][stage]) if stages[c][stage] else 0.0 for c in CASES[:2])
           cells.append(f"{stage} {remote:.2f} s ({remote - local:+.2f})")
         print(f"local -> gs by stage (beside local -> local): {', '.join(cells)}")
+        if times[REPLACING]:
+          publish = statistics.median(stages[REPLACING]["publish"]) if stages[REPLACING]["publish"] else 0.0
+          print(f"replacing that export (--overwrite): {med[REPLACING]:.2f} s, {med[REPLACING] / med[ORBAX]:.2f}x "
+                f"Orbax's restore + save to gs, of which publishing (the copy of the staging prefix) {publish:.2f} s")
   finally:
     shutil.rmtree(root, ignore_errors=True)
   return 0

@@ -19,6 +19,7 @@ import pytest
 from gcs_emulator import BUCKET
 from inspect_tool import cli
 from inspect_tool.output import atomic
+from inspect_tool.output import object_store
 from inspect_tool.output import remote_lock
 from inspect_tool.storage import commit
 from test_export_kill import CKPT, REPO, TOKENS, _argv, _env, _wait_for
@@ -137,7 +138,7 @@ def test_a_reader_refuses_dst_while_it_is_being_published(gcs, tmp_path, capsys)
     assert commit.MARKER not in names and "0/data" not in names and not commit.committed(dst)  # old objects gone
     code = cli.main(["orbax", "--path", dst])
     err = capsys.readouterr().err
-    assert code == 2 and _one_line(err) and f"{dst}: incomplete: an inspect_checkpoint export is publishing" in err
+    assert code == 2 and _one_line(err) and f"{dst}: incomplete: an inspect_checkpoint export is writing or publishing" in err
     flag.unlink()
     _, err = proc.communicate(timeout=240)
   finally:
@@ -174,6 +175,60 @@ def test_an_export_killed_while_publishing_is_completed_by_the_next_run(gcs, tmp
   assert again.returncode == 2 and _one_line(again.stderr) and "already exists" in again.stderr
   assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
   assert cli.main(["orbax", "--path", dst]) == 0
+
+
+def _orbax_restore(items: str):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    return checkpointer.restore(items)
+
+
+@pytest.mark.parametrize("point", ["arrays", "staged"])
+def test_a_new_dst_is_written_in_place_and_refused_to_readers_until_its_marker(gcs, tmp_path, capsys, point):
+  """No previous export: the run writes DST itself (nothing copied); a reader refuses it meanwhile; a stop
+  (SIGTERM, at `arrays`) removes it, lock and all; at `staged` the run goes on to publish."""
+  dst, flag = _dst("fp8"), tmp_path / "paused"
+  proc = _paused_export(dst, tmp_path, point, flag)
+  try:
+    _wait_for(flag, proc)
+    names = gcs.listing(dst)
+    assert "0/items/ocdbt.process_0/manifest.ocdbt" in names and commit.MARKER not in names
+    assert all(object_store.is_ours(n) for n in names) and _siblings(gcs, dst) == [".fp8.inspect-lock"]
+    code = cli.main(["orbax", "--path", dst])
+    err = capsys.readouterr().err
+    assert code == 2 and _one_line(err), err
+    assert f"{dst}: incomplete: an inspect_checkpoint export is writing or publishing it" in err
+    with pytest.raises(ValueError, match="incomplete checkpoint"):  # nor Orbax: its markers come at the commit
+      _orbax_restore(f"{dst}/0/items")
+    if point == "arrays":
+      proc.send_signal(signal.SIGTERM)
+    flag.unlink()
+    _, err = proc.communicate(timeout=240)
+  finally:
+    proc.kill()
+  if point == "arrays":
+    assert proc.returncode == 128 + signal.SIGTERM and _one_line(err) and "interrupted by SIGTERM" in err
+    assert gcs.listing(dst) == [] and _siblings(gcs, dst) == []
+  else:
+    assert proc.returncode == 0, err[-2000:]
+    assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and cli.main(["orbax", "--path", dst]) == 0
+    assert {"0/commit_success.txt", "0/items/commit_success.txt"} <= set(gcs.listing(dst))
+  assert _local_leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("point", ["arrays", "publishing"])
+def test_a_run_killed_writing_a_new_dst_leaves_it_incomplete_and_the_next_run_removes_it(gcs, tmp_path, capsys,
+                                                                                          point):
+  dst = _dst("fp8")
+  killed = _export(dst, tmp_path, **{atomic.KILL_ENV: point})
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  left = gcs.listing(dst)
+  assert left and commit.MARKER not in left and _siblings(gcs, dst) == [".fp8.inspect-lock"]
+  assert cli.main(["orbax", "--path", dst]) == 2 and "incomplete" in capsys.readouterr().err
+  again = _export(dst, tmp_path)  # without --overwrite: what the dead run left is not an export
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert _is_new_export(gcs, dst) and _siblings(gcs, dst) == [] and _local_leftovers(tmp_path) == []
+  assert not set(gcs.listing(dst)) & {n for n in left if "/d/" in n}  # the dead run's data files are gone
 
 
 def test_a_second_export_to_a_locked_dst_is_refused_and_a_stop_cleans_up(gcs, tmp_path):

@@ -4,8 +4,9 @@ nothing of its own left beside it. No --quiet: the progress of the work before (
 of the refusal in a pipe.
 
 Local runs (Orbax export with validation, deepseek-fp8 export, import) are paused at the point just before DST
-would appear (`swap`); gs:// runs at `staged` (after the upload, before the publication's check) and in the middle
-of the publication (`publishing`: half of the objects copied), where no rename can refuse for us.
+would appear (`swap`); gs:// runs, where no rename can refuse for us, at `staged` (the work done, before DST is
+checked) and at `publishing` (a new DST: checked once, its marker not yet written; a replaced one: half of the
+staged objects copied).
 """
 
 import os
@@ -18,6 +19,7 @@ from gcs_emulator import BUCKET
 from hostile import without_progress
 from inspect_tool.output import atomic
 from test_export_kill import CKPT, REPO, TOKENS, _env, _wait_for
+from test_gcs_safe_writes import _previous
 
 pytestmark = pytest.mark.slow  # stress: runs raced by a second writer of the same destination (.ci/run: once)
 
@@ -72,21 +74,26 @@ def _tool_lines(err: str) -> list[str]:
   return [line for line in without_progress(err).splitlines() if "google_auth_provider.cc" not in line]
 
 
-@pytest.mark.parametrize("point", ["staged", "publishing"])
-def test_a_gs_dst_written_meanwhile_is_refused_in_one_line_and_only_theirs_is_left(gcs, tmp_path, point):
-  dst = f"gs://{BUCKET}/meanwhile-{point}/dst"
+@pytest.mark.parametrize("point,replacing", [("staged", False), ("publishing", False), ("publishing", True)])
+def test_a_gs_dst_written_meanwhile_is_refused_in_one_line_and_only_theirs_is_left(gcs, tmp_path, point, replacing):
+  """A new DST is written in place (its objects checked at `staged` and again at `publishing`, before the marker);
+  one replaced with --overwrite is published from the staging prefix (`publishing`: half of ours copied)."""
+  where = f"meanwhile-{point}-{'replacing' if replacing else 'new'}"
+  dst = f"gs://{BUCKET}/{where}/dst"
   local = tmp_path / "tmp"
   local.mkdir()
   theirs = tmp_path / "theirs"
   theirs.mkdir()
   (theirs / "theirs.txt").write_text("not yours\n")
   argv = _runs(dst)["export (orbax, validated)"]
+  if replacing:
+    _previous(gcs, tmp_path, dst)
+    argv = argv + ["--overwrite"]
   code, out, err = _meanwhile(argv, tmp_path, point, lambda: gcs.upload(theirs, dst), env=_env(TMPDIR=str(local)))
   lines = _tool_lines(err)
   assert code == 2 and out == "" and len(lines) == 1, err
-  if point == "staged":
-    assert lines[0] == f"error: output '{dst}' already exists; pass --overwrite to replace it"
-  else:
-    assert lines[0].startswith(f"error: output '{dst}' was written by someone else while this run published it (1 ")
-  assert gcs.listing(f"gs://{BUCKET}/meanwhile-{point}") == ["dst/theirs.txt"]  # no staging prefix, no lock
+  verb = "published" if replacing else "wrote"
+  assert lines[0].startswith(f"error: output '{dst}' was written by someone else while this run {verb} it (1 "
+                             "object(s) not ours, e.g. 'theirs.txt'); theirs are left as they are and ours removed")
+  assert gcs.listing(f"gs://{BUCKET}/{where}") == ["dst/theirs.txt"]  # no staging prefix, no lock
   assert os.listdir(local) == []

@@ -22,6 +22,7 @@ from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
+from inspect_tool.storage import commit
 from inspect_tool.storage import paths
 from quant import errors as quant_errors
 
@@ -103,6 +104,7 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
   """Reads the checkpoint arrays of `pairs` onto `mesh`; returns `{model leaf key: jax.Array}`."""
   # lazy: orbax.checkpoint, ~1 s to import: `diff` of an Orbax checkpoint loads this module without it
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
   if not pairs:
     return {}
   mesh = mesh if mesh is not None else default_mesh()
@@ -120,10 +122,17 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
     node[raw[-1]] = jax.ShapeDtypeStruct(shape, jnp.dtype(pair.checkpoint.dtype), sharding=sharding)
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   items_dir = paths.absolute(listing.resolved.items_dir)
+  args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   try:
-    with ocp.PyTreeCheckpointer() as checkpointer:
-      restored = checkpointer.restore(items_dir, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=restore_args, partial_restore=True))
+    if commit.own(items_dir):  # this run's own gs:// output before its commit: Orbax's handler reads it (its
+      handler = ocp.PyTreeCheckpointHandler()  # checkpointer refuses a step without Orbax's marker, written last)
+      try:
+        restored = handler.restore(epath.Path(items_dir), args=args)
+      finally:
+        handler.close()
+    else:
+      with ocp.PyTreeCheckpointer() as checkpointer:
+        restored = checkpointer.restore(items_dir, args=args)
   except Exception as e:  # orbax/tensorstore raise bare Exception/ValueError with multi-line details
     raise _read_error(items_dir, e) from None
   arrays = {}

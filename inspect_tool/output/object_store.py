@@ -1,22 +1,28 @@
-"""Safe writes to a gs:// destination, where no rename is atomic: stage, validate, publish, commit marker last.
+"""Safe writes to a gs:// destination, where no rename is atomic: written in place or staged, the commit marker last.
 
 `claim(dst, ...)` (through `destination.claim`) refuses a DST that is the bucket, is, contains or lies inside a gs://
 source, an existing DST without `--overwrite`, and with it anything but an earlier export or an Orbax checkpoint;
 it takes DST's lock object (`remote_lock`: create-only, heartbeat) and cleans up after earlier runs that died.
-`staged_directory(dst)` (through `atomic.atomic_directory`) then gives the run its staging prefix:
-1. every process writes its share of the export directly under the sibling staging prefix
-   `.<name>.inspect-tmp-<run id>/` (Orbax's layout: its own OCDBT database through tensorstore's `gcs` kvstore;
-   safetensors: streamed uploads, `streaming.object_shards`), and process 0 completes it there (the merge, the
-   metadata, the validation reading it back, the reports): nothing is written to local disk;
-2. `STAGED` is written last into the staging prefix;
-3. publish: the lock records "publishing"; DST's commit marker goes first, then the objects that are not in the
-   new export; the staged objects are copied in (server-side), Orbax's own marker `<step>/commit_success.txt`
-   is written into each step and item, and `DST/commit_success.txt` last; the staging prefix and the lock are removed.
-A reader that lists DST sees nothing or the previous export until step 3; during step 3, objects without
-`DST/commit_success.txt` and with the lock beside DST, which readers refuse as incomplete (`storage.commit`). A run
-killed before step 3 leaves only its staging prefix and its lock, which the next run on DST removes; one killed in
-step 3 leaves the lock saying "publishing" and the complete staging prefix, and the next run completes the
-publication.
+`staged_directory(dst)` (through `atomic.atomic_directory`) then gives the run the prefix every process writes its
+share of the export to directly (Orbax's layout: its own OCDBT database through tensorstore's `gcs` kvstore;
+safetensors: streamed uploads, `streaming.object_shards`), where process 0 completes it (the merge, the metadata,
+the validation reading it back, the reports); nothing is written to local disk. That prefix is
+
+* DST itself when DST does not exist (as Orbax writes a step on Cloud Storage): the lock records "in-place" first;
+  once the run's work is done, DST is listed and any object not of our layouts (`is_ours`) means someone else wrote
+  there meanwhile (ours are removed, theirs left); then Orbax's marker `<step>/commit_success.txt` goes into each
+  step and item (until then Orbax's checkpointer reads none of it; our validation reads it through Orbax's handler,
+  `storage.commit.own`) and `DST/commit_success.txt` is written last. Nothing is copied.
+* a sibling staging prefix `.<name>.inspect-tmp-<run id>/` when DST exists (`--overwrite` of an earlier export),
+  which stays whole until the new export is: `STAGED` is written last into it, then it is published: the lock
+  records "publishing"; DST's commit marker goes first, then the objects that are not in the new export; the
+  staged objects are copied in (server-side), Orbax's markers are written, and `DST/commit_success.txt` last; the
+  staging prefix is removed.
+A reader that lists DST sees nothing or the previous export, or objects without `DST/commit_success.txt` with the
+lock beside DST, which readers refuse as incomplete (`storage.commit`), until the marker is written. A run killed
+before it leaves its lock, and either its objects in DST ("in-place"), which the next run on DST removes, or its
+staging prefix; one killed while publishing leaves the lock saying "publishing" and the complete staging prefix,
+and the next run completes the publication.
 """
 
 from __future__ import annotations
@@ -43,6 +49,16 @@ REPORTS = (("quantization_report.json", "producer"), ("import_report.json", "pro
            ("model.safetensors.index.json", "metadata"))
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", MARKER)
 _ORBAX_DIRS = ("/_CHECKPOINT_METADATA", "/_METADATA")  # a step, an item: Orbax wants its marker in each
+# The names our exports and imports write (written in place, DST holds nothing else): Orbax's layout (a step, its
+# items, the processes' OCDBT databases), safetensors shards and their temporaries, the reports, the marker.
+_OURS = re.compile(r"""(?x)
+  \d+/(?:_CHECKPOINT_METADATA|commit_success\.txt)
+  | \d+/items/(?:_METADATA|_sharding|_CHECKPOINT_METADATA|manifest\.ocdbt|commit_success\.txt|d/[^/]+
+                 |ocdbt\.process_\d+/(?:manifest\.ocdbt|d/[^/]+))
+  | [^/]+\.safetensors(?:\.compose-\d+-\d+)?
+  | \.shard-\d+\.safetensors\.tmp(?:\.header|\.part-\d+|\.compose-\d+-\d+)?
+  | (?:quantization_report|import_report|export_manifest|model\.safetensors\.index|config)\.json
+  | commit_success\.txt""")
 _held: dict[str, tuple[remote_lock.Lock, bool]] = {}  # DST -> (its lock, overwrite) while claimed
 
 
@@ -131,16 +147,25 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     lock.release()
 
 
+def is_ours(name: str) -> bool:
+  """Whether the object `name` (relative to DST) is one our exports and imports write."""
+  return _OURS.fullmatch(name) is not None
+
+
 def reclaim(dst: str, lock: remote_lock.Lock) -> list[str]:
-  """Cleans up after dead runs on DST (we hold its lock: every other staging prefix is a dead run's): completes
-  the publication of a run that died publishing and removes the other staging prefixes. Returns what was completed
-  or removed."""
+  """Cleans up after dead runs on DST (we hold its lock: every other staging prefix is a dead run's): removes the
+  objects of a run that died writing DST in place, completes the publication of a run that died publishing and
+  removes the other staging prefixes. Returns what was removed or completed."""
   parent, start, done = paths.parent(dst), staging_prefix(dst), []
+  previous = lock.previous or {}
+  if previous.get("state") == "in-place" and not objects.exists(paths.join(dst, MARKER)):
+    left = [n for n in objects.names(dst) if is_ours(n)]
+    objects.delete_all(dst, left)
+    done.append(f"{dst} ({len(left)} object(s) of a run that died writing it)")
   staged: dict[str, list[str]] = {}
   for name in objects.names_from(parent, start):
     head, _, rest = name.partition("/")
     staged.setdefault(head, []).append(rest)
-  previous = lock.previous or {}
   for head, names in sorted(staged.items()):
     prefix = paths.join(parent, head)
     if previous.get("state") == "publishing" and head == start + str(previous.get("staging")) and STAGED in names:
@@ -180,32 +205,97 @@ def publish(staging: str, dst: str, names: Sequence[str]) -> None:
     raise WrittenMeanwhile(f"output {dst!r} was written by someone else while this run published it ({len(foreign)} "
                            f"object(s) not ours, e.g. {errors.shown(foreign[0])}); theirs are left as they are and "
                            "ours removed; accepted: another --output, or run again once theirs is gone")
+  _commit(dst, names)
+
+
+def _commit(dst: str, names: Sequence[str]) -> None:
+  """Orbax's own marker into each step and item of DST (Orbax reads them as finalized), DST's marker last."""
   for directory in sorted({n.rpartition("/")[0] for n in names if n.endswith(_ORBAX_DIRS)} - {""}):
-    url = paths.join(dst, directory)  # Orbax's own marker in each step and item: Orbax reads them as finalized
+    url = paths.join(dst, directory)
     objects.write(paths.join(url, MARKER), f"Checkpoint commit was successful to {url}".encode())
   objects.write(paths.join(dst, MARKER), f"inspect_checkpoint: commit was successful to {dst}\n".encode())
 
 
 @contextlib.contextmanager
 def staged_directory(dst: str, *, overwrite: bool = False) -> Iterator[str]:
-  """`atomic.atomic_directory` for a gs:// DST claimed by `claim`: yields the staging prefix, where every process
-  writes its share directly; on success its objects replace DST (`STAGED` written there, then `publish`)."""
+  """`atomic.atomic_directory` for a gs:// DST claimed by `claim`: yields the prefix where every process writes its
+  share directly, DST itself when DST does not exist, else a staging prefix whose objects replace DST on success
+  (`STAGED` written there, then `publish`) (module docstring)."""
   dst = paths.normalize(dst)
   if dst not in _held:
     raise AssertionError(f"{dst} is written without being claimed (destination.claim)")
   lock, _ = _held[dst]
+  if not objects.names(dst):
+    with _in_place(dst, lock):
+      yield dst
+    return
   staging = paths.join(paths.parent(dst), staging_prefix(dst) + lock.content["id"])
   cleanup = stop.add_cleanup(  # if a stop cannot wait for us; once publishing, the next run completes it
       lambda: None if lock.content.get("state") == "publishing" else _abandon(staging, None))
   try:
     try:
-      yield staging
+      with commit.writing(staging):
+        yield staging
     except BaseException:  # the run's own failure, reported as it is
       _abandon(staging, None)
       raise
     _publish_staged(staging, dst, lock, overwrite)
   finally:
     stop.remove_cleanup(cleanup)
+
+
+@contextlib.contextmanager
+def _in_place(dst: str, lock: remote_lock.Lock) -> Iterator[None]:
+  """DST written in place (it did not exist): on success checked for objects not ours and committed; on any
+  failure (or a stop that cannot wait) our objects are removed from it."""
+  try:
+    lock.set_state("in-place")  # from now on a run that dies leaves its objects in DST to the next run to remove
+  except (OSError, ValueError, RuntimeError) as e:
+    raise _failure(dst, e) from None
+  committed = []
+  cleanup = stop.add_cleanup(lambda: None if committed else _remove_ours(dst))
+  try:
+    with commit.writing(dst):
+      try:
+        yield
+        stop.check()
+        hooks.test_point("upload")
+        hooks.test_point("staged")
+        names = _only_ours(dst)
+        stop.check()
+        hooks.test_point("publishing")
+        names = _only_ours(dst)
+        _commit(dst, names)
+        committed.append(True)
+        hooks.test_point("published")
+      except WrittenMeanwhile:
+        raise
+      except (OSError, ValueError, RuntimeError) as e:
+        _remove_ours(dst)
+        raise _failure(dst, e) from None
+      except BaseException:
+        _remove_ours(dst)
+        raise
+  finally:
+    stop.remove_cleanup(cleanup)
+
+
+def _only_ours(dst: str) -> list[str]:
+  """The names under DST, written in place, when all are ours; else ours are removed and `WrittenMeanwhile`."""
+  names = objects.names(dst)
+  foreign = [n for n in names if not is_ours(n)]
+  if foreign:
+    objects.delete_all(dst, [n for n in names if is_ours(n)])
+    raise WrittenMeanwhile(f"output {dst!r} was written by someone else while this run wrote it ({len(foreign)} "
+                           f"object(s) not ours, e.g. {errors.shown(foreign[0])}); theirs are left as they are and "
+                           "ours removed; accepted: another --output, or run again once theirs is gone")
+  return names
+
+
+def _remove_ours(dst: str) -> None:
+  """After a failure of a run writing DST in place: its objects removed, anyone else's left."""
+  with contextlib.suppress(Exception):
+    objects.delete_all(dst, [n for n in objects.names(dst) if is_ours(n)])
 
 
 def _publish_staged(staging: str, dst: str, lock: remote_lock.Lock, overwrite: bool) -> None:

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from inspect_tool.storage import commit
 from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
@@ -187,10 +186,6 @@ class OrbaxArrayWriter:
       _write_json(paths.join(step_dir, "_CHECKPOINT_METADATA"),
                   {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
                    "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
-      if paths.is_remote(step_dir):  # on object stores Orbax reads a step (and item) as finalized by its marker
-        for directory in (step_dir, self.items_dir):
-          objects.write(paths.join(directory, commit.MARKER),
-                        f"Checkpoint commit was successful to {directory}".encode())
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
