@@ -33,6 +33,7 @@ RATIO_LINES = {
                                rf"^export\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s"],
     "bench_gcs.py": [rf"^local -> local\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+1\.00x$",
                      rf"^local -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^local -> gs, replacing\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
                      rf"^gs -> local\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
                      rf"^gs -> gs\s+(?:{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x|n/a \(.*\))$",
                      rf"^orbax save -> gs\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
@@ -43,7 +44,9 @@ RATIO_LINES = {
                      rf"{NUMBER} s \([+-]{NUMBER}\), manifest {NUMBER} s \([+-]{NUMBER}\), publish {NUMBER} s "
                      rf"\([+-]{NUMBER}\)$",
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
-                     rf"{NUMBER}x \(goal <= 1\.2x\)$"],
+                     rf"{NUMBER}x \(goal <= 1\.2x\)$",
+                     rf"^replacing that export \(--overwrite\): {NUMBER} s, {NUMBER}x Orbax's restore \+ save to gs, of "
+                     rf"which publishing \(the copy of the staging prefix\) {NUMBER} s$"],
     "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
                              rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
