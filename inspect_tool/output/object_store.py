@@ -261,11 +261,10 @@ def _in_place(dst: str, lock: remote_lock.Lock) -> Iterator[None]:
         stop.check()
         hooks.test_point("upload")
         hooks.test_point("staged")
-        names = _only_ours(dst)
+        _only_ours(dst)  # checked once the work is done, and again just before the marker
         stop.check()
         hooks.test_point("publishing")
-        names = _only_ours(dst)
-        _commit(dst, names)
+        _commit(dst, _only_ours(dst))
         committed.append(True)
         hooks.test_point("published")
       except WrittenMeanwhile:
