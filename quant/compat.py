@@ -22,6 +22,9 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * Qwix's assertion text "lhs and rhs cannot be both weights" (`qwix._src.providers.qt`), turned into one line.
 * `jax._src.lru_cache.LRUCache.put` (and `_CACHE_SUFFIX`, `_is_local_filesystem`): JAX's persistent compilation
   cache writes an entry in place; `atomic_compilation_cache_writes` makes it a temporary file renamed into place.
+* numpy's `_core.multiarray._set_madvise_hugepage` (the switch numpy's release notes name; its only other control is
+  an environment variable read at import): no transparent-huge-page advice for a streaming export's short-lived
+  arrays. A numpy without it is left as it is (a speed setting; nothing depends on it).
 * Python's regular-expression parser (`re._parser`, `re._constants`): the only way to walk a pattern's syntax tree
   (`safe_regex` bounds the patterns a rule file may give).
 """
@@ -37,7 +40,7 @@ import uuid
 
 from quant import errors
 
-TESTED = {"qwix": "0.1.8", "orbax-checkpoint": "0.12.8", "jax": "0.10.2, 0.12.0.1"}
+TESTED = {"qwix": "0.1.8", "orbax-checkpoint": "0.12.8", "jax": "0.10.2, 0.12.0.1", "numpy": "2.4.6, 2.5.5"}
 
 GET_CURRENT_RULE = "qwix._src.qconfig.get_current_rule"  # Qwix's intercept-map key for rule lookups
 ORBAX_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
@@ -199,6 +202,16 @@ def qwix_weight_detection_errors():
         f"Qwix {installed_version('qwix')} took an activation of this model for a weight ('{QWIX_BOTH_WEIGHTS}'; "
         "it traces operands back to a module's Params and falls back to matching shapes, and MaxText stops the same "
         "way); accepted: other sizes (batch, tokens, widths) that do not coincide with a weight's") from None
+
+
+def numpy_huge_page_advice(enabled: bool) -> None:
+  """Sets whether numpy advises the kernel to back arrays of 4 MiB and more with transparent huge pages; a numpy
+  without the switch is left as it is."""
+  try:
+    switch = private("numpy._core.multiarray", "_set_madvise_hugepage", package="numpy")
+  except CompatError:
+    return
+  switch(bool(enabled))
 
 
 def atomic_compilation_cache_writes() -> None:

@@ -62,6 +62,19 @@ def test_read_ahead_stops_where_the_room_ends():
   assert _asked_after_first_take(_job("a", 100), _job("b", 5000)) == [("a",), ("b",)]  # larger, and it fits
 
 
+def test_writes_in_flight_take_their_share_of_the_room():
+  """What the writer's writes in flight hold counts beside the boxes: a read ahead that fits with them starts,
+  one byte more and it waits; `held` is the box taken and the reads in flight, as their plans count them."""
+  room = 2 * 100 + SLICE_FACTOR * 100 + 50
+  for writes, asked in ((50, [("a",), ("b",)]), (51, [("a",)])):
+    source = _Source()
+    reads = box_reads.BoxReads(source, [(_job(n, 100, room=room), (), box_reads.SLICE) for n in "ab"],
+                               lambda writes=writes: writes)
+    assert reads.held() == 0
+    reads.take()
+    assert source.asked == asked and reads.held() == 100 * len(asked)
+
+
 def test_no_read_ahead_for_or_during_a_cached_box_or_past_a_copy_of_stored_chunks():
   assert _asked_after_first_take(_job("a", 100), _job("b", 50, cached=True)) == [("a",)]
   assert _asked_after_first_take(_job("a", 100, cached=True), _job("b", 50)) == [("cached", "a")]

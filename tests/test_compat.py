@@ -40,3 +40,16 @@ def test_a_missing_private_api_is_one_line_naming_installed_and_tested_versions(
   assert message.endswith(f"accepted: qwix {compat.TESTED['qwix']} (tested)")
   with pytest.raises(compat.CompatError, match="provider"):
     compat.provider_rule(object(), "dot_general")
+
+
+def test_numpy_huge_page_advice_is_set_through_numpys_switch():
+  """The switch returns its previous setting: what `numpy_huge_page_advice` left is read back that way."""
+  switch = compat.private("numpy._core.multiarray", "_set_madvise_hugepage", package="numpy")
+  before = switch(True)
+  try:
+    compat.numpy_huge_page_advice(False)
+    assert switch(True) is False
+    compat.numpy_huge_page_advice(True)
+    assert switch(False) is True
+  finally:
+    switch(before)

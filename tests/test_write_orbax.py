@@ -87,6 +87,36 @@ def test_a_failed_background_write_is_reported_by_the_next_write():
     writer.write(_Store(None, now=False), (), np.ones(3))
 
 
+class _Recorded:
+  """A destination array whose writes finish when waited for, in the order recorded in `waited`."""
+
+  def __init__(self):
+    self.written, self.waited = [], []
+
+  def __getitem__(self, index):
+    return self
+
+  def write(self, value):
+    number = len(self.written)
+    self.written.append(value.nbytes)
+    return type("Future", (), {"result": lambda _: self.waited.append(number)})()
+
+
+@pytest.mark.parametrize("room", [0, 500, 1000])
+def test_writes_stay_in_flight_as_far_as_their_room_holds_them(room):
+  """Each write of 100 bytes holds IN_FLIGHT_FACTOR x 100 while in flight: a write first waits for the oldest ones
+  until the rest and itself fit in `room` (0: for all of them, one write in flight at a time), in order."""
+  store, writer = _Recorded(), orbax_writer.OrbaxArrayWriter("/x/items")
+  held = orbax_writer.IN_FLIGHT_FACTOR * 100
+  for number in range(8):
+    writer.write_slice([(store, (slice(0, 25),), np.ones(25, np.float32))], room)
+    in_flight = number + 1 - len(store.waited)
+    assert in_flight == min(number + 1, max(1, room // held)) and writer.in_flight_bytes == in_flight * held
+    assert store.waited == list(range(len(store.waited)))
+  writer.wait()
+  assert store.waited == list(range(8)) and writer.in_flight_bytes == 0 and writer.written_bytes == 800
+
+
 def test_copied_arrays_keep_their_stored_chunks_and_a_missing_chunk_reads_as_zeros(tmp_path):
   """A copy whose slices are whole source chunks is copied as stored (the source's codecs, its chunk bytes); a
   slice with a chunk the source never stored is read decoded (zeros, as tensorstore reads it) and written."""

@@ -132,7 +132,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   leaves = params.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
   max_memory = int(max_memory)
-  budget.return_freed_memory()
+  budget.streaming_allocations()
   src = read.open_source(cfg, source, leaves)
   index, count = distributed.process_index(), distributed.process_count()
   held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
@@ -231,7 +231,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   if chosen.v4:
     write_v4.check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
-  budget.return_freed_memory()
+  budget.streaming_allocations()
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = params.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed

@@ -79,7 +79,7 @@ def _leaves(cfg) -> list[tree.Leaf]:
 
 def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
   """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
-  budget.return_freed_memory()
+  budget.streaming_allocations()
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
   index = distributed.process_index()
   try:

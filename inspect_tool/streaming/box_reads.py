@@ -33,14 +33,15 @@ class BoxReads:
   """The boxes to read, in order. Once a box is taken, the following ones are started in the background while
   `_may_start` allows: at most `MAX_AHEAD` in flight, none for or during a cached box (its view decodes as it is
   read) or past a copy of stored chunks (which may read its source again), and only while the box being
-  processed, the reads in flight and the new one, plus `budget.SLICE_FACTOR` times the largest of their slices,
-  fit in the room the plan had (`ArrayJob.room`; each plan already counts the process itself).
+  processed, the reads in flight and the new one, plus `budget.SLICE_FACTOR` times the largest of their slices and
+  what the writes in flight hold (`writes()`, bytes), fit in the room the plan had (`ArrayJob.room`; each plan
+  already counts the process itself).
 
   `work` holds (job, index, kind) items; a `REUSE` item reads nothing (its value is the last one taken).
   """
 
-  def __init__(self, source, work: list[tuple]):
-    self._source, self._work = source, work
+  def __init__(self, source, work: list[tuple], writes=lambda: 0):
+    self._source, self._work, self._writes = source, work, writes
     self._opened = (None, None)  # (key, tensorstore handle) of the array last opened
     self._store = None  # the handle of the array whose box was taken last
     self._queue: collections.deque = collections.deque()  # (item number, pending read, handle), in order
@@ -98,7 +99,14 @@ class BoxReads:
     items = [current, *(n for n, _, _ in self._queue), candidate]  # the current box is held whatever its kind
     held = job.read_bytes + sum(self._work[i][0].read_bytes for i in items[1:] if self._work[i][2] != REUSE)
     slices = budget.SLICE_FACTOR * max(self._work[i][0].slice_bytes for i in items)
-    return held + slices <= job.room
+    return held + slices + self._writes() <= job.room
+
+  def held(self) -> int:
+    """What the box taken last and the reads in flight hold, as their plans count them."""
+    if self._next == 0:
+      return 0
+    queued = sum(self._work[n][0].read_bytes for n, _, _ in self._queue if self._work[n][2] != REUSE)
+    return self._work[self._next - 1][0].read_bytes + queued
 
   def close(self) -> None:
     """Waits for the reads in flight, ignoring their outcome."""

@@ -11,6 +11,7 @@ checks and the metadata files go there too (nothing on local disk).
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import os
@@ -32,6 +33,8 @@ from quant import ptq_weights
 
 ZSTD_LEVEL = 3  # Orbax's
 PROCESS_DIR = "ocdbt.process_{}"
+# What a write in flight holds per byte given: tensorstore's copy of it, and its encoding (or the request's body).
+IN_FLIGHT_FACTOR = 2
 
 
 def ts_context():
@@ -62,7 +65,7 @@ class OrbaxArrayWriter:
     self._specs: dict[tuple[str, ...], tuple] = {}  # key -> (shape, dtype name, chunk), checked after the merge
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
     self._scalars: set[tuple[str, ...]] = set()  # keys Orbax records as scalars (e.g. MaxText's `step`)
-    self._in_flight: list = []  # the background writes of the last slice
+    self._in_flight: collections.deque = collections.deque()  # (futures, bytes held) of each write, oldest first
     self.written_bytes = 0
 
   def create(self, key: Sequence[str], shape: Sequence[int], dtype, chunk: Sequence[int]):
@@ -117,47 +120,70 @@ class OrbaxArrayWriter:
     """Writes `value` at `index` of `store` in the background (one write in flight at a time)."""
     self.write_slice([(store, index, value)])
 
-  def write_slice(self, parts: Sequence[tuple]) -> None:
-    """Writes every (store, index, value) of `parts` (one slice's outputs) in the background, together, once
-    the previous slice's writes are on disk."""
-    self.wait()
+  def write_slice(self, parts: Sequence[tuple], room: int = 0) -> None:
+    """Writes every (store, index, value) of `parts` (one slice's outputs) in the background, together, once the
+    earlier writes still in flight hold at most `room` bytes beside this one's (`in_flight_bytes`; 0: once they are
+    all on disk)."""
+    values = [np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value) for _, _, value in parts]
+    nbytes = sum(value.nbytes for value in values)  # (the former is >= 1-D)
+    self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
     try:
-      for store, index, value in parts:
-        value = np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value)  # (the former is >= 1-D)
-        self._in_flight.append(store[index].write(value) if index else store.write(value))
-        self.written_bytes += value.nbytes
+      futures = [store[index].write(value) if index else store.write(value)
+                 for (store, index, _), value in zip(parts, values)]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-
-  def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int) -> None:
-    """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
-    `write_slice`; `nbytes`: their decoded size."""
-    self.wait()
-    try:
-      kvstore = store.kvstore
-      self._in_flight.extend(kvstore.write(key, value) for key, value in chunks)
-    except Exception as e:  # pylint: disable=broad-except
-      raise _write_error(self.items_dir, e) from None
+    self._in_flight.append((futures, IN_FLIGHT_FACTOR * nbytes))
     self.written_bytes += nbytes
 
-  def wait(self) -> None:
-    """Blocks until the background writes (if any) are on disk."""
-    in_flight, self._in_flight = self._in_flight, []
+  def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int, room: int = 0) -> None:
+    """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
+    `write_slice`; `nbytes`: their decoded size."""
+    stored = sum(len(value) for _, value in chunks)
+    self.make_room(room - IN_FLIGHT_FACTOR * stored)
+    try:
+      kvstore = store.kvstore
+      futures = [kvstore.write(key, value) for key, value in chunks]
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.items_dir, e) from None
+    self._in_flight.append((futures, IN_FLIGHT_FACTOR * stored))
+    self.written_bytes += nbytes
+
+  @property
+  def in_flight_bytes(self) -> int:
+    """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each."""
+    return sum(held for _, held in self._in_flight)
+
+  def make_room(self, room: int) -> None:
+    """Waits for the oldest writes in flight until the rest hold at most `room` bytes (`in_flight_bytes`)."""
+    while self._in_flight and self.in_flight_bytes > room:
+      self._wait_oldest()
+
+  def _wait_oldest(self) -> None:
+    futures, _ = self._in_flight.popleft()
     failure = None
-    for future in in_flight:
+    for future in futures:
       try:
         future.result()
       except Exception as e:  # pylint: disable=broad-except
         failure = failure or e
     if failure is not None:
+      self.abandon()
       raise _write_error(self.items_dir, failure) from None
 
+  def wait(self) -> None:
+    """Blocks until the background writes (if any) are on disk."""
+    while self._in_flight:
+      self._wait_oldest()
+
   def abandon(self) -> None:
-    """Waits for the background write, ignoring its outcome (the work is being abandoned)."""
-    try:
-      self.wait()
-    except Exception:  # pylint: disable=broad-except
-      pass
+    """Waits for the background writes, ignoring their outcome (the work is being abandoned)."""
+    in_flight, self._in_flight = self._in_flight, collections.deque()
+    for futures, _ in in_flight:
+      for future in futures:
+        try:
+          future.result()
+        except Exception:  # pylint: disable=broad-except
+          pass
 
   def finalize(self, step_dir: str, item: str, process_count: int = 1, *, complete: bool = True) -> None:
     """Checks that every process's database is there, merges them into the root one, checks every array and

@@ -250,8 +250,9 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   `absmax`, `quantize_block`, `close`); without it every job must be a copy (`ArrayJob.quant` None).
 
   Three stages overlap: the next boxes are read (tensorstore threads; as far as `ArrayJob.room` holds them,
-  `box_reads`) while the slices of this one are quantized, and the last slice's outputs are encoded and written
-  meanwhile (`read_plan`).
+  `box_reads`) while the slices of this one are quantized, and the earlier slices' outputs are encoded and written
+  meanwhile: the last one's always, more as far as the room left beside the boxes and the slice's work holds
+  them (`_write_room`; on gs:// each write is a request, and the store takes them in parallel).
   A two-pass job (`ArrayJob.two_pass`) reads each group of boxes that share channels twice: their absmax first,
   then the boxes again to quantize them; the scale of each channel range is written with its first slice.
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
@@ -287,10 +288,11 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
     outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
     work = [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)]
-    reads = box_reads.BoxReads(source, work)
+    reads = box_reads.BoxReads(source, work, lambda: writer.in_flight_bytes)
     source_bytes = 0
     for number, (job, units) in enumerate(zip(jobs, owned)):
       for unit in units:
+        writer.make_room(_write_room(job, reads))  # what an earlier array's writes hold beside this one's work
         if job.two_pass:
           source_bytes += _two_pass(job, unit, reads, quantizers, writer, outputs[id(job)], progress, ahead, tally)
         else:
@@ -322,6 +324,14 @@ class _Copies:
     pass
 
 
+def _write_room(job: ArrayJob, reads: box_reads.BoxReads) -> int:
+  """The bytes that writes in flight may hold while `job` is processed: the room its plan had (`ArrayJob.room`)
+  less the boxes held and being read and `budget.SLICE_FACTOR` times its slice (a copy of stored chunks, which
+  quantizes nothing: its box once more). 0 when none is left (a write then waits for the earlier ones)."""
+  work = job.slice_bytes if job.stored is not None else budget_lib.SLICE_FACTOR * job.slice_bytes
+  return max(0, job.room - reads.held() - work)
+
+
 def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
   return math.prod(s.stop - s.start for s in index) * np.dtype(job.leaf.dtype).itemsize
 
@@ -339,7 +349,7 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
   if job.stored is not None:
     nbytes = _slice_bytes(job, box)
     if value is not None:  # every chunk stored: copied as it is
-      writer.write_stored(outputs[0], value, nbytes)
+      writer.write_stored(outputs[0], value, nbytes, _write_room(job, reads))
     else:
       writer.write_slice([(outputs[0], box, reads.read_again(box))])
     progress(nbytes, 0)
@@ -347,14 +357,15 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
   for index in job.slices_in(box):
     part = value[_relative(index, box)]
     if wq is None:
-      writer.write_slice([(outputs[0], index, part)])
+      writer.write_slice([(outputs[0], index, part)], _write_room(job, reads))
     else:
       qvalue, scale = quantizers.quantize(read_lib.to_jax(part), wq)  # one call: the slice is within budget
       qvalue, scale = np.asarray(qvalue), np.asarray(scale)
       if tally is not None:
         tally.observe_shared(".".join(wq.qvalue_key), part, qvalue, scale)
       part = None
-      writer.write_slice([(outputs[0], index, qvalue), (outputs[1], _scale_index(index, wq), scale)])
+      writer.write_slice([(outputs[0], index, qvalue), (outputs[1], _scale_index(index, wq), scale)],
+                         _write_room(job, reads))
     progress(_slice_bytes(job, index), 0)
   return _slice_bytes(job, box)
 
@@ -398,7 +409,7 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
       if channels not in scaled:
         scaled.add(channels)
         parts.append((outputs[1], _scale_index(index, wq), scale))
-      writer.write_slice(parts)
+      writer.write_slice(parts, _write_room(job, reads))
     nbytes = _slice_bytes(job, box)
     progress(nbytes - nbytes // 2, 0)
   return sum(_slice_bytes(job, box) for box in unit)
