@@ -23,6 +23,7 @@ bandwidth would give.
 
   .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny] [--emulator fake-gcs-server]
 
+Each round runs local -> local first, then the other cases rotated by one from the round before (`_order`).
 `--tiny` (a smoke run): the 5.6 MB 4-layer deepseek3-tiny checkpoint of tests/data, one round.
 """
 
@@ -85,6 +86,15 @@ with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True
 """
 
 
+def _order(round_number: int) -> list[str]:
+  """The cases of one round: local -> local first (its output is what Orbax restores), then the others rotated by
+  the round's number, so that no case always follows the same one (the emulator's state carries over); replacing
+  stays right after local -> gs, whose export it replaces."""
+  units = [["local -> gs", REPLACING], ["gs -> local"], ["gs -> gs"], [ORBAX_LOCAL], [ORBAX]]
+  shift = round_number % len(units)
+  return [CASES[0], *(case for unit in units[shift:] + units[:shift] for case in unit)]
+
+
 def _timed(cmd: list[str], env) -> tuple[float, int, str]:
   """Wall seconds, peak RSS (bytes) and stdout of one process, from /usr/bin/time; a failure is raised with its
   stderr."""
@@ -144,8 +154,8 @@ def main() -> int:
       saves: dict[str, list[float]] = {case: [] for case in PEERS}
       stages: dict[str, dict[str, list[float]]] = {case: {stage: [] for stage in STAGES} for case in CASES}
       failed: dict[str, str] = {}
-      for _ in range(repeat):
-        for case in (*CASES, *PEERS):
+      for round_number in range(repeat):
+        for case in _order(round_number):
           if case in failed:
             continue
           if case in PEERS:  # the local export's arrays (the first case's output, kept for this) saved again
@@ -192,6 +202,8 @@ def main() -> int:
         print(f"local -> gs beside Orbax: time {med['local -> gs'] / med[ORBAX]:.2f}x (its save alone "
               f"{save[ORBAX]:.2f} s: {med['local -> gs'] / save[ORBAX]:.2f}x), peak RSS "
               f"{rss['local -> gs'] / rss[ORBAX]:.2f}x (goal <= 1.2x)")
+        print("rounds (wall s, in run order): " + "; ".join(
+            f"{case} {', '.join(f'{t:.1f}' for t in times[case])}" for case in ("local -> gs", ORBAX)))
         ours, theirs = med["local -> gs"] - med[CASES[0]], save[ORBAX] - save[ORBAX_LOCAL]
         print(f"what gs:// adds: export {ours:.2f} s (local -> gs less local -> local), Orbax {theirs:.2f} s (its save "
               f"to gs less its save to local disk): {ours / theirs if theirs > 0 else float('inf'):.2f}x")

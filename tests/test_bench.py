@@ -46,7 +46,8 @@ RATIO_LINES = {
                      rf"^local -> gs beside Orbax: time {NUMBER}x \(its save alone {NUMBER} s: {NUMBER}x\), peak RSS "
                      rf"{NUMBER}x \(goal <= 1\.2x\)$",
                      rf"^replacing that export \(--overwrite\): {NUMBER} s, {NUMBER}x Orbax's restore \+ save to gs, of "
-                     rf"which publishing \(the copy of the staging prefix\) {NUMBER} s$"],
+                     rf"which publishing \(the copy of the staging prefix\) {NUMBER} s$",
+                     rf"^rounds \(wall s, in run order\): local -> gs {NUMBER}; orbax save -> gs {NUMBER}$"],
     "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
                              rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
