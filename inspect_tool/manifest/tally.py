@@ -70,7 +70,7 @@ class Tally:
       if lookup is None:
         band_error[...] = qvalue[begin:end]
       else:
-        np.take(lookup, qvalue[begin:end].view(np.uint8), out=band_error)
+        np.take(lookup, qvalue[begin:end].view(np.uint8), out=band_error, mode="clip")  # (no buffered copy)
       np.multiply(band_error, part, out=band_error)
       if source.dtype == np.float32:
         np.subtract(band_error, source[begin:end], out=band_error)
