@@ -90,19 +90,20 @@ class BoxReads:
     return value
 
   def _may_start(self, current: int, candidate: int) -> bool:
-    """Whether the read of item `candidate` may start while item `current` is processed (see the class)."""
+    """Whether the read of item `candidate` may start while item `current` (the one taken last) is processed (see
+    the class)."""
     job, following = self._work[current][0], self._work[candidate][0]
     if len(self._queue) >= MAX_AHEAD or job.cached or following.cached:
       return False
     if job.stored is not None:  # its own next box only, as its plan allows (`read_again` reads this array)
       return following is job and job.ahead and not self._queue
-    items = [current, *(n for n, _, _ in self._queue), candidate]  # the current box is held whatever its kind
-    held = job.read_bytes + sum(self._work[i][0].read_bytes for i in items[1:] if self._work[i][2] != REUSE)
+    items = [current, *(n for n, _, _ in self._queue), candidate]
+    held = self.held() + (following.read_bytes if self._work[candidate][2] != REUSE else 0)
     slices = budget.SLICE_FACTOR * max(self._work[i][0].slice_bytes for i in items)
     return held + slices + self._writes() <= job.room
 
   def held(self) -> int:
-    """What the box taken last and the reads in flight hold, as their plans count them."""
+    """What the box taken last (held whatever its kind) and the reads in flight hold, as their plans count them."""
     if self._next == 0:
       return 0
     queued = sum(self._work[n][0].read_bytes for n, _, _ in self._queue if self._work[n][2] != REUSE)
