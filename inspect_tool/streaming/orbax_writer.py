@@ -126,27 +126,25 @@ class OrbaxArrayWriter:
     all on disk)."""
     values = [np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value) for _, _, value in parts]
     nbytes = sum(value.nbytes for value in values)  # (the former is >= 1-D)
-    self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
-    try:
-      futures = [store[index].write(value) if index else store.write(value)
-                 for (store, index, _), value in zip(parts, values)]
-    except Exception as e:  # pylint: disable=broad-except
-      raise _write_error(self.items_dir, e) from None
-    self._in_flight.append((futures, IN_FLIGHT_FACTOR * nbytes))
+    self._start(nbytes, room, lambda: [store[index].write(value) if index else store.write(value)
+                                       for (store, index, _), value in zip(parts, values)])
     self.written_bytes += nbytes
 
   def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int, room: int = 0) -> None:
     """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
     `write_slice`; `nbytes`: their decoded size."""
-    stored = sum(len(value) for _, value in chunks)
-    self.make_room(room - IN_FLIGHT_FACTOR * stored)
+    self._start(sum(len(value) for _, value in chunks), room,
+                lambda: [store.kvstore.write(key, value) for key, value in chunks])
+    self.written_bytes += nbytes
+
+  def _start(self, nbytes: int, room: int, writes) -> None:
+    """Makes room for a write of `nbytes` (`write_slice`), then starts it: `writes()` gives its futures."""
+    self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
     try:
-      kvstore = store.kvstore
-      futures = [kvstore.write(key, value) for key, value in chunks]
+      futures = writes()
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-    self._in_flight.append((futures, IN_FLIGHT_FACTOR * stored))
-    self.written_bytes += nbytes
+    self._in_flight.append((futures, IN_FLIGHT_FACTOR * nbytes))
 
   @property
   def in_flight_bytes(self) -> int:
