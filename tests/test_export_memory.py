@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import export_sources
+from inspect_tool.streaming import budget
 
 pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
 
@@ -124,6 +125,29 @@ def test_export_under_a_memory_cgroup_matches_the_unbounded_export_byte_for_byte
   name = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0.array.qvalue"
   assert np.asarray(qvalue).tobytes() == np.asarray(b[name].read().result()).tobytes()
 
+
+
+@pytest.mark.skipif(not _cgroup_available(), reason="needs a writable memory cgroup v1 hierarchy (root)")
+def test_freed_blocks_kept_for_reuse_stay_within_the_budget(source, tmp_path):
+  """A budget with over 512 MiB of room beside the process: the allocator keeps freed blocks under 1/256 of the
+  room for reuse (`budget.streaming_allocations`), the plan sets memory aside for them, and the export still stays
+  under a memory cgroup of the budget's size."""
+  path, _ = source
+  limit = 900 * 10**6
+  cgroup = os.path.join(CGROUP_ROOT, f"inspect_export_test_{uuid.uuid4().hex[:8]}")
+  os.mkdir(cgroup)
+  try:
+    with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w", encoding="ascii") as f:
+      f.write(str(limit))
+    out, peak = _export(path, str(tmp_path / "kept"), "--max-memory", str(limit), "--no-validate", cgroup=cgroup)
+  finally:
+    os.rmdir(cgroup)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert peak is not None and peak <= limit, peak
+  memory = json.loads(out.stdout)["memory"]
+  block = memory["kept_freed_bytes"] // budget.KEPT_FACTOR
+  assert 2 * budget.FREED_MEMORY_THRESHOLD <= block < budget.KEPT_BLOCK_MAX, memory  # kept, a share of the room
+  assert memory["slices"] > 53 and memory["two_pass_arrays"] == 0, memory
 
 def _restore_target(tree):
   """ShapeDtypeStructs (one CPU device) for every array in the metadata tree except the token embedding."""

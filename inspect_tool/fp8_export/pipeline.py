@@ -132,10 +132,10 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   leaves = params.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
   max_memory = int(max_memory)
-  budget.streaming_allocations()
+  kept = budget.streaming_allocations(max_memory)
   src = read.open_source(cfg, source, leaves)
   index, count = distributed.process_index(), distributed.process_count()
-  held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
+  held = int(distributed.broadcast_text(str(budget.current_rss() + kept) if index == 0 else None))  # same cuts
   jobs = write_orbax.plan_jobs(plan, src, max_memory, held)
   job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
   stop.check()
@@ -166,6 +166,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     atomic.test_point("written")
     validation = None
     if not skipped:
+      budget.hand_back_freed()  # what the streaming kept: validation plans beside the resident size
       validation = validate_lib.validate(cfg, source, step_dir, data, max_kl=max_kl, mesh=mesh,
                                          tokens=tokens_file or "fixed")
     atomic.test_point("validated")
@@ -175,6 +176,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
               "read_ahead_arrays": sum(job.ahead for job in jobs), "boxes_read_ahead": written.boxes_read_ahead,
               "streamed_arrays": sum(job.streamed for job in jobs),
               "absmax_ahead_arrays": sum(bool(job.ahead_box) for job in jobs),
+              "kept_freed_bytes": kept,
               "decoding": report_lib.decoding(getattr(src, "decodes", {}),
                                               {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
@@ -231,7 +233,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   if chosen.v4:
     write_v4.check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
-  budget.streaming_allocations()
+  kept = budget.streaming_allocations(max_memory)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = params.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
@@ -254,7 +256,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       return arrays.cached_overhead(store(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory, v4=chosen.v4,
-                                      held=budget.current_rss() + write_orbax.RESERVE_BYTES + write_hf.RESERVE_BYTES
+                                      held=budget.current_rss() + kept + write_orbax.RESERVE_BYTES
+                                      + write_hf.RESERVE_BYTES
                                       + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,
                                       cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
@@ -294,6 +297,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                  chosen.label, max_memory)
       validation = None
       if not skipped:
+        budget.hand_back_freed()
         validation = validate_lib.validate_hf(cfg, source, tmp, data, layout=chosen, max_kl=max_kl,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")

@@ -79,11 +79,11 @@ def _leaves(cfg) -> list[tree.Leaf]:
 
 def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
   """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
-  budget.streaming_allocations()
+  kept = budget.streaming_allocations(max_memory)
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
   index = distributed.process_index()
   try:
-    held = int(distributed.broadcast_text(str(budget.current_rss()) if index == 0 else None))  # same cuts everywhere
+    held = int(distributed.broadcast_text(str(budget.current_rss() + kept) if index == 0 else None))  # same cuts
     jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
     job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
     stop.check()

@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import threading
 
 import numpy as np
 
@@ -55,28 +56,33 @@ def counts(values: np.ndarray) -> list[int]:
           int(np.count_nonzero(np.isinf(values)))]
 
 
-def scale_digest(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int) -> tuple[str, list[int]]:
-  """(sha256, [zero, NaN, inf] counts) of the scale tensor `name`, read once."""
+def scale_digest(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int,
+                 into: np.ndarray | None = None) -> tuple[str, list[int]]:
+  """(sha256, [zero, NaN, inf] counts) of the scale tensor `name`, read once (into `into`: `StoredTensors.pieces`)."""
   total = [0, 0, 0]
 
   def add(piece):
     for i, n in enumerate(counts(piece)):
       total[i] += n
 
-  return tensors.digest(name, piece_bytes, add), total
+  return tensors.digest(name, piece_bytes, add, into), total
 
 
 def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], piece_bytes: int) -> dict:
   """name -> [sha256, zero, NaN, inf scale counts] of every stored tensor, this process's share hashed here
-  (`HASH_WORKERS` at once, each in pieces of at most `piece_bytes` / `HASH_WORKERS`)."""
+  (`HASH_WORKERS` at once, each in pieces of at most `piece_bytes` / `HASH_WORKERS`, read into one buffer per
+  worker)."""
   index, count = distributed.process_index(), distributed.process_count()
   share = max(1, piece_bytes // HASH_WORKERS)
+  buffers = threading.local()
 
   def one(name: str) -> list:
+    if getattr(buffers, "piece", None) is None:
+      buffers.piece = np.empty(share, np.uint8)
     if described.get(name, Described()).scale_of is not None:
-      digest, found = scale_digest(tensors, name, share)
+      digest, found = scale_digest(tensors, name, share, buffers.piece)
       return [digest, *found]
-    return [tensors.digest(name, share)]
+    return [tensors.digest(name, share, into=buffers.piece)]
 
   names = [name for number, name in enumerate(tensors.names()) if number % count == index]
   with concurrent.futures.ThreadPoolExecutor(HASH_WORKERS) as pool:

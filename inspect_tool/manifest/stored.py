@@ -76,18 +76,22 @@ class StoredTensors:
   def nbytes(self, name: str) -> int:
     return math.prod(self.shape(name)) * self.dtype(name).itemsize
 
-  def pieces(self, name: str, piece_bytes: int) -> Iterator[np.ndarray]:
-    """The elements of `name` in C order, flat, in pieces of at most `piece_bytes` (at least one element)."""
+  def pieces(self, name: str, piece_bytes: int, into: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The elements of `name` in C order, flat, in pieces of at most `piece_bytes` (at least one element); `into`:
+    a byte buffer of at least `piece_bytes` that an Orbax tensor's pieces are read into, each valid until the next
+    (the same pages every piece, not fresh ones)."""
     shape, dtype, handle = self._tensors[name]
     if self.format == SAFETENSORS:
       yield from _file_pieces(handle, name, math.prod(shape), dtype, piece_bytes)
     else:
-      yield from _array_pieces(handle, name, self.path, shape, dtype.itemsize, piece_bytes)
+      yield from _array_pieces(handle, name, self.path, shape, dtype, piece_bytes, into)
 
-  def digest(self, name: str, piece_bytes: int, on_values: Callable[[np.ndarray], None] | None = None) -> str:
-    """The sha256 (hex) of `name`'s elements as stored; `on_values(piece)` sees every piece on the way."""
+  def digest(self, name: str, piece_bytes: int, on_values: Callable[[np.ndarray], None] | None = None,
+             into: np.ndarray | None = None) -> str:
+    """The sha256 (hex) of `name`'s elements as stored; `on_values(piece)` sees every piece on the way; `into`: as
+    for `pieces`."""
     sha = hashlib.sha256()
-    for piece in self.pieces(name, piece_bytes):
+    for piece in self.pieces(name, piece_bytes, into):
       sha.update(np.ascontiguousarray(piece).view(np.uint8))
       if on_values is not None:
         on_values(piece)
@@ -119,12 +123,18 @@ def slabs(shape: tuple[int, ...], itemsize: int, piece_bytes: int) -> Iterator[t
              + tuple(slice(0, d) for d in shape[axis + 1:]))
 
 
-def _array_pieces(store, name: str, path: str, shape, itemsize: int, piece_bytes: int) -> Iterator[np.ndarray]:
+def _array_pieces(store, name: str, path: str, shape, dtype: np.dtype, piece_bytes: int,
+                  into: np.ndarray | None) -> Iterator[np.ndarray]:
   if math.prod(shape) == 0:
     return
-  for box in slabs(shape, itemsize, piece_bytes):
+  for box in slabs(shape, dtype.itemsize, piece_bytes):
+    view = store[box]
     try:
-      value = store[box].read().result()
+      if into is None:
+        value = view.read().result()
+      else:  # tensorstore writes the piece into the buffer's first bytes
+        value = into[:math.prod(view.shape) * dtype.itemsize].view(dtype).reshape(view.shape)
+        ts.array(value, copy=False, write=True).write(view).result()
     except (ValueError, RuntimeError, OSError) as e:
       raise errors.CheckpointError(f"{path}: cannot read array {name}: {str(e)[:300]}") from None
     yield np.asarray(value).reshape(-1)

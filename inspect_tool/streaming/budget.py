@@ -23,7 +23,10 @@ from quant import compat
 
 SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-5 measured; bench/bench_export.py)
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
-FREED_MEMORY_THRESHOLD = 1 << 20  # glibc's mmap and trim thresholds while exporting (`streaming_allocations`)
+FREED_MEMORY_THRESHOLD = 1 << 20  # glibc's mmap and trim thresholds while streaming under a tight budget
+KEPT_SHARE = 256  # with room to spare, freed blocks up to 1/KEPT_SHARE of the room are kept for reuse
+KEPT_BLOCK_MAX = 32 << 20  # the largest mmap threshold glibc takes on 64-bit hosts (half its heap size)
+KEPT_FACTOR = 16  # memory set aside for the kept blocks, per byte of the threshold (measured: 9.4, bench_gcs)
 
 
 def parse_size(text: str, option: str = "--max-memory") -> int:
@@ -139,21 +142,46 @@ def chunk_within(block: Sequence[int], itemsize: int, limit: int, cuttable: Sequ
   return tuple(chunk)
 
 
-def streaming_allocations() -> None:
-  """Allocation settings for streaming work, whose large buffers each live for one box or slice.
+def kept_block_bytes(room: int) -> int:
+  """The largest freed block the allocator keeps for reuse while streaming with `room` bytes beside the process:
+  1/`KEPT_SHARE` of the room, at most `KEPT_BLOCK_MAX`; `FREED_MEMORY_THRESHOLD` (every block of 1 MiB or more
+  handed back when freed) when that share is under twice as much."""
+  block = min(KEPT_BLOCK_MAX, max(0, room) // KEPT_SHARE)
+  return block if block >= 2 * FREED_MEMORY_THRESHOLD else FREED_MEMORY_THRESHOLD
 
-  glibc hands large freed buffers back to the system at once (fixed 1 MiB mmap and trim thresholds): by default it
-  raises its mmap threshold after each large free, up to 32 MiB, so slice-sized buffers end up in heap arenas that
-  are not given back and the resident size creeps up over many slices (no-op without glibc). And numpy's arrays get
-  no transparent-huge-page advice: each fresh huge page is zeroed whole at its first touch, and on a virtual machine
-  that hands freed memory back to its host (free page reporting) each costs a fault on the host too. Measured,
-  bench_gcs's export local -> local: 10.5-11.5 s with the advice, 8.1-8.9 s without (docs/benchmarks.md).
+
+def streaming_allocations(max_memory: int) -> int:
+  """Allocation settings for streaming work under `max_memory`, whose large buffers each live for one box, slice
+  or chunk; returns the bytes to count as held beside the resident size for the blocks the allocator keeps.
+
+  glibc raises its mmap threshold after each large free by default (up to 32 MiB), so buffers of every size end up
+  in heap arenas that are not given back, and the resident size creeps up over many slices. Fixed thresholds
+  instead (no-op without glibc): blocks from `kept_block_bytes(room)` up are mapped when allocated and handed back
+  when freed; smaller ones (the chunk-sized buffers of tensorstore's reads, encodings and writes) are kept and
+  reused, with `KEPT_FACTOR` times the threshold set aside for them. A fresh page is zeroed at its first touch,
+  and on a virtual machine that hands freed memory back to its host (free page reporting) each costs a fault on
+  the host too: bench_gcs's export local -> local took 8.81 s with every block of 1 MiB or more handed back,
+  7.07 s with blocks under 32 MiB kept (peak RSS 1.12 -> 1.42 GB; docs/benchmarks.md). Under a tight budget
+  (room under 512 MiB) every block of 1 MiB or more is handed back and nothing is set aside. numpy's arrays also
+  get no transparent-huge-page advice: each fresh huge page is zeroed whole at its first touch (10.5-11.5 s with
+  the advice, 8.1-8.9 s without).
   """
   compat.numpy_huge_page_advice(False)
+  block = kept_block_bytes(max_memory - current_rss())
   try:
     libc = ctypes.CDLL("libc.so.6")
   except OSError:
-    return
+    return 0
   m_trim_threshold, m_mmap_threshold = -1, -3
-  libc.mallopt(m_mmap_threshold, FREED_MEMORY_THRESHOLD)
-  libc.mallopt(m_trim_threshold, FREED_MEMORY_THRESHOLD)
+  if not libc.mallopt(m_mmap_threshold, block):
+    return 0
+  libc.mallopt(m_trim_threshold, block if block == FREED_MEMORY_THRESHOLD else 2 * block)
+  return 0 if block == FREED_MEMORY_THRESHOLD else KEPT_FACTOR * block
+
+
+def hand_back_freed() -> None:
+  """Hands the freed memory the allocator keeps back to the system (glibc's `malloc_trim`; no-op without it)."""
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
