@@ -1,6 +1,7 @@
 """`budget.streaming_allocations`: with room to spare, freed chunk-sized blocks are reused (no fresh pages, counted
-by the kernel's minor faults), with memory set aside for them; under a tight budget every block of 1 MiB or more
-goes back to the system when freed, as `hand_back_freed` sends back what was kept."""
+by the kernel's minor faults), with memory set aside for them; with less room every block of 1 MiB or more
+goes back to the system when freed, and `keep_within` sends back what was kept once the process passes the budget less
+what was set aside."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from inspect_tool.streaming import budget
 MIB, GIB = 2**20, 2**30
 
 
-@pytest.mark.parametrize("room, block", [(0, MIB), (511 * MIB, MIB), (512 * MIB, 2 * MIB), (GIB, 4 * MIB),
-                                         (8 * GIB, 32 * MIB), (600 * GIB, 32 * MIB)])
+@pytest.mark.parametrize("room, block", [(0, MIB), (GIB, MIB), (4 * GIB - 1, MIB), (4 * GIB, 16 * MIB),
+                                         (6 * GIB, 24 * MIB), (8 * GIB, 32 * MIB), (600 * GIB, 32 * MIB)])
 def test_the_kept_block_is_a_share_of_the_room_up_to_glibcs_largest(room, block):
   assert budget.kept_block_bytes(room) == block
 
@@ -36,8 +37,12 @@ def faults_of_a_block():
   del block
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 first, second = faults_of_a_block(), faults_of_a_block()
-budget.hand_back_freed()
-print(json.dumps({"kept": kept, "first": first, "second": second, "after_hand_back": faults_of_a_block()}))
+budget.keep_within()  # far under the budget: kept
+within = faults_of_a_block()
+budget.current_rss = lambda: 1 << 50  # a resident size past the budget
+budget.keep_within()
+print(json.dumps({"kept": kept, "first": first, "second": second, "within": within,
+                  "after_hand_back": faults_of_a_block()}))
 """
 
 
@@ -50,11 +55,11 @@ def test_with_room_to_spare_a_freed_chunk_is_reused_and_set_aside():
   found = _probe(8 * GIB)
   assert found["kept"] == budget.KEPT_FACTOR * 32 * MIB
   assert found["first"] >= 3900  # 16 MiB: 4096 pages of 4 KiB, nearly all fresh
-  assert found["second"] < 64  # the same memory again
-  assert found["after_hand_back"] >= 3900  # handed back: fresh pages once more
+  assert found["second"] < 64 and found["within"] < 64  # the same memory again
+  assert found["after_hand_back"] >= 3900  # past the budget, handed back: fresh pages once more
 
 
-def test_under_a_tight_budget_a_freed_chunk_goes_back_to_the_system():
-  found = _probe(256 * MIB)
+def test_with_less_room_a_freed_chunk_goes_back_to_the_system():
+  found = _probe(3 * GIB)
   assert found["kept"] == 0
   assert found["first"] >= 3900 and found["second"] >= 3900

@@ -25,8 +25,10 @@ SLICE_FACTOR = 8  # peak bytes per source byte of a slice, with margin (about 4-
 DEFAULT_SHARE = 0.5  # default --max-memory: this share of the memory available to the process
 FREED_MEMORY_THRESHOLD = 1 << 20  # glibc's mmap and trim thresholds while streaming under a tight budget
 KEPT_SHARE = 256  # with room to spare, freed blocks up to 1/KEPT_SHARE of the room are kept for reuse
+KEPT_BLOCK_MIN = 16 << 20  # ... from this size on (a room of 4 GiB); below it, every block of 1 MiB is handed back
 KEPT_BLOCK_MAX = 32 << 20  # the largest mmap threshold glibc takes on 64-bit hosts (half its heap size)
-KEPT_FACTOR = 16  # memory set aside for the kept blocks, per byte of the threshold (measured: 9.4, bench_gcs)
+KEPT_FACTOR = 16  # memory set aside for the kept blocks, per byte of the threshold (measured: 10-11, bench_gcs)
+_hand_back_above: list[int | None] = [None]  # the resident size past which kept blocks go back (`keep_within`)
 
 
 def parse_size(text: str, option: str = "--max-memory") -> int:
@@ -145,9 +147,9 @@ def chunk_within(block: Sequence[int], itemsize: int, limit: int, cuttable: Sequ
 def kept_block_bytes(room: int) -> int:
   """The largest freed block the allocator keeps for reuse while streaming with `room` bytes beside the process:
   1/`KEPT_SHARE` of the room, at most `KEPT_BLOCK_MAX`; `FREED_MEMORY_THRESHOLD` (every block of 1 MiB or more
-  handed back when freed) when that share is under twice as much."""
+  handed back when freed) when that share is under `KEPT_BLOCK_MIN`."""
   block = min(KEPT_BLOCK_MAX, max(0, room) // KEPT_SHARE)
-  return block if block >= 2 * FREED_MEMORY_THRESHOLD else FREED_MEMORY_THRESHOLD
+  return block if block >= KEPT_BLOCK_MIN else FREED_MEMORY_THRESHOLD
 
 
 def streaming_allocations(max_memory: int) -> int:
@@ -156,18 +158,21 @@ def streaming_allocations(max_memory: int) -> int:
 
   glibc raises its mmap threshold after each large free by default (up to 32 MiB), so buffers of every size end up
   in heap arenas that are not given back, and the resident size creeps up over many slices. Fixed thresholds
-  instead (no-op without glibc): blocks from `kept_block_bytes(room)` up are mapped when allocated and handed back
-  when freed; smaller ones (the chunk-sized buffers of tensorstore's reads, encodings and writes) are kept and
-  reused, with `KEPT_FACTOR` times the threshold set aside for them. A fresh page is zeroed at its first touch,
-  and on a virtual machine that hands freed memory back to its host (free page reporting) each costs a fault on
-  the host too: bench_gcs's export local -> local took 8.81 s with every block of 1 MiB or more handed back,
-  7.07 s with blocks under 32 MiB kept (peak RSS 1.12 -> 1.42 GB; docs/benchmarks.md). Under a tight budget
-  (room under 512 MiB) every block of 1 MiB or more is handed back and nothing is set aside. numpy's arrays also
-  get no transparent-huge-page advice: each fresh huge page is zeroed whole at its first touch (10.5-11.5 s with
-  the advice, 8.1-8.9 s without).
+  instead (no-op without glibc). With a room of 4 GiB or more, blocks under `kept_block_bytes(room)` (the
+  chunk-sized buffers of tensorstore's reads, encodings and writes) are kept and reused, `KEPT_FACTOR` times the
+  threshold is set aside for them in the plan, and `keep_within` hands them back should the process pass the budget
+  less that; larger blocks are mapped when allocated and handed back when freed. A fresh page is zeroed at its first
+  touch, and on a virtual machine that hands freed memory back to its host (free page reporting) each costs a fault
+  on the host too: bench_gcs's export local -> local, 8.81 s with every block of 1 MiB or more handed back, 7.07 s
+  with blocks under 32 MiB kept (peak RSS 1.12 -> 1.42 GB; docs/benchmarks.md). With less room every block of
+  1 MiB or more is handed back and nothing is set aside: what the allocator keeps is not proportional to its
+  threshold (measured 50-80 MB more at 2-4 MiB, over 16 times that). numpy's arrays also get no
+  transparent-huge-page advice: each fresh huge page is zeroed whole at its first touch (10.5-11.5 s with the
+  advice, 8.1-8.9 s without).
   """
   compat.numpy_huge_page_advice(False)
   block = kept_block_bytes(max_memory - current_rss())
+  _hand_back_above[0] = None
   try:
     libc = ctypes.CDLL("libc.so.6")
   except OSError:
@@ -176,7 +181,18 @@ def streaming_allocations(max_memory: int) -> int:
   if not libc.mallopt(m_mmap_threshold, block):
     return 0
   libc.mallopt(m_trim_threshold, block if block == FREED_MEMORY_THRESHOLD else 2 * block)
-  return 0 if block == FREED_MEMORY_THRESHOLD else KEPT_FACTOR * block
+  if block == FREED_MEMORY_THRESHOLD:
+    return 0
+  _hand_back_above[0] = max_memory - KEPT_FACTOR * block
+  return KEPT_FACTOR * block
+
+
+def keep_within() -> None:
+  """Hands the kept blocks back once the resident size passes `--max-memory` less what was set aside for them
+  (called at every write: what the allocator keeps never takes the plan's own room); a no-op when none are kept."""
+  limit = _hand_back_above[0]
+  if limit is not None and current_rss() > limit:
+    hand_back_freed()
 
 
 def hand_back_freed() -> None:

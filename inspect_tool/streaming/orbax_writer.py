@@ -27,6 +27,7 @@ from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
+from inspect_tool.streaming import budget
 from inspect_tool.streaming import verify
 from quant import compat
 from quant import ptq_weights
@@ -140,6 +141,7 @@ class OrbaxArrayWriter:
   def _start(self, nbytes: int, room: int, writes) -> None:
     """Makes room for a write of `nbytes` (`write_slice`), then starts it: `writes()` gives its futures."""
     self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
+    budget.keep_within()
     try:
       futures = writes()
     except Exception as e:  # pylint: disable=broad-except

@@ -29,6 +29,7 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
+from inspect_tool.streaming import budget
 from inspect_tool.streaming import object_shards
 
 DEFAULT_HEADER_RESERVE = 1 << 20  # about 8000 entries (a 5 GB DeepSeek-V3 shard has under 1000); a multiple of 8
@@ -61,6 +62,7 @@ class Region:
     data = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
     if self.position + len(data) > self.end:
       raise AssertionError(f"{self.name}: more bytes than its shape holds")
+    budget.keep_within()
     self.shard.pwrite(data, self.position)
     self.position += len(data)
     if self.complete:
