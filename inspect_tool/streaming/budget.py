@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -173,9 +174,8 @@ def streaming_allocations(max_memory: int) -> int:
   compat.numpy_huge_page_advice(False)
   block = kept_block_bytes(max_memory - current_rss())
   _hand_back_above[0] = None
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
+  libc = _libc()
+  if libc is None:
     return 0
   m_trim_threshold, m_mmap_threshold = -1, -3
   if not libc.mallopt(m_mmap_threshold, block):
@@ -197,7 +197,15 @@ def keep_within() -> None:
 
 def hand_back_freed() -> None:
   """Hands the freed memory the allocator keeps back to the system (glibc's `malloc_trim`; no-op without it)."""
+  libc = _libc()
+  if libc is not None and hasattr(libc, "malloc_trim"):
+    libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+  """glibc, opened once; None where there is none."""
   try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
+    return ctypes.CDLL("libc.so.6")
+  except OSError:
+    return None
