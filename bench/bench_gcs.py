@@ -12,9 +12,11 @@ earlier one behind its proxy; started here on 127.0.0.1). Cases, each one proces
   * gs:// -> local and gs:// -> gs:// (the source read through tensorstore's gcs driver);
   * Orbax: `PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)` (MaxText's configuration) restores the local
     export's arrays, then saves them to the emulator (the same arrays to the same store), and to local disk; its
-    save alone is timed inside the process too.
+    save alone is timed inside the process too. Its data files on gs:// close at 400 MiB (Orbax's default there);
+    a third case saves to gs:// with ours (`orbax_writer.REMOTE_DATA_FILE_BYTES`), for comparison.
 Throughput is source bytes per wall second; `x local` is each case's wall time over local -> local's; the last lines
-give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS), goal <= 1.2x, what writing
+give local -> gs beside Orbax (time, and time beside Orbax's save alone; peak RSS; the median of each round's
+ratio, the two cases of a round run close together), goal <= 1.2x, what writing
 to gs:// adds to each: the export's local -> gs less its local -> local, Orbax's save to gs less its save to disk,
 and the export's stages (writing the arrays, process 0's merge and checks, the manifest's read-back, publishing: the
 pipeline's functions timed by a wrapper around the command) beside local -> local's.
@@ -41,6 +43,7 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import gcs_emulator  # noqa: E402  pylint: disable=wrong-import-position
+from inspect_tool.streaming import orbax_writer  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
@@ -74,14 +77,18 @@ runpy.run_module("inspect_tool", run_name="__main__")
 """
 STAGES = ("write", "merge", "manifest", "publish")
 ORBAX, ORBAX_LOCAL = "orbax save -> gs", "orbax save -> local"
-PEERS = (ORBAX_LOCAL, ORBAX)
+ORBAX_FILES = "orbax -> gs, our files"  # Orbax's save with our data-file size on gs://
+PEERS = (ORBAX_LOCAL, ORBAX, ORBAX_FILES)
 _ORBAX = r"""
 import sys, time
 import orbax.checkpoint as ocp
 with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)) as c:  # MaxText's configuration
   tree = c.restore(sys.argv[1])
   start = time.perf_counter()
-  c.save(sys.argv[2], tree)
+  if len(sys.argv) > 3:  # data files closed at this size (OCDBT's target_data_file_size)
+    c.save(sys.argv[2], args=ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=int(sys.argv[3])))
+  else:
+    c.save(sys.argv[2], tree)
   print(f"SAVE {time.perf_counter() - start:.3f}")
 """
 
@@ -90,7 +97,7 @@ def _order(round_number: int) -> list[str]:
   """The cases of one round: local -> local first (its output is what Orbax restores), then the others rotated by
   the round's number, so that no case always follows the same one (the emulator's state carries over); replacing
   stays right after local -> gs, whose export it replaces."""
-  units = [["local -> gs", REPLACING], ["gs -> local"], ["gs -> gs"], [ORBAX_LOCAL], [ORBAX]]
+  units = [["local -> gs", REPLACING], ["gs -> local"], ["gs -> gs"], [ORBAX_LOCAL], [ORBAX], [ORBAX_FILES]]
   shift = round_number % len(units)
   return [CASES[0], *(case for unit in units[shift:] + units[:shift] for case in unit)]
 
@@ -159,8 +166,10 @@ def main() -> int:
           if case in failed:
             continue
           if case in PEERS:  # the local export's arrays (the first case's output, kept for this) saved again
-            dst = f"gs://{gcs_emulator.BUCKET}/orbax" if case == ORBAX else os.path.join(root, "orbax")
+            dst = f"gs://{gcs_emulator.BUCKET}/orbax" if case != ORBAX_LOCAL else os.path.join(root, "orbax")
             cmd = [sys.executable, "-c", _ORBAX, os.path.join(kept, "0", "items"), dst]
+            if case == ORBAX_FILES:
+              cmd.append(str(orbax_writer.REMOTE_DATA_FILE_BYTES))
           else:
             src, out = (part.strip() for part in case.split(",")[0].split("->"))
             dst = kept if case == CASES[0] else outputs[out]
@@ -203,7 +212,13 @@ def main() -> int:
               f"{save[ORBAX]:.2f} s: {med['local -> gs'] / save[ORBAX]:.2f}x), peak RSS "
               f"{rss['local -> gs'] / rss[ORBAX]:.2f}x (goal <= 1.2x)")
         print("rounds (wall s, in run order): " + "; ".join(
-            f"{case} {', '.join(f'{t:.1f}' for t in times[case])}" for case in ("local -> gs", ORBAX)))
+            f"{case} {', '.join(f'{t:.1f}' for t in times[case])}" for case in ("local -> gs", ORBAX, ORBAX_FILES)
+            if times[case]))
+        for peer in (ORBAX, ORBAX_FILES):
+          if times[peer]:
+            ratios = [ours / theirs for ours, theirs in zip(times["local -> gs"], times[peer])]
+            print(f"local -> gs over {peer}, round by round: {', '.join(f'{r:.2f}' for r in ratios)}; median "
+                  f"{statistics.median(ratios):.2f}x; over its median time {med['local -> gs'] / med[peer]:.2f}x")
         ours, theirs = med["local -> gs"] - med[CASES[0]], save[ORBAX] - save[ORBAX_LOCAL]
         print(f"what gs:// adds: export {ours:.2f} s (local -> gs less local -> local), Orbax {theirs:.2f} s (its save "
               f"to gs less its save to local disk): {ours / theirs if theirs > 0 else float('inf'):.2f}x")

@@ -2,7 +2,7 @@
 (inspect_tool/output/object_store.py), against fake-gcs-server (the `gcs` fixture): Orbax's own API restores the
 gs:// export as it restores the local one, and an export larger than the local temporary directory's file system
 goes through, each process of a job with a 64 MiB tmpfs of its own as TMPDIR (slow: it mounts file systems, as
-root)."""
+root); a gs:// database closes its data files at their target size, so that one commit is several uploads."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import pytest
 
 from gcs_emulator import BUCKET
 from inspect_tool import cli
+from inspect_tool.storage import objects
+from inspect_tool.streaming import orbax_writer
 from test_export import CKPT, TINY, _tokens
 from test_export_distributed import _run_processes, finish
 
@@ -105,3 +107,32 @@ def test_an_export_larger_than_each_processs_tmpdir_goes_straight_to_gs(gcs, tmp
   assert cli.main(["verify", orbax]) == 0 and cli.main(["verify", hf]) == 0
   assert gcs.listing(f"gs://{BUCKET}/big") == sorted([f"orbax/{n}" for n in names]
                                                      + [f"hf/{n}" for n in gcs.listing(hf)])
+
+
+def _data_files(items: str) -> list[int]:
+  """The sizes of the data files of process 0's database under `items` (local directory or gs:// prefix)."""
+  prefix = f"{items}/{orbax_writer.PROCESS_DIR.format(0)}/d"
+  if items.startswith("gs://"):
+    return sorted(len(objects.read(f"{prefix}/{name}")[0]) for name in objects.names(prefix))
+  return sorted(os.path.getsize(os.path.join(prefix, name)) for name in os.listdir(prefix))
+
+
+def test_a_gs_database_closes_each_data_file_at_its_target_size(gcs, tmp_path, monkeypatch):
+  """One write of 256 chunks of 16 KiB (random: zstd keeps most of their size), committed in a few batches: on
+  gs:// its data files close at `REMOTE_DATA_FILE_BYTES` (here 64 KiB), each a request of its own, none above the
+  target and one chunk; a local database (no target) keeps a batch in one file, larger. The values read back
+  whole either way."""
+  monkeypatch.setattr(orbax_writer, "REMOTE_DATA_FILE_BYTES", 64 << 10)
+  value = np.random.default_rng(0).standard_normal((256, 4096)).astype(np.float32)
+  most = (64 << 10) + (16 << 10)
+  for items in (str(tmp_path / "items"), f"gs://{BUCKET}/data-files/items"):
+    writer = orbax_writer.OrbaxArrayWriter(items)
+    store = writer.create(("params", "w"), value.shape, value.dtype, (1, 4096))
+    writer.write(store, (slice(0, 256), slice(0, 4096)), value)
+    writer.wait()
+    np.testing.assert_array_equal(store.read().result(), value)
+    sizes = _data_files(items)
+    if items.startswith("gs://"):
+      assert sizes[-1] <= most and len(sizes) >= sum(sizes) // most, sizes
+    else:
+      assert sizes[-1] > 4 * most, sizes
