@@ -47,7 +47,13 @@ RATIO_LINES = {
                      rf"{NUMBER}x \(goal <= 1\.2x\)$",
                      rf"^replacing that export \(--overwrite\): {NUMBER} s, {NUMBER}x Orbax's restore \+ save to gs, of "
                      rf"which publishing \(the copy of the staging prefix\) {NUMBER} s$",
-                     rf"^rounds \(wall s, in run order\): local -> gs {NUMBER}; orbax save -> gs {NUMBER}$"],
+                     rf"^orbax -> gs, our files\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                     rf"^rounds \(wall s, in run order\): local -> gs {NUMBER}; orbax save -> gs {NUMBER}; "
+                     rf"orbax -> gs, our files {NUMBER}$",
+                     rf"^local -> gs over orbax save -> gs, round by round: {NUMBER}; median {NUMBER}x; over its "
+                     rf"median time {NUMBER}x$",
+                     rf"^local -> gs over orbax -> gs, our files, round by round: {NUMBER}; median {NUMBER}x; over "
+                     rf"its median time {NUMBER}x$"],
     "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
                              rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
