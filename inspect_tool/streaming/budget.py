@@ -29,7 +29,7 @@ KEPT_SHARE = 256  # with room to spare, freed blocks up to 1/KEPT_SHARE of the r
 KEPT_BLOCK_MIN = 16 << 20  # ... from this size on (a room of 4 GiB); below it, every block of 1 MiB is handed back
 KEPT_BLOCK_MAX = 32 << 20  # the largest mmap threshold glibc takes on 64-bit hosts (half its heap size)
 KEPT_FACTOR = 16  # memory set aside for the kept blocks, per byte of the threshold (measured: 10-11, bench_gcs)
-_hand_back_above: list[int | None] = [None]  # the resident size past which kept blocks go back (`keep_within`)
+_hand_back_above: int | None = None  # the resident size past which kept blocks go back (`keep_within`)
 
 
 def parse_size(text: str, option: str = "--max-memory") -> int:
@@ -171,9 +171,10 @@ def streaming_allocations(max_memory: int) -> int:
   transparent-huge-page advice: each fresh huge page is zeroed whole at its first touch (10.5-11.5 s with the
   advice, 8.1-8.9 s without).
   """
+  global _hand_back_above  # pylint: disable=global-statement
   compat.numpy_huge_page_advice(False)
   block = kept_block_bytes(max_memory - current_rss())
-  _hand_back_above[0] = None
+  _hand_back_above = None
   libc = _libc()
   if libc is None:
     return 0
@@ -183,15 +184,14 @@ def streaming_allocations(max_memory: int) -> int:
   libc.mallopt(m_trim_threshold, block if block == FREED_MEMORY_THRESHOLD else 2 * block)
   if block == FREED_MEMORY_THRESHOLD:
     return 0
-  _hand_back_above[0] = max_memory - KEPT_FACTOR * block
+  _hand_back_above = max_memory - KEPT_FACTOR * block
   return KEPT_FACTOR * block
 
 
 def keep_within() -> None:
   """Hands the kept blocks back once the resident size passes `--max-memory` less what was set aside for them
   (called at every write: what the allocator keeps never takes the plan's own room); a no-op when none are kept."""
-  limit = _hand_back_above[0]
-  if limit is not None and current_rss() > limit:
+  if _hand_back_above is not None and current_rss() > _hand_back_above:
     hand_back_freed()
 
 
