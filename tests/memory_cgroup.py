@@ -39,13 +39,13 @@ def limited(limit: int, name: str):
     os.rmdir(group.path)
 
 
-def run_tool(args: list[str], cgroup: Cgroup | None = None, timeout: int = 900):
-  """`python -m inspect_tool ARGS` (joining `cgroup` before exec when given): (completed process with /usr/bin/time's
-  lines removed from stderr, peak RSS in bytes)."""
+def run_tool(args: list[str], cgroup: Cgroup | None = None, timeout: int = 900, env: dict[str, str] | None = None):
+  """`python -m inspect_tool ARGS` (joining `cgroup` before exec when given; `env` over this environment):
+  (completed process with /usr/bin/time's lines removed from stderr, peak RSS in bytes)."""
   join = 'if [ -n "$0" ]; then echo $$ > "$0/cgroup.procs"; fi && exec "$@"'
   cmd = ["sh", "-c", join, cgroup.path if cgroup else "", "/usr/bin/time", "-f", "PEAK_RSS_KB %M", sys.executable,
          "-m", "inspect_tool", *args]
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
                        check=False, timeout=timeout)
   lines = out.stderr.splitlines()
   peak = [int(line.split()[1]) * 1024 for line in lines if line.startswith("PEAK_RSS_KB")]

@@ -124,7 +124,7 @@ def _export(step: str, available: int, dst):
   cfg = config.resolve_config(TOKENS)
   plan = plan_lib.plan_export(cfg)
   src = _Recording(read.open_source(cfg, step, params.model_leaves(cfg)))
-  jobs = write_orbax.plan_jobs(plan, src, write_orbax.RESERVE_BYTES + available, held=0)
+  jobs = write_orbax.plan_jobs(plan, src, write_orbax.reserve_bytes(True) + available, held=0)
   dst.mkdir(parents=True)
   writer, _ = write_orbax.write_arrays(jobs, src, str(dst), quantizers=quantize.Quantizers)
   writer.finalize(str(dst.parent), "items")
