@@ -24,6 +24,12 @@ The emulator runs on the same machine: the figures say what the protocol costs h
 bandwidth would give.
 
   .venv-py3.12/bin/python bench/bench_gcs.py [--dir /tmp] [--repeat 3] [--tiny] [--emulator fake-gcs-server]
+      [--objects memory|files]
+
+`--objects`: fake-gcs-server keeps the objects in its memory (the default) or in files under --dir. In files, most
+of the emulator's time is the kernel copying each upload into the page cache of this machine (60-65% of its CPU
+samples, `perf`), at a cost per byte that changed up to 3x between runs of the same upload here, and that is no
+part of what Cloud Storage costs a client; in memory the emulator's time is the protocol's (HTTP, checksums).
 
 Each round runs local -> local first, then the other cases rotated by one from the round before (`_order`).
 `--tiny` (a smoke run): the 5.6 MB 4-layer deepseek3-tiny checkpoint of tests/data, one round.
@@ -141,14 +147,20 @@ def main() -> int:
   parser.add_argument("--tiny", action="store_true", help="smoke run: the 5.6 MB tests/data source, one round")
   parser.add_argument("--emulator", default=gcs_emulator.FAKE_GCS,
                       choices=(gcs_emulator.FAKE_GCS, gcs_emulator.GCP_STORAGE_EMULATOR))
+  parser.add_argument("--objects", default="memory", choices=("memory", "files"),
+                      help="where fake-gcs-server keeps the objects (default: memory)")
   args = parser.parse_args()
+  if args.objects == "memory" and args.emulator != gcs_emulator.FAKE_GCS:
+    parser.error(f"--objects memory: {gcs_emulator.FAKE_GCS} only; accepted with --emulator {args.emulator}: "
+                 "--objects files")
   repeat = 1 if args.tiny else args.repeat
   if args.dir:
     os.makedirs(args.dir, exist_ok=True)
   root = tempfile.mkdtemp(prefix="bench-gcs-", dir=args.dir)
   faithful = args.emulator == gcs_emulator.FAKE_GCS
   try:  # fake-gcs-server needs no proxy; gcp-storage-emulator works only behind it
-    with gcs_emulator.emulator(Path(root) / "emulator", args.emulator, proxy=not faithful) as gcs:
+    with gcs_emulator.emulator(Path(root) / "emulator", args.emulator, proxy=not faithful,
+                               in_memory=args.objects == "memory") as gcs:
       os.environ.update(gcs.env)
       env = dict(os.environ, JAX_PLATFORMS="cpu")
       tokens, local_src, size = _source(root, args.tiny)
@@ -194,7 +206,7 @@ def main() -> int:
       base = statistics.median(times[CASES[0]])
       label = "tiny" if args.tiny else "scanned"
       print(f"[{label}] export --no-validate of a {size / 1e6:.1f} MB float32 source, median of {repeat}; "
-            f"GCS = the local emulator ({args.emulator})")
+            f"GCS = the local emulator ({args.emulator}, objects in {args.objects})")
       print(f"{'case':<24}{'wall s':>8}{'MB/s':>9}{'peak RSS MB':>13}{'x local':>9}")
       for case in (*CASES, *PEERS):
         if case in failed or not times[case]:

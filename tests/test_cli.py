@@ -1,5 +1,6 @@
 """The command line: help everywhere without JAX, MaxText spellings, exit codes and one-line errors."""
 
+import gc
 import json
 import os
 import re
@@ -49,6 +50,20 @@ def test_the_command_s_process_collects_garbage_less_often():
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
   assert result.returncode == 0 and result.stdout.split() == [str(n) for n in cli.GC_THRESHOLDS], result.stderr
   assert cli.GC_THRESHOLDS != (700, 10, 10)  # Python's defaults
+
+
+def test_the_command_s_process_freezes_what_its_command_imported():
+  """`entry_point` freezes the objects of the command's imports out of the collector's scans (`gc.freeze`); a
+  command run in-process (`cli.main`, as the tests do) leaves the caller's collector alone."""
+  code = ("import atexit, gc, sys; from inspect_tool import cli; "
+          "atexit.register(lambda: print('FROZEN', gc.get_freeze_count(), file=sys.stderr)); "
+          "sys.argv = ['inspect_checkpoint', 'presets']; cli.entry_point()")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+  frozen = [int(line.split()[1]) for line in result.stderr.splitlines() if line.startswith("FROZEN ")]
+  assert result.returncode == 0 and frozen and frozen[0] > 10_000, result.stderr[-2000:]
+  before = gc.get_freeze_count()
+  assert cli.main(["presets"]) == 0
+  assert gc.get_freeze_count() == before
 
 
 def test_normalize_maxtext_boolean_spellings():
