@@ -18,6 +18,7 @@ from qwix._src.core import qarray
 import orbax_sources
 from inspect_tool.configuration import config
 from inspect_tool.streaming import absmax_ahead
+from inspect_tool.streaming import budget
 from inspect_tool.streaming import chunk_stream
 from inspect_tool.coverage import plan as plan_lib
 from inspect_tool.paramtree import params
@@ -124,7 +125,7 @@ def _export(step: str, available: int, dst):
   cfg = config.resolve_config(TOKENS)
   plan = plan_lib.plan_export(cfg)
   src = _Recording(read.open_source(cfg, step, params.model_leaves(cfg)))
-  jobs = write_orbax.plan_jobs(plan, src, write_orbax.reserve_bytes(True) + available, held=0)
+  jobs = write_orbax.plan_jobs(plan, src, budget.reserve_bytes(True) + available, held=0)
   dst.mkdir(parents=True)
   writer, _ = write_orbax.write_arrays(jobs, src, str(dst), quantizers=quantize.Quantizers)
   writer.finalize(str(dst.parent), "items")

@@ -69,7 +69,7 @@ def test_blocks_across_shared_axes_give_qwix_values_over_two_processes(source, t
   cfg, step = source
   plan = plan_lib.plan_export(cfg)
   src = _CountingSource(read.open_source(cfg, step, params.model_leaves(cfg)))
-  max_memory = write_orbax.reserve_bytes(True) + write_orbax.DECODING_CHUNKS * CHUNK + budget.SLICE_FACTOR * SLICE
+  max_memory = budget.reserve_bytes(True) + write_orbax.DECODING_CHUNKS * CHUNK + budget.SLICE_FACTOR * SLICE
   jobs = write_orbax.plan_jobs(plan, src, max_memory, held=0)
   two_pass = [job for job in jobs if job.two_pass]
   experts = [job for job in two_pass if job.leaf.key[-1] in ("wi_0", "wi_1", "wo")]

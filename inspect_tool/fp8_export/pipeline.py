@@ -256,7 +256,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       return arrays.cached_overhead(store(key), box)
 
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory, v4=chosen.v4,
-                                      held=budget.current_rss() + kept + write_orbax.reserve_bytes(chosen.fp8)
+                                      held=budget.current_rss() + kept + budget.reserve_bytes(chosen.fp8)
                                       + write_hf.RESERVE_BYTES
                                       + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
                                       chunk_shape=chunk_shape, read_overhead=read_overhead,

@@ -49,7 +49,7 @@ from inspect_tool.streaming import safetensors_writer
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it
 MAX_ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows of an embedding, head or norm converted at once
-# Beside export's reserves (`write_orbax.reserve_bytes`): a source of 256 KiB chunks peaked 19 MB over the floor then
+# Beside export's reserves (`budget.reserve_bytes`): a source of 256 KiB chunks peaked 19 MB over the floor then
 # named (+16 MiB) in a whole test suite's run (tests/test_export_chunks_memory.py), 48 MB more than alone.
 RESERVE_BYTES = 32 * 2**20
 INDEX_NAME = "model.safetensors.index.json"

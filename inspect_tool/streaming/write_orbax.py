@@ -115,26 +115,12 @@ def _channels(index: tuple[slice, ...], wq) -> tuple:
 
 CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
 DECODING_CHUNKS = read_lib.DECODING_CHUNKS  # source chunks decoded at once
-# Compiling and compiled quantizers, tensorstore's buffers, beside the slices. Measured: `--max-memory 600MB` on the
-# benchmark's embedding source holds 0.26 GB when slicing starts and peaks at 0.39 GB (bench/bench_export.py).
-RESERVE_BYTES = 96 * 2**20
-# Beside it when the write quantizes: the quantizers compiled while slices are in flight. Their block shapes follow
-# the budget, so at a budget not met before every one misses the compilation cache: the floor test's export at
-# 345 MiB peaked at 321 MB with its quantizers in the cache and at 357-365 MB without (tests/test_export_chunks_memory).
-COMPILE_RESERVE_BYTES = 32 * 2**20
-
-
-def reserve_bytes(quantizes: bool) -> int:
-  """What a write sets aside beside the slices: `RESERVE_BYTES`, plus `COMPILE_RESERVE_BYTES` when it quantizes."""
-  return RESERVE_BYTES + (COMPILE_RESERVE_BYTES if quantizes else 0)
-
-
 def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
   """Plans the reads of every source array so that the process stays under `max_memory` bytes (`read_plan`).
 
   What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
-  the plan; plus `reserve_bytes`) holds one chunk-aligned box (two with read-ahead), the chunks being decoded into
-  it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis
+  the plan; plus `budget.reserve_bytes`) holds one chunk-aligned box (two with read-ahead), the chunks being
+  decoded into it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis
   its scales are shared over fits, each source chunk decoded once; else, with absmax scales, in two passes over
   boxes cut along the source's chunks on every axis (`ArrayJob.two_pass`): the first gathers the absmax of the
   boxes that share channels, the second quantizes them, each chunk decoded twice. A streamed two-pass weight gets
@@ -164,7 +150,7 @@ def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[Ar
 
 def _plan_jobs(plan, source, max_memory: int, held: int) -> list[ArrayJob]:
   """`plan_jobs` without gathering ahead."""
-  held += reserve_bytes(bool(plan.weights))
+  held += budget_lib.reserve_bytes(bool(plan.weights))
   jobs, short = [], []
   for key in source.keys():
     leaf = source.leaf(key)
