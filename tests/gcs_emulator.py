@@ -292,7 +292,8 @@ def emulator(data_dir: Path, kind: str | None = None, proxy: bool = True, in_mem
     deadline = time.monotonic() + 30
     while True:
       try:
-        urllib.request.urlopen(f"{url}/storage/v1/b?project=inspect-tests", timeout=2).read()  # its buckets
+        probe = "/storage/v1/b?project=inspect-tests" if in_memory else f"/storage/v1/b/{BUCKET}"  # its bucket list
+        urllib.request.urlopen(url + probe, timeout=2).read()
         break
       except (urllib.error.URLError, ConnectionError) as error:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -1,13 +1,13 @@
-"""The budget is kept on every chunking Orbax writes, in both layouts: sources saved by Orbax itself with one chunk
-per array (a default local save, like MaxText's), with chunks capped by `chunk_byte_size` (what a save to GCS
-gets: 400 MiB, scaled down here) and with small chunks. For each, a budget clearly below the floor the refusal
-names is one line, exit 2; the export at that floor (plus 16 MiB of room for slices), its quantizers missing the
-compilation cache, runs inside a memory cgroup of the budget plus `ALLOWANCE`, with peak RSS under the budget, each source chunk decoded at most twice, and
-writes the bytes of the unbounded export. A source whose routed experts are each one 134 MB chunk exports, in both
-layouts, within a quarter of that chunk beside the process: each chunk is decoded from its stored bytes front to
-back into small boxes (`streaming/chunk_stream.py`), at most twice; in the Orbax layout, 64 MiB above that floor,
-with the two-pass experts' first pass in a stream of its own (`absmax_ahead.py`); and just above one chunk beside
-the process, in one pass, each chunk decoded once."""
+"""The budget is kept on every chunking Orbax writes, in both layouts: sources saved by Orbax itself with one chunk per
+array (a default local save, like MaxText's), with chunks capped by `chunk_byte_size` (what a save to GCS gets: 400
+MiB, scaled down here) and with small chunks. For each, a budget clearly below the floor the refusal names is one
+line, exit 2; the export at that floor (plus 16 MiB of room for slices), its quantizers missing the compilation
+cache, runs inside a memory cgroup of the budget plus `ALLOWANCE`, with peak RSS under the budget, each source chunk
+decoded at most twice, and writes the bytes of the unbounded export. A source whose routed experts are each one 134
+MB chunk exports, in both layouts, within a quarter of that chunk beside the process: each chunk is decoded from its
+stored bytes front to back into small boxes (`streaming/chunk_stream.py`), at most twice; in the Orbax layout, 64
+MiB above that floor, with the two-pass experts' first pass in a stream of its own (`absmax_ahead.py`); and just
+above one chunk beside the process, in one pass, each chunk decoded once."""
 
 from __future__ import annotations
 

@@ -115,17 +115,18 @@ def _channels(index: tuple[slice, ...], wq) -> tuple:
 
 CHUNK_BYTES = 32 * 2**20  # at most this much per destination chunk
 DECODING_CHUNKS = read_lib.DECODING_CHUNKS  # source chunks decoded at once
+
+
 def plan_jobs(plan, source, max_memory: int, held: int | None = None) -> list[ArrayJob]:
   """Plans the reads of every source array so that the process stays under `max_memory` bytes (`read_plan`).
 
-  What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX,
-  the plan; plus `budget.reserve_bytes`) holds one chunk-aligned box (two with read-ahead), the chunks being
-  decoded into it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis
-  its scales are shared over fits, each source chunk decoded once; else, with absmax scales, in two passes over
-  boxes cut along the source's chunks on every axis (`ArrayJob.two_pass`): the first gathers the absmax of the
-  boxes that share channels, the second quantizes them, each chunk decoded twice. A streamed two-pass weight gets
-  its pass 1 gathered ahead by a thread of its own (`absmax_ahead`) when every array still plans with what that
-  holds set aside.
+  What is left after the memory the process already holds (`held`, default: its resident memory now: Python, JAX, the
+  plan; plus `budget.reserve_bytes`) holds one chunk-aligned box (two with read-ahead), the chunks being decoded into
+  it and `budget.SLICE_FACTOR` times a slice. A weight is quantized in one pass when a box that spans every axis its
+  scales are shared over fits, each source chunk decoded once; else, with absmax scales, in two passes over boxes cut
+  along the source's chunks on every axis (`ArrayJob.two_pass`): the first gathers the absmax of the boxes that share
+  channels, the second quantizes them, each chunk decoded twice. A streamed two-pass weight gets its pass 1 gathered
+  ahead by a thread of its own (`absmax_ahead`) when every array still plans with what that holds set aside.
 
   Raises:
     errors.InputError: `max_memory` is smaller than what the smallest read of some array needs; the line names
