@@ -1,4 +1,5 @@
-"""The grouped-matmul backends: Pallas Megablox (interpret mode on CPU) and XLA ragged_dot against the reference.
+"""The grouped-matmul backends: our Pallas kernel and JAX's Megablox (interpret mode on CPU), XLA ragged_dot, against
+the reference.
 
 Bound: with fp8 operands every product is exact in float32, so a kernel can differ from the reference only by
 the order of its float32 sums. Measured (these shapes, jax 0.12.0.1 and 0.10.2 on CPU, relative to the largest
@@ -23,7 +24,10 @@ from inspect_tool.run import runner as running
 from quant import errors
 from quant.gmm import backends as gmm_backends
 from quant.gmm import fp8 as gmm_fp8
+from quant.gmm import kernel as gmm_kernel
+from quant.gmm import megablox as gmm_megablox
 from quant.gmm import pallas as gmm_pallas
+from quant.gmm import tiles as gmm_tiles
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_RULE = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_qtype=E5M2)
@@ -45,7 +49,8 @@ def _run(backend, rule, dtype, seed=0):
   """Output, dlhs and drhs of the grouped matmul on `backend` (float64 numpy)."""
   lhs, rhs, cot = _data(seed)
   lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-  f = lambda l, r: gmm_fp8.quantized_gmm(l, r, GROUPS, rule, jnp.float32, tile_rows=16, backend=backend)
+  tiles = gmm_tiles.Tiles(*[gmm_kernel.Tiling(16, 16, 16)] * 3)
+  f = lambda l, r: gmm_fp8.quantized_gmm(l, r, GROUPS, rule, jnp.float32, tile_rows=16, backend=backend, tiles=tiles)
   out, vjp = jax.vjp(f, lhs, rhs)
   return [np.asarray(x, np.float64) for x in (out, *vjp(jnp.asarray(cot)))]
 
@@ -54,7 +59,8 @@ def _max_rel(a, b):
   return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"] + (["tokamax"] if gmm_backends.tokamax_installed() else []))
+@pytest.mark.parametrize("backend", ["pallas", "megablox", "xla"] + (["tokamax"] if gmm_backends.tokamax_installed()
+                                                                     else []))
 @pytest.mark.parametrize("rule,dtype", [(FP8_RULE, jnp.bfloat16), (None, jnp.float32)], ids=["fp8", "plain"])
 def test_backend_equals_the_reference_forward_and_vjp(backend, rule, dtype):
   got, want = _run(backend, rule, dtype), _run("reference", rule, dtype)
@@ -73,16 +79,18 @@ def _segments(groups):
     start += int(size)
 
 
-def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values():
+@pytest.mark.parametrize("module", [gmm_pallas, gmm_megablox], ids=["pallas", "megablox"])
+def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values(module):
   """K=40 and N=24 against tiles of 16 (partial last tiles), rows straddling row tiles, fp8 operands."""
   lhs, rhs, cot = _data(1, m=48, k=40, n=24)
   groups = np.array([5, 0, 21, 12, 0], np.int32)  # 38 rows in groups
   lhs8, rhs8 = jnp.asarray(lhs, E4M3), jnp.asarray(rhs, E4M3)
   cot8 = jnp.asarray(np.where(np.arange(48)[:, None] < 38, cot, 0), E5M2)
-  out = np.asarray(gmm_pallas.matmul(lhs8, rhs8, jnp.asarray(groups), tile_rows=16, tile=16), np.float64)[:38]
-  dlhs = np.asarray(gmm_pallas.matmul(cot8, rhs8, jnp.asarray(groups), tile_rows=16, tile=16, transpose_rhs=True),
+  tiling = gmm_kernel.Tiling(16, 16, 16)
+  out = np.asarray(module.matmul(lhs8, rhs8, jnp.asarray(groups), tiling=tiling), np.float64)[:38]
+  dlhs = np.asarray(module.matmul(cot8, rhs8, jnp.asarray(groups), tiling=tiling, transpose_rhs=True),
                     np.float64)[:38]
-  drhs = np.asarray(gmm_pallas.outer(lhs8, cot8, jnp.asarray(groups), tile_rows=16, tile=16), np.float64)
+  drhs = np.asarray(module.outer(lhs8, cot8, jnp.asarray(groups), tiling=tiling), np.float64)
   l64, r64, c64 = (np.asarray(x, np.float64) for x in (lhs8, rhs8, cot8))
   want_out, want_dlhs, want_drhs = np.zeros((38, 24)), np.zeros((38, 40)), np.zeros((5, 40, 24))
   for g, rows in _segments(groups):
@@ -115,13 +123,13 @@ def test_auto_picks_pallas_on_tpu_ragged_dot_on_gpu_and_the_reference_on_cpu():
   assert gmm_backends.resolve("auto") == "reference"  # these tests run on CPU
   assert gmm_backends.resolve("auto", platform="tpu") == "pallas"
   assert gmm_backends.resolve("auto", platform="gpu") == ("tokamax" if gmm_backends.tokamax_installed() else "xla")
-  for name in ("reference", "pallas", "xla"):
+  for name in ("reference", "pallas", "megablox", "xla"):
     assert gmm_backends.resolve(name) == name
 
 
 def test_unknown_contradictory_or_missing_backends_are_one_clear_error():
-  with pytest.raises(errors.QuantError, match="gmm_backend='megablox' .* accepted: auto, reference, pallas"):
-    gmm_backends.resolve("megablox")
+  with pytest.raises(errors.QuantError, match="gmm_backend='mosaic' .* accepted: auto, reference, pallas, megablox"):
+    gmm_backends.resolve("mosaic")
   with pytest.raises(errors.QuantError, match="contradicts use_tokamax_backend=true"):
     gmm_backends.resolve("pallas", use_tokamax_backend=True)
   if not gmm_backends.tokamax_installed():
@@ -132,7 +140,8 @@ def test_unknown_contradictory_or_missing_backends_are_one_clear_error():
 
 
 BAD_KEYS = [
-    (["gmm_backend=fast"], "error: gmm_backend='fast'; accepted: 'auto', 'reference', 'pallas', 'xla', 'tokamax'"),
+    (["gmm_backend=fast"], "error: gmm_backend='fast'; accepted: 'auto', 'reference', 'pallas', 'megablox', 'xla', "
+                             "'tokamax'"),
     (["gmm_backend=xla", "use_tokamax_backend=true"], "error: gmm_backend=xla contradicts use_tokamax_backend=true"),
 ] + ([] if gmm_backends.tokamax_installed() else [  # an unavailable backend, where it is unavailable
     (["gmm_backend=tokamax"], "error: gmm_backend=tokamax needs the tokamax package, which is not installed")])

@@ -12,8 +12,9 @@ import shlex
 
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+import orbax_sources
 from safetensors import numpy as st_numpy
 
 import test_export_hf as hf_ref
@@ -49,7 +50,7 @@ def cfg():
 def source():
   """The MaxText checkpoint's arrays (converter layout: the gate bias under params/params)."""
   import jax  # pylint: disable=import-outside-toplevel
-  restored = ocp.StandardCheckpointer().restore(os.path.join(CKPT, "0", "items"))
+  restored = orbax_sources.restore_numpy(os.path.join(CKPT, "0", "items"))
   flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
   return {("params",) + tuple(str(k.key) for k in path): np.asarray(v) for path, v in flat}
 

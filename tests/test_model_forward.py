@@ -8,8 +8,9 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+import orbax_sources
 import qwix
 
 from inspect_tool.configuration import config
@@ -32,7 +33,7 @@ def _rel(ours, golden):
 
 @pytest.fixture(scope="module")
 def checkpoint_arrays():
-  restored = ocp.StandardCheckpointer().restore(str(DATA / "ckpt_deepseek3-tiny-L4-V1024" / "0" / "items"))
+  restored = orbax_sources.restore_numpy(str(DATA / "ckpt_deepseek3-tiny-L4-V1024" / "0" / "items"))
   flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
   return {("params",) + tuple(str(k.key) for k in path): np.asarray(v) for path, v in flat}
 

@@ -15,6 +15,7 @@ import itertools
 import jax
 import numpy as np
 
+from inspect_tool.streaming import read as read_lib
 from quant import ptq_weights
 
 
@@ -40,7 +41,7 @@ class Quantizers:
   """The quantizers of `jobs`' quantized blocks, compiled in order by one background thread."""
 
   def __init__(self, jobs):
-    self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # where `read.to_jax` puts blocks
+    self._sharding = jax.sharding.SingleDeviceSharding(read_lib.compute_device())  # where `read.to_jax` puts blocks
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-quantizers")
     self._compiled: dict[tuple, concurrent.futures.Future] = {}
     for job in jobs:

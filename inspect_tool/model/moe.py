@@ -22,12 +22,14 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from inspect_tool import errors
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import moe_dispatch
 from inspect_tool.model import partitioning
 from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
+from quant.gmm import tiles as gmm_tiles
 
 
 class MoEBiasVar(nnx.Variable):
@@ -46,6 +48,17 @@ def _score(name: str, x: jax.Array) -> jax.Array:
   if name == "softmax":
     return jax.nn.softmax(x)
   return x
+
+
+def gmm_tiles_of(cfg, matmul: str) -> gmm_tiles.Tiles:
+  """The Pallas kernels' tiles of `matmul` ("wi" or "wo"): MaxText's 18 tile keys when any is given (those not given
+  at MaxText's default), else the tiling measured fastest (`quant.gmm.tiles.AUTO`)."""
+  if not any(key in cfg.passthrough for key in gmm_tiles.KEYS):
+    return gmm_tiles.Tiles()
+  try:
+    return gmm_tiles.from_keys(lambda key: gmm_tiles.check(getattr(cfg, key), key), matmul)
+  except ValueError as e:
+    raise errors.ConfigError(str(e)) from None
 
 
 class GateLogit(nnx.Module):
@@ -93,6 +106,7 @@ class RoutedMoE(nnx.Module):
     self.capacity_factor = float(cfg.capacity_factor)
     self.megablox = bool(cfg.megablox)
     self.gmm_backend = gmm_backends.requested(cfg.gmm_backend, use_tokamax_backend=cfg.use_tokamax_backend)
+    self.wi_tiles, self.wo_tiles = gmm_tiles_of(cfg, "wi"), gmm_tiles_of(cfg, "wo")
     self.activations_limit = float(cfg.mlp_activations_limit)  # > 0: DeepSeek-V4 clips the expert activations
     self.gate = GateLogit(cfg, make, hash_routing)
     # DeepSeek-V4's first layers route by token id (`first_num_hash_layers`).
@@ -130,9 +144,10 @@ class RoutedMoE(nnx.Module):
     return weights, idx
 
   # Experts ---------------------------------------------------------------------------------------------
-  def _grouped_matmul(self, lhs, rhs, group_sizes):
+  def _grouped_matmul(self, lhs, rhs, group_sizes, matmul: str):
     if self.megablox:
-      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype, backend=self.gmm_backend)
+      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype, backend=self.gmm_backend,
+                         tiles=self.wi_tiles if matmul == "wi" else self.wo_tiles)
     if gmm_lib.prequantized(rhs) is not None:  # an FP8 export's experts: Qwix QT's quantized ragged_dot
       return gmm_lib.prequantized_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
@@ -150,10 +165,10 @@ class RoutedMoE(nnx.Module):
     order = jnp.argsort(flat)
     rows = jnp.take(jnp.repeat(tokens, self.top_k, axis=0), order, axis=0).astype(self.dtype)
     group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-    up0 = self._grouped_matmul(rows, w0, group_sizes)
-    up1 = self._grouped_matmul(rows, w1, group_sizes)
+    up0 = self._grouped_matmul(rows, w0, group_sizes, "wi")
+    up1 = self._grouped_matmul(rows, w1, group_sizes, "wi")
     hidden = self._activation(up0, up1)
-    down = self._grouped_matmul(hidden, wo, group_sizes)
+    down = self._grouped_matmul(hidden, wo, group_sizes, "wo")
     down = jnp.take(down, jnp.argsort(order), axis=0)
     down = jnp.reshape(down, (b * s, self.top_k, e))
     weights = jnp.reshape(weights, (b * s, self.top_k))

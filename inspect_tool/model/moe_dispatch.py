@@ -93,9 +93,9 @@ def routed_experts(moe, part: partitioning.Partitioning, x, weights, idx, w0, w1
     if ep > 1:
       lhs, sizes, back = _route_to_experts(rows, group_sizes, num_experts=num_experts, top_k=top_k, ep=ep,
                                            axes=ep_axes)
-    hidden = moe._activation(moe._grouped_matmul(lhs, w0, sizes),  # pylint: disable=protected-access
-                             moe._grouped_matmul(lhs, w1, sizes))  # pylint: disable=protected-access
-    down = moe._grouped_matmul(hidden, wo, sizes)  # pylint: disable=protected-access
+    hidden = moe._activation(moe._grouped_matmul(lhs, w0, sizes, "wi"),  # pylint: disable=protected-access
+                             moe._grouped_matmul(lhs, w1, sizes, "wi"))  # pylint: disable=protected-access
+    down = moe._grouped_matmul(hidden, wo, sizes, "wo")  # pylint: disable=protected-access
     if mlp_axes:
       down = jax.lax.psum(down, mlp_axes)
     if ep > 1:

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
@@ -322,12 +323,20 @@ def aligned_empty(shape, dtype) -> np.ndarray:
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def compute_device():
+  """Where an export's blocks are quantized: JAX's first local device, the accelerator on a TPU (or GPU) host, the
+  CPU elsewhere (or under `JAX_PLATFORMS=cpu`)."""
+  return jax.local_devices()[0]
+
+
 def to_jax(value: np.ndarray):
-  """`value` as a jax array on the CPU, sharing its memory when it is aligned (DLPack), else copied."""
-  if (value.dtype in (np.float32, np.float64, np.float16) and value.flags.c_contiguous and value.flags.writeable
-      and value.ctypes.data % ALIGNMENT == 0):
+  """`value` as a jax array on `compute_device()`: on the CPU sharing its memory when it is aligned (DLPack), else
+  copied there."""
+  device = compute_device()
+  if (device.platform == "cpu" and value.dtype in (np.float32, np.float64, np.float16)
+      and value.flags.c_contiguous and value.flags.writeable and value.ctypes.data % ALIGNMENT == 0):
     return jnp.from_dlpack(value)
-  return jnp.asarray(value)
+  return jax.device_put(value, device)
 
 
 class _StoredChunks:
