@@ -36,7 +36,11 @@ print(" ".join(l.split(";")[0].replace(" ", "") for l in lines if not l.startswi
 EOF
 )
   # shellcheck disable=SC2086
-  "$PY" -m pip install -q ${PIP_INSTALL_ARGS:-} $wanted packaging
+  if ! "$PY" -m pip install -q ${PIP_INSTALL_ARGS:-} $wanted packaging; then
+    for requirement in $wanted packaging; do  # one by one: what the index lacks is named, the rest installed
+      "$PY" -m pip install -q ${PIP_INSTALL_ARGS:-} "$requirement" || echo "NOT INSTALLED: $requirement"
+    done
+  fi
   "$PY" -c "import jax, flax, qwix, orbax.checkpoint, treescope; print('jax', jax.__version__, jax.__file__)"
 }
 
