@@ -19,7 +19,7 @@ SHELL := /bin/bash
 IC := $(BIN)/python -m inspect_tool
 M671 := model_name=deepseek3-671b mtp_num_layers=1
 
-.PHONY: help demo test test-stress test-fast durations bench clean stack
+.PHONY: help demo test test-stress test-fast test-tpu durations bench clean stack
 
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ test-stress: stack ## the stress tests (`slow`: memory cgroups, kills, signals, 
 
 test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"
+
+test-tpu: stack ## on a TPU host: the chip's tests (`tpu`) and the golden, export and gmm tests, in one process
+	$(BIN)/python -m pytest -q -p no:cacheprovider -p no:xdist $$(cat tests/tpu_lane.txt)
 
 durations: stack ## measure the whole suite again and rewrite tests/durations.json (what test-fast leaves out)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --junitxml=build/durations.xml

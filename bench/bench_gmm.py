@@ -20,7 +20,7 @@ Cases per shape:
   e5m2 gradients), the quantization included in the time.
 
 `--sweep` times our kernel alone (bf16 and fp8 operands; forward, dlhs and drhs kernels) at a set of tilings and row
-blocks, the chip's pick for `quant.gmm.tiles.AUTO`. Off TPU the Pallas kernels run in interpret mode: `--tiny` is a
+blocks, the measurements behind `quant.gmm.tiles.auto`. Off TPU the Pallas kernels run in interpret mode: `--tiny` is a
 smoke run of the script's structure (reference kernel for ours, no MaxText kernel), not a measurement.
 
   python bench/bench_gmm.py [--grad] [--tokens 4096 8192] [--experts 32] [--maxtext PATH]
@@ -48,7 +48,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 from quant.gmm import backends as gmm_backends  # noqa: E402  pylint: disable=wrong-import-position
 from quant.gmm import fp8 as gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
 from quant.gmm import kernel  # noqa: E402  pylint: disable=wrong-import-position
-from quant.gmm import tiles as gmm_tiles  # noqa: E402  pylint: disable=wrong-import-position
 
 FP8_RULE = qwix.QtRule(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn, bwd_qtype=jnp.float8_e5m2)
 EMB, MLP, TOP_K = 7168, 2048, 8  # DeepSeek-V3: emb_dim, moe_mlp_dim, experts per token
@@ -257,7 +256,7 @@ def main(argv=None) -> None:
   parser.add_argument("--experts", type=int, default=32, help="experts on the chip (default 32: 256 under EP 8)")
   parser.add_argument("--matmuls", nargs="+", choices=("wi", "wo"), default=["wi", "wo"])
   parser.add_argument("--grad", action="store_true", help="forward + backward (3 matmuls)")
-  parser.add_argument("--sweep", action="store_true", help="our kernel alone at each tiling (the AUTO pick)")
+  parser.add_argument("--sweep", action="store_true", help="our kernel alone at each tiling (tiles.auto)")
   parser.add_argument("--kinds", nargs="+", choices=("fwd", "dlhs", "drhs"), default=["fwd", "dlhs", "drhs"],
                       help="--sweep: the kernels to time")
   parser.add_argument("--maxtext", default=None, help="MaxText's maxtext/kernels/megablox/backend.py")
@@ -272,8 +271,7 @@ def main(argv=None) -> None:
     scale, args.experts, args.tokens, args.warmup, args.repeats = 32, 4, [256], 1, 1
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; median of {args.repeats} after "
-        f"{args.warmup} warmup; ours: gmm_backend=auto -> {gmm_backends.resolve('auto')}, tiles "
-        f"{gmm_tiles.AUTO.tm}x{gmm_tiles.AUTO.tk}x{gmm_tiles.AUTO.tn}")
+        f"{args.warmup} warmup; ours: gmm_backend=auto -> {gmm_backends.resolve('auto')}, tiles.auto per shape")
   emb, mlp = EMB // scale, MLP // scale
   shapes = [(t, mm, t * TOP_K, *((emb, mlp) if mm == "wi" else (mlp, emb))) for t in args.tokens for mm in args.matmuls]
   if args.sweep:

@@ -45,7 +45,8 @@ def main(a: str, b: str) -> int:
     for name in differing:
       key = next(k for k in arrays[0] if name.endswith(k) or k.endswith(name.split("params.", 1)[-1]))
       x, y = np.asarray(arrays[0][key]), np.asarray(arrays[1][key])
-      ne = int(np.sum(x.view(np.uint8).reshape(x.size, -1) != y.view(np.uint8).reshape(y.size, -1), axis=1).astype(bool).sum())
+      bytes_x, bytes_y = x.view(np.uint8).reshape(x.size, -1), y.view(np.uint8).reshape(y.size, -1)
+      ne = int(np.any(bytes_x != bytes_y, axis=1).sum())
       total += ne
       print(f"  {name}: {ne} of {x.size} elements differ ({x.dtype}); largest |a-b| "
             f"{float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))):.3g}")

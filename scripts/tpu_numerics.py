@@ -46,6 +46,34 @@ def rel(x, y) -> float:
   return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
+def _forward(extra, golden, cpu: bool = False):
+  """Our forward pass of the L4 checkpoint on the golden batch, on this host's CPU with `cpu` (same process)."""
+  cfg = config.resolve_config(L4 + extra + (["gmm_backend=reference"] if cpu else []))
+  model = runner.quantize_for_training(runner.load_model(cfg, str(DATA / "ckpt_deepseek3-tiny-L4-V1024")), cfg)
+  args = (golden["tokens"],)
+  kwargs = dict(targets=golden["targets"], target_mask=golden["target_mask"], positions=golden["positions"],
+                segment_ids=golden["segment_ids"])
+  if not cpu:
+    return forward_lib.run_forward(model, *args, **kwargs)
+  device = jax.devices("cpu")[0]
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.device_put(state, device))
+  with jax.default_device(device):
+    return forward_lib.run_forward(model, *(jax.device_put(a, device) for a in args),
+                                   **{k: jax.device_put(v, device) for k, v in kwargs.items()})
+
+
+def amplification_figures() -> None:
+  """The same forward pass on the chip and on this host's CPU (which reproduces the goldens): how far apart
+  unquantized, and how far apart with FP8 (its rounding turns small bf16 differences into other fp8 codes)."""
+  g = dict(np.load(DATA / "golden" / "a_noquant.npz"))
+  for label, extra in (("unquantized", []), ("fp8_full", ["quantization=fp8_full", "quantize_mtp=true"])):
+    chip, host = _forward(extra, g), _forward(extra, g, cpu=True)
+    print(f"chip vs this host's CPU, {label:11s}: main rel {rel(chip.logits, host.logits):.3e}, mtp rel "
+          f"{rel(chip.mtp_logits[0], host.mtp_logits[0]):.3e}; top-1 "
+          f"{int((np.asarray(chip.top1) == np.asarray(host.top1)).sum())}/32", flush=True)
+
+
 def forward_figures() -> None:
   golden = {name: dict(np.load(DATA / "golden" / f"{name}.npz")) for name in ("a_noquant", "c_fp8full_mtptrue")}
   g = golden["a_noquant"]
@@ -119,4 +147,6 @@ def _e4m3_shared(rhs):
 if __name__ == "__main__":
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   product_figures()
+  if jax.default_backend() != "cpu":
+    amplification_figures()
   forward_figures()

@@ -75,7 +75,7 @@ commands() {
   run_cmd export-ue8m0 export "${L4[@]}" quantization=fp8_full --checkpoint "$CKPT" --output "$tmp/ue" \
     --layout deepseek-fp8 --scale-fmt ue8m0 --overwrite
   run_cmd export-v4 export model_name=deepseek4-tiny override_model_config=true vocab_size=512 \
-    quantization=fp8_full --checkpoint tests/data/ckpt_v4-small --output "$tmp/v4" --layout deepseek-v4 --overwrite
+    quantization=fp8_full --random-init --output "$tmp/v4" --layout deepseek-v4 --overwrite
   run_cmd import import --path tests/data/import/hf_small --output "$tmp/imported" --overwrite
   run_cmd diff diff "${L4[@]}" --path "$CKPT"
   run_cmd rules rules "${L4[@]}" quantization=fp8_full quantize_mtp=true
@@ -114,7 +114,7 @@ export_step() {
 
 lane() {
   # shellcheck disable=SC2046
-  "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" -rfE $(cat tests/tpu_lane.txt) \
+  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short $(cat tests/tpu_lane.txt) \
     --junitxml="$OUT/lane.xml"
 }
 

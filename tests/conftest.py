@@ -20,9 +20,24 @@ UNMEASURED_SECONDS = 0.1  # a test under the measured threshold (scripts/test_du
 _SAVED_CACHE_ENV = pytest.StashKey[str | None]()
 
 
+def _on_tpu() -> bool:
+  """Whether JAX runs on a TPU chip here (a TPU host whose JAX_PLATFORMS does not keep JAX off it)."""
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+
+  platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+  if platforms and "tpu" not in platforms.split(","):
+    return False
+  return accelerator.tpu_chips_present()
+
+
 def pytest_collection_modifyitems(config, items):
-  """Marks the heavy tests (a test not measured yet counts as quick) and orders the files for `-n 2 --dist
-  loadfile` (`_file_order`)."""
+  """Marks the heavy tests (a test not measured yet counts as quick), skips the `tpu` tests off a TPU host, and
+  orders the files for `-n 2 --dist loadfile` (`_file_order`)."""
+  if not _on_tpu():
+    no_chip = pytest.mark.skip(reason="needs a TPU chip (none here): `make test-tpu` runs it on a TPU host")
+    for item in items:
+      if "tpu" in item.keywords:
+        item.add_marker(no_chip)
   durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
   for item in items:
     if durations.get(item.nodeid, 0.0) >= HEAVY_SECONDS:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import golden_parity
 import orbax_sources
 import qwix
 
@@ -64,18 +65,26 @@ def golden_result(checkpoint_arrays, golden):
 
 def test_main_logits_match_maxtext_golden_bit_for_bit(golden_result, golden):
   assert golden_result.logits.shape == (2, 16, 1024) and golden_result.logits.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(golden_result.logits), golden["logits"])  # measured: relative error 0
-  np.testing.assert_array_equal(np.asarray(golden_result.top1), golden["top1"])
+  golden_parity.assert_unquantized_reproduces(golden_result.logits, golden["logits"], "main")  # measured: 0 (CPU)
+  golden_parity.assert_top1(golden_result.top1, golden["top1"], "unquantized", "main")
 
 
 def test_mtp_logits_match_maxtext_golden_bit_for_bit(golden_result, golden):
   assert golden_result.mtp_logits.shape == (1, 2, 16, 1024)
-  np.testing.assert_array_equal(np.asarray(golden_result.mtp_logits[0]), golden["mtp_logits"])
-  np.testing.assert_array_equal(np.asarray(golden_result.mtp_top1[0]), golden["mtp_top1"])
+  golden_parity.assert_unquantized_reproduces(golden_result.mtp_logits[0], golden["mtp_logits"], "mtp")
+  golden_parity.assert_top1(golden_result.mtp_top1[0], golden["mtp_top1"], "unquantized", "mtp")
 
 
 def test_losses_match_maxtext_golden(golden_result, golden):
-  """Per-token cross-entropy: measured 6.2e-8 relative (float32 log-softmax order); MTP sums: exact."""
+  """Per-token cross-entropy: measured 6.2e-8 relative (float32 log-softmax order); MTP sums: exact. On a TPU chip,
+  whose logits stand 1.3e-2 from the golden, the losses within `golden_parity.TPU_LOSS_RTOL`."""
+  if golden_parity.ON_TPU:
+    tol = golden_parity.TPU_LOSS_RTOL
+    np.testing.assert_allclose(np.asarray(golden_result.xent), golden["main_xent_per_token"], rtol=tol, atol=0)
+    np.testing.assert_allclose(np.asarray(golden_result.mtp_losses), golden["mtp_losses__mtp_block__losses"],
+                               rtol=tol)
+    np.testing.assert_allclose(float(golden_result.loss), golden["main_xent_per_token"].mean(), rtol=tol)
+    return
   np.testing.assert_allclose(np.asarray(golden_result.xent), golden["main_xent_per_token"], rtol=1e-7, atol=0)
   np.testing.assert_array_equal(np.asarray(golden_result.mtp_losses), golden["mtp_losses__mtp_block__losses"])
   np.testing.assert_array_equal(np.asarray(golden_result.mtp_weights), golden["mtp_losses__mtp_block__weights"])
@@ -107,21 +116,23 @@ def test_unscanned_and_layer_axis_zero_models_match_maxtext_golden(checkpoint_ar
   differs: measured relative error 0.01002 (main) and 0.01234 (MTP), top-1 32/32 both; MaxText's own bf16 vs
   float32 compute differ by 0.012 (reference README)."""
   unscanned = _run(_loaded(L4 + ["scan_layers=false"], _unscan(checkpoint_arrays)), golden)
-  assert _rel(unscanned.logits, golden["logits"]) <= 0.0105
-  assert _rel(unscanned.mtp_logits[0], golden["mtp_logits"]) <= 0.0130
-  np.testing.assert_array_equal(np.asarray(unscanned.top1), golden["top1"])
-  np.testing.assert_array_equal(np.asarray(unscanned.mtp_top1[0]), golden["mtp_top1"])
+  bounds = (0.0105, 0.0130) if not golden_parity.ON_TPU else tuple(
+      golden_parity.TPU_BOUND[("unquantized", head)] for head in ("main", "mtp"))
+  assert _rel(unscanned.logits, golden["logits"]) <= bounds[0]
+  assert _rel(unscanned.mtp_logits[0], golden["mtp_logits"]) <= bounds[1]
+  golden_parity.assert_top1(unscanned.top1, golden["top1"], "unquantized", "main")
+  golden_parity.assert_top1(unscanned.mtp_top1[0], golden["mtp_top1"], "unquantized", "mtp")
   axis0 = {k: (np.moveaxis(v, 1, 0) if len(k) > 3 and k[3] in ("dense_layers", "moe_layers") and k[-1] != "bias"
                else v) for k, v in checkpoint_arrays.items()}
   first = _run(_loaded(L4 + ["param_scan_axis=0"], axis0), golden)
-  np.testing.assert_array_equal(np.asarray(first.logits), golden["logits"])
-  np.testing.assert_array_equal(np.asarray(first.mtp_logits[0]), golden["mtp_logits"])
+  golden_parity.assert_unquantized_reproduces(first.logits, golden["logits"], "main")
+  golden_parity.assert_unquantized_reproduces(first.mtp_logits[0], golden["mtp_logits"], "mtp")
 
 
 def test_forward_without_targets_gives_logits_and_mtp_logits_only(checkpoint_arrays, golden):
   result = forward.run_forward(_loaded(L4, checkpoint_arrays), golden["tokens"])
-  np.testing.assert_array_equal(np.asarray(result.logits), golden["logits"])  # measured: bit-exact
-  np.testing.assert_array_equal(np.asarray(result.mtp_logits[0]), golden["mtp_logits"])
+  golden_parity.assert_unquantized_reproduces(result.logits, golden["logits"], "main")  # measured: bit-exact (CPU)
+  golden_parity.assert_unquantized_reproduces(result.mtp_logits[0], golden["mtp_logits"], "mtp")
   assert result.loss is None and result.mtp_losses is None and result.mtp_logits.shape == (1, 2, 16, 1024)
 
 

@@ -52,7 +52,7 @@ def _score(name: str, x: jax.Array) -> jax.Array:
 
 def gmm_tiles_of(cfg, matmul: str) -> gmm_tiles.Tiles:
   """The Pallas kernels' tiles of `matmul` ("wi" or "wo"): MaxText's 18 tile keys when any is given (those not given
-  at MaxText's default), else the tiling measured fastest (`quant.gmm.tiles.AUTO`)."""
+  at MaxText's default), else the tilings measured fastest per shape (`quant.gmm.tiles.auto`)."""
   if not any(key in cfg.passthrough for key in gmm_tiles.KEYS):
     return gmm_tiles.Tiles()
   try:

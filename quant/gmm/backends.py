@@ -101,7 +101,7 @@ def _scaled(out, row_scale, col_scale, out_dtype):
   return out.astype(out_dtype)
 
 
-def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str, tiling: kernel.Tiling,
+def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str, tiling: kernel.Tiling | None,
            transpose_rhs: bool = False, row_scale=None, col_scale=None, out_dtype=jnp.float32):
   """`lhs[r] @ rhs[g(r)]` ([M, K] x [G, K, N] -> [M, N]; `rhs[g].T` with transpose_rhs) on `backend`, float32
   products times `row_scale[r]` ([M, 1] or one) and `col_scale[n]` ([N] in any shape), rounded once to `out_dtype`
@@ -129,7 +129,7 @@ def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str
   return _scaled(out, row_scale, col_scale, out_dtype)
 
 
-def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str, tiling: kernel.Tiling,
+def outer(backend: str, lhs, grad, group_sizes, *, tile_rows: int, strategy: str, tiling: kernel.Tiling | None,
           col_scale=None, out_dtype=jnp.float32):
   """Per-group `lhs[rows of g]^T grad[rows of g]` ([M, K], [M, N] -> [G, K, N]) on `backend`, float32 sums times
   `col_scale[n]`, rounded once to `out_dtype`.

@@ -87,7 +87,8 @@ def visits(group_sizes, m_tiles: int, tm: int, *, visit_empty: bool):
   return (offsets, group_of, tile_of), jnp.sum(counts)
 
 
-def _widen(x, dtype):
+def widen(x, dtype):
+  """`x` as `dtype` (the matrix unit's type) inside the kernel; unchanged when it already is."""
   return x if x.dtype == dtype else x.astype(dtype)
 
 
@@ -95,7 +96,7 @@ def _product(a, b, contract, mxu):
   """a · b contracting axes `contract` (lhs axis, rhs axis), accumulated in int32 (int8) or float32."""
   acc = jnp.int32 if mxu == jnp.int8 else jnp.float32
   precision = jax.lax.Precision.HIGHEST if mxu == jnp.float32 else jax.lax.Precision.DEFAULT
-  return jax.lax.dot_general(_widen(a, mxu), _widen(b, mxu), (((contract[0],), (contract[1],)), ((), ())),
+  return jax.lax.dot_general(widen(a, mxu), widen(b, mxu), (((contract[0],), (contract[1],)), ((), ())),
                              preferred_element_type=acc, precision=precision)
 
 
@@ -151,8 +152,8 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def accumulate(lo: int, rows: int):
-      a = _masked_k(_widen(lhs_ref[pl.ds(lo, rows), :], mxu), 1, k_rem, last_k)
-      b = _masked_k(_widen(rhs_ref[...], mxu), 1 if transpose_rhs else 0, k_rem, last_k)
+      a = _masked_k(widen(lhs_ref[pl.ds(lo, rows), :], mxu), 1, k_rem, last_k)
+      b = _masked_k(widen(rhs_ref[...], mxu), 1 if transpose_rhs else 0, k_rem, last_k)
       acc_ref[pl.ds(lo, rows), :] += _product(a, b, (1, 1 if transpose_rhs else 0), mxu)
 
     @pl.when(full)
@@ -256,8 +257,8 @@ def tgmm(lhs, grad, group_sizes, col_scale=None, *, out_dtype=jnp.float32, tilin
       if masked:
         index = row0 + lo + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         mine = (index >= start) & (index < end)
-        a = jnp.where(mine, _widen(a, mxu), jnp.zeros((), mxu))
-        b = jnp.where(mine, _widen(b, mxu), jnp.zeros((), mxu))
+        a = jnp.where(mine, widen(a, mxu), jnp.zeros((), mxu))
+        b = jnp.where(mine, widen(b, mxu), jnp.zeros((), mxu))
       acc_ref[...] += _product(a, b, (0, 0), mxu)
 
     @pl.when(full)

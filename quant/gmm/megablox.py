@@ -15,6 +15,9 @@ from quant import compat
 from quant.gmm import kernel
 from quant.gmm import target
 
+MAXTEXT_TILING = kernel.Tiling(512, 1024, 1024)  # MaxText 0.2.5's default tile keys
+
+
 def interpret() -> bool:
   """Interpret mode unless the program is compiled for TPU (where Mosaic compiles the kernel)."""
   return target.platform() != "tpu"
@@ -32,12 +35,13 @@ def _pad_rows(x, tm: int):
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
-def _fit(tiling: kernel.Tiling, m: int, k: int, n: int) -> tuple[int, int, int]:
-  fitted = tiling.fit(m, k, n, 16)
+def _fit(tiling: kernel.Tiling | None, m: int, k: int, n: int) -> tuple[int, int, int]:
+  fitted = (tiling or MAXTEXT_TILING).fit(m, k, n, 16)
   return fitted.tm, fitted.tk, fitted.tn
 
 
-def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling, transpose_rhs: bool = False, out_dtype=jnp.float32):
+def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs: bool = False,
+           out_dtype=jnp.float32):
   """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs), accumulated in float32 and stored as `out_dtype` by the kernel
   (as MaxText's Megablox call stores bf16); rows past the groups are undefined (mask them)."""
   kernels = compat.megablox_kernels()
@@ -50,7 +54,7 @@ def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling, transpose_rhs: bool 
   return out[:m]
 
 
-def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling, out_dtype=jnp.float32):
+def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling | None, out_dtype=jnp.float32):
   """`sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N], accumulated in float32, stored as `out_dtype`;
   empty groups give 0."""
   kernels = compat.megablox_kernels()

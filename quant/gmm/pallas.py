@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from quant.gmm import kernel
 from quant.gmm import target
+from quant.gmm import tiles as tiles_lib
 
 
 def interpret() -> bool:
@@ -24,12 +25,13 @@ def _pad_rows(x, rows: int):
   return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) if rows > x.shape[0] else x
 
 
-def _fitted(tiling: kernel.Tiling, m: int, k: int, n: int, *dtypes) -> tuple[kernel.Tiling, int]:
-  fitted = tiling.fit(m, k, n, kernel.row_multiple(*dtypes))
+def _fitted(tiling: kernel.Tiling | None, m: int, k: int, n: int, *dtypes) -> tuple[kernel.Tiling, int]:
+  """The tiling (`tiles.auto` for None) capped to the problem, and the rows padded to its row tile."""
+  fitted = (tiling or tiles_lib.auto(m, k, n)).fit(m, k, n, kernel.row_multiple(*dtypes))
   return fitted, -(-m // fitted.tm) * fitted.tm
 
 
-def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling, transpose_rhs: bool = False, row_scale=None,
+def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs: bool = False, row_scale=None,
            col_scale=None, out_dtype=jnp.float32):
   """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs) times `row_scale[r]` and `col_scale[n]`, rounded once to
   `out_dtype` by the kernel; rows past the groups are undefined (mask them)."""
@@ -46,7 +48,7 @@ def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling, transpose_rhs: bool 
   return out[:m]
 
 
-def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling, col_scale=None, out_dtype=jnp.float32):
+def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling | None, col_scale=None, out_dtype=jnp.float32):
   """Per group `lhs[rows of g]^T grad[rows of g]` -> [G, K, N] times `col_scale[n]`, rounded once to `out_dtype`;
   empty groups give 0."""
   m, k = lhs.shape

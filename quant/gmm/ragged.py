@@ -52,13 +52,19 @@ def xla_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False):
   """float32 `lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs) with XLA's ragged_dot."""
   lhs, rhs = _operands(lhs, rhs)
   return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, TRANSPOSED if transpose_rhs else FORWARD,
-                                    preferred_element_type=jnp.float32)
+                                    preferred_element_type=jnp.float32, precision=_precision(lhs))
 
 
 def xla_outer(lhs, grad, group_sizes):
   """float32 per-group `lhs^T grad` -> [G, K, N] with XLA's ragged_dot."""
   lhs, grad = _operands(lhs, grad)
-  return jax.lax.ragged_dot_general(lhs, grad, group_sizes, OUTER, preferred_element_type=jnp.float32)
+  return jax.lax.ragged_dot_general(lhs, grad, group_sizes, OUTER, preferred_element_type=jnp.float32,
+                                    precision=_precision(lhs))
+
+
+def _precision(x):
+  """HIGHEST for float32 operands (every bit, on an accelerator too), the default for narrower ones."""
+  return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _tokamax_operand(x):

@@ -1,0 +1,185 @@
+"""On a TPU chip (marked `tpu`: skipped elsewhere, `make test-tpu` runs them): our grouped-matmul kernel compiled by
+Mosaic, FP8 products against numpy's FP8 arithmetic, matmul precision, the export's bytes, every command.
+
+References are numpy (float64, ml_dtypes' FP8 rounding) and the same export made on the host's CPU; bounds are the
+errors measured on a TPU v5e (docs/benchmarks.md, "On the chip").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+from quant.gmm import fp8 as gmm_fp8
+from quant.gmm import kernel
+
+pytestmark = pytest.mark.tpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
+TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
+        "first_num_dense_layers=1", "vocab_size=1024"]
+E4M3 = jnp.float8_e4m3fn
+GROUPS = np.array([700, 0, 301, 5, 0, 530, 100], np.int32)  # 1636 rows of 2048: empty groups, boundaries in tiles
+
+
+def _rel(x, y) -> float:
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+def _segments():
+  start = 0
+  for g, size in enumerate(GROUPS):
+    yield g, slice(start, start + int(size))
+    start += int(size)
+
+
+def _operands(dtype, m=2048, k=768, n=640):
+  key = jax.random.key(1)
+  k1, k2, k3 = jax.random.split(key, 3)
+  if dtype == jnp.int8:
+    make = lambda k, shape: jax.random.randint(k, shape, -127, 128, jnp.int32).astype(jnp.int8)
+  else:
+    make = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  return make(k1, (m, k)), make(k2, (len(GROUPS), k, n)), make(k3, (m, n))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, E4M3, jnp.int8], ids=["bf16", "fp8", "int8"])
+def test_our_kernel_compiled_for_the_chip_equals_numpy(dtype):
+  """gmm, gmm with the weight transposed and tgmm, with row and column scales, against float64 numpy on the same
+  operands: exact products, float32 (int32 for int8) sums."""
+  lhs, rhs, grad = _operands(dtype)
+  groups = jnp.asarray(GROUPS)
+  row = jnp.linspace(0.5, 2.0, lhs.shape[0], dtype=jnp.float32)[:, None]
+  col = jnp.linspace(2.0, 0.5, rhs.shape[2], dtype=jnp.float32)[None, :]
+  tiling = kernel.Tiling(512, 256, 256)
+  out = kernel.gmm(lhs, rhs, groups, row, col, out_dtype=jnp.float32, tiling=tiling)
+  dlhs = kernel.gmm(grad, rhs, groups, out_dtype=jnp.float32, tiling=tiling, transpose_rhs=True)
+  drhs = kernel.tgmm(lhs, grad, groups, col, out_dtype=jnp.float32, tiling=tiling)
+  l64, r64, g64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (lhs, rhs, grad))
+  r64_row, c64 = np.asarray(row, np.float64), np.asarray(col, np.float64)
+  worst = 0.0
+  for g, rows in _segments():
+    if rows.stop > rows.start:
+      worst = max(worst, _rel(np.asarray(out)[rows], l64[rows] @ r64[g] * r64_row[rows] * c64),
+                  _rel(np.asarray(dlhs)[rows], g64[rows] @ r64[g].T),
+                  _rel(np.asarray(drhs)[g], l64[rows].T @ g64[rows] * c64))
+    else:
+      assert not np.any(np.asarray(drhs)[g])  # an empty group's weight gradient is zero
+  assert worst <= 2e-6, worst
+
+
+def _e4m3(x, axes):
+  """numpy: x rounded to e4m3 with an absmax scale per index of the axes not in `axes` (those reduced)."""
+  amax = np.max(np.abs(x), axis=axes, keepdims=True)
+  scale = amax / float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+  return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+
+
+def test_fp8_products_on_the_chip_are_numpys_fp8_arithmetic():
+  """MaxText's fp8_full rule on the chip: Qwix's QT dot_general and our grouped matmul, fed inputs made on the chip,
+  equal numpy's FP8 arithmetic on those inputs and stand as far from the unquantized product as FP8 rounding does."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (256, 512), jnp.float32)
+  w = jax.random.normal(k2, (512, 384), jnp.float32) * 512**-0.5
+
+  class Layer(nnx.Module):
+    def __init__(self):
+      self.kernel = nnx.Param(w)
+
+    def __call__(self, inputs):
+      return jax.lax.dot_general(inputs, self.kernel[...], (((1,), (0,)), ((), ())),
+                                 precision=jax.lax.Precision.HIGHEST)
+
+  rule = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_qtype=jnp.float8_e5m2)
+  model = qwix.quantize_model(Layer(), qwix.QtProvider([rule]), x)
+  dense = jax.jit(lambda m, a: m(a))(model, x)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  assert _rel(dense, _e4m3(x64, (1,)) @ _e4m3(w64, (0,))) <= 2e-7  # measured 1.04e-7
+  assert _rel(dense, x64 @ w64) >= 0.02  # measured 0.037: FP8 rounding kept
+  rhs = jax.random.normal(k3, (3, 512, 384), jnp.float32) * 512**-0.5
+  groups = jnp.asarray([100, 0, 156], jnp.int32)
+  out = gmm_fp8.quantized_gmm(x, rhs, groups, rule, jnp.float32, backend="pallas")
+  xq, rq = _e4m3(x64, (1,)), _e4m3(np.asarray(rhs, np.float64), (0, 1))
+  want = np.concatenate([xq[:100] @ rq[0], xq[100:] @ rq[2]])
+  assert _rel(out, want) <= 2e-7
+  assert _rel(out, np.concatenate([x64[:100] @ np.asarray(rhs[0]), x64[100:] @ np.asarray(rhs[2])])) >= 0.02
+
+
+def test_fp8_codes_widen_exactly_in_the_kernel():
+  """Every float8_e4m3fn and float8_e5m2 code but NaN, widened inside a Pallas kernel on the chip: its exact value."""
+  for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn if dtype == E4M3 else ml_dtypes.float8_e5m2)
+    codes = np.where(np.isfinite(codes.astype(np.float32)), codes, codes[0])
+    block = jnp.asarray(np.tile(codes, 16 * 32).reshape(32, 128 * 32)[:, :128 * 4])
+
+    def widen(x_ref, o_ref):
+      o_ref[...] = kernel.widen(x_ref[...], jnp.bfloat16).astype(jnp.float32)
+
+    from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+    got = pl.pallas_call(widen, out_shape=jax.ShapeDtypeStruct(block.shape, jnp.float32))(block)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(block).astype(np.float32))
+
+
+def test_highest_precision_makes_float32_products_exact_on_the_chip():
+  """The chip's float32 matmul at DEFAULT precision rounds its operands (one bf16 pass); at HIGHEST it is exact:
+  what `matmul_precision=highest` asks of every float32 matmul of the model."""
+  a = jax.random.normal(jax.random.key(2), (256, 512), jnp.float32)
+  b = jax.random.normal(jax.random.key(3), (512, 256), jnp.float32)
+  want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  assert _rel(jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), want) <= 1e-6
+  assert _rel(jnp.dot(a, b, precision=jax.lax.Precision.DEFAULT), want) >= 1e-4
+
+
+def _tool(*argv, env=None, timeout=600):
+  return subprocess.run([sys.executable, "-m", "inspect_tool", *argv], capture_output=True, text=True, cwd=REPO,
+                        env=dict(os.environ, **(env or {})), timeout=timeout, check=False)
+
+
+def test_jax_default_matmul_precision_highest_runs_the_fp8_forward():
+  done = _tool("forward", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT,
+               env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "main loss" in done.stdout
+
+
+def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path):
+  """The same export quantized on the chip and on the host's CPU (JAX_PLATFORMS=cpu): every stored tensor's sha256."""
+  args = ["export", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT, "--no-validate"]
+  for where, env in (("tpu", {}), ("cpu", {"JAX_PLATFORMS": "cpu"})):
+    done = _tool(*args, "--output", str(tmp_path / where), env=env)
+    assert done.returncode == 0, (where, done.stderr[-2000:])
+  hashes = {}
+  for where in ("tpu", "cpu"):
+    with open(tmp_path / where / "export_manifest.json", encoding="utf-8") as f:
+      hashes[where] = {t["name"]: t["sha256"] for t in json.load(f)["tensors"]}
+  assert hashes["tpu"] == hashes["cpu"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["forward", *TINY, "--checkpoint", CKPT],
+    ["diff", *TINY, "--path", CKPT],
+    ["rules", *TINY, "quantization=fp8_full", "quantize_mtp=true"],
+    ["maxtext", *TINY, "--summary"],
+    ["import", "--path", os.path.join(REPO, "tests", "data", "import", "hf_small"), "--output", "{tmp}/imported"],
+    ["export", *TINY, "quantization=fp8_full", "--checkpoint", CKPT, "--output", "{tmp}/ds", "--layout",
+     "deepseek-fp8"],
+    ["export", *TINY, "quantization=fp8_full", "--checkpoint", CKPT, "--output", "{tmp}/ue", "--layout",
+     "deepseek-fp8", "--scale-fmt", "ue8m0"],
+    ["export", "model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512", "quantization=fp8_full",
+     "--random-init", "--output", "{tmp}/v4", "--layout", "deepseek-v4"],
+], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-deepseek-v4"])
+def test_every_command_runs_on_the_chip(argv, tmp_path):
+  done = _tool(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
+  assert done.returncode == 0, done.stderr[-2000:]
