@@ -8,6 +8,7 @@ products are exact too); up to 1.6e-7 for XLA's float32 plain path. The tests al
 DeepSeek-V3 sizes (K 7168) the sums round: order noise is then bounded by about K * 6e-8 relative (not measured).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def _data(seed=0, m=M, k=K, n=N, groups=GROUPS):
 
 def _interpreted(fn):
   """`fn` with the Pallas kernels in interpret mode (these shapes are below Mosaic's tiles), also on a TPU host."""
+  @functools.wraps(fn)
   def run(*args, **kwargs):
     with gmm_target.compiling_for("cpu"):
       return fn(*args, **kwargs)
