@@ -80,7 +80,8 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     wq = ptq_weights.WeightQuant(
         key=tree.param_key(tuple(op.weight.split("/"))), shape=stored_shape,
         channel_axes=ptq_weights.stored_channel_axes(local, op.operand_shape, stored_shape, extra),
-        qtype=fp8.resolve_qtype(rule.weight_qtype).name, calibration=rule.weight_calibration_method or "absmax",
+        qtype=fp8.resolve_qtype(rule.weight_qtype, integers=True).name,
+        calibration=rule.weight_calibration_method or "absmax",
         compute_dtype=op.operand_dtype, kind="grouped" if op.op_name in ptq_weights.GROUPED_OPS else "dense",
         ops=(f"{op.module}:{op.op}",))
     previous = planned.get(wq.key)
