@@ -65,7 +65,7 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     raise errors.ConfigError("export needs a quantization; pass e.g. quantization=fp8_full "
                              "(accepted: any quantization mode with fp8 weights)")
   with progress.step("tracing quantization rules"):
-    report = model_coverage.trace_coverage(cfg, rule_list)
+    report = model_coverage.trace_coverage(cfg, None if rules is None else rule_list)  # None: reasons name keys
   planned: dict = {}
   for op in report.ops:
     if not (op.matmul and op.weight and report.op_quantized(op)):
@@ -108,11 +108,17 @@ def orbax_export_leaves(cfg: config_lib.ModelConfig) -> list[tree.Leaf]:
 def fp8_sizing(cfg) -> fp8_size.Fp8Sizing | None:
   """The summary's fp8 column under the config's own rules, or MaxText's `quantization=fp8_full` when it sets none;
   None if they cannot export."""
+  return sized_plan(cfg)[0]
+
+
+def sized_plan(cfg) -> tuple[fp8_size.Fp8Sizing | None, ExportPlan | None]:
+  """(`fp8_sizing(cfg)`, the export plan under the config's own rules, None when it sets no quantization or its
+  rules cannot export): one trace for both."""
   try:
     if cfg.quantization:
-      rules, basis = None, f"quantization={cfg.quantization} rules"
-    else:
-      rules, basis = model_coverage.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
-    return fp8_size.from_plan(plan_export(cfg, rules), basis)
+      plan = plan_export(cfg)
+      return fp8_size.from_plan(plan, f"quantization={cfg.quantization} rules"), plan
+    rules = model_coverage.config_rules(cfg.replace(quantization="fp8_full"))
+    return fp8_size.from_plan(plan_export(cfg, rules), "quantization=fp8_full rules"), None
   except (errors.InspectError, quant_errors.QuantError):  # e.g. a batch-split model: MaxText's own fp8 path
-    return None
+    return None, None
