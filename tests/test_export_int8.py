@@ -100,6 +100,19 @@ def test_the_export_runs_as_maxtexts_own_int8_forward(exported, capsys, tmp_path
   assert "is an int8 export" in err and "quantization=int8" in err
 
 
+def test_listing_diff_and_verify_take_the_int8_export(exported, capsys):
+  code, out, err = _run(capsys, "orbax", "--path", exported.dst, "--check_dtype")
+  assert code == 0 and "an int8 export (" in err
+  assert ("key: params.params.decoder.moe_layers.self_attention.wq_a.kernel.array.qvalue | shape: (64, 3, 32) | "
+          "dtype: int8") in out.splitlines()
+  code, out, _ = _run(capsys, "diff", *TOKENS, "--path", exported.dst)
+  assert code == 0 and "AGREE: model and checkpoint agree (70 weights)" in out
+  code, out, _ = _run(capsys, "diff", *TINY, "--path", exported.dst)
+  assert code == 1 and "the checkpoint is an int8 export but the model has no quantization → quantization=int8" in out
+  code, out, _ = _run(capsys, "verify", exported.dst)
+  assert code == 0 and out.startswith(f"verified {exported.dst}: 70 tensors")
+
+
 def test_validation_is_gated_on_kl_and_costs_what_int8_costs_in_maxtext(exported):
   """Against the source under the same rules (Qwix QT): KL 0, exact; against the unquantized source: the figures of
   MaxText's own int8 golden against its unquantized one (cosine, top-1, KL, relative error)."""

@@ -147,8 +147,9 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
   compared = comparison_description(cfg, checkpoint) if compare else None
   model = load_model(cfg, checkpoint, mesh=mesh)
   if (compare or grad) and exports.is_quantized_model(model):
-    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
-                            f"{exports.REPORT_NAME} holds the comparison with its source)")
+    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an "
+                            f"{exports.label(checkpoint)} (its {exports.REPORT_NAME} holds the comparison with its "
+                            "source)")
   quantized = quantize_for_training(model, cfg)
   main = "forward pass" if quantized is model else f"forward pass ({cfg.quantization}, Qwix QT)"
   return Run(result=forward(quantized, batch, main),
