@@ -105,7 +105,7 @@ def test_rules_on_v5p_says_fp8_saves_memory_there_and_int8_runs_at_twice_bf16(ca
   assert code == 0 and same == out
 
 
-def test_rules_json_and_markdown_carry_the_chip(capsys):
+def test_rules_json_markdown_and_html_carry_the_chip(capsys, tmp_path):
   code, out, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--topology", "v5e-8", "--format", "json")
   assert code == 0
   chip = json.loads(out)["summary"]["chip"]
@@ -120,6 +120,10 @@ def test_rules_json_and_markdown_carry_the_chip(capsys):
   assert {r[0]: r[-1] for r in rows if r[-1]} == {name: "int8 units, 2x bf16" for name in INT8_GROUPS}
   code, out, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--format", "json")
   assert json.loads(out)["summary"]["chip"] is None
+  page = tmp_path / "rules.html"
+  code, _, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--chip", "v5e", "--html", str(page))
+  text = page.read_text(encoding="utf-8")
+  assert code == 0 and "<th>on v5e</th>" in text and "On v5e: int8 units, 2x bf16" in text
 
 
 def test_an_unknown_chip_or_a_disagreeing_topology_is_one_line_exit_2(capsys):
@@ -151,3 +155,5 @@ def test_maxtext_summary_on_a_topology_says_how_the_quantization_runs_there(caps
   assert {g["name"] for g in data["chip"]["groups"]} == set(QUANTIZED_GROUPS) - {"MTP block"}
   code, out, _ = _run(capsys, "maxtext", *TINY, "quantization=int8", "--summary")
   assert code == 0 and "At a glance" not in out and "On v" not in out
+  code, _, err = _run(capsys, "maxtext", *TINY, "quantization=int8", "--chip", "v5e")
+  assert code == 2 and "--chip reports with the summary: add --summary" in err

@@ -53,6 +53,8 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   devices = sharding.devices_for(cfg, devices, topology)
   if devices is None and (train or device_memory):
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
+  if chip is not None and not summary and fmt == "text":
+    raise click.UsageError("--chip reports with the summary: add --summary (or --format json / markdown)")
   if key_filter is not None and device_memory:
     raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
   report, model = model_listing.model_listing(cfg, include_all=include_all, source=config.model_source(overrides),
