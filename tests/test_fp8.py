@@ -1,4 +1,5 @@
-"""FP8 (and int8) numerics: bit-identity with Qwix, scale shapes and edge values, calibrations, DeepSeek block scales."""
+"""FP8 (and int8) numerics: bit-identity with Qwix, scale shapes and edge values, calibrations, DeepSeek block
+scales."""
 
 import jax.numpy as jnp
 import ml_dtypes

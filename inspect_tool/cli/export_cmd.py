@@ -62,7 +62,8 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
   block with quantize_mtp=true) is written as the rule's weight type (float8_e4m3fn; int8 with quantization=int8)
-  plus scales at the forward pass's granularity; everything else is copied. Exit 0 when validation passes, 1 when a head's KL from the source is above --max-kl.
+  plus scales at the forward pass's granularity; everything else is copied. Exit 0 when validation passes, 1 when
+  a head's KL from the source is above --max-kl.
 
   The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
   first line printed says which.

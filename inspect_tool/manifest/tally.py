@@ -2,8 +2,8 @@
 
 A slice's error is |qvalue × scale − source| in float32, element by element; relative to the block's absmax it is
 that error over |scale| × the quantized dtype's largest value (the block's absmax as the quantizer's absmax
-calibration saw it: scale = absmax / max; for int8 max is Qwix's 127.5). Slices may come from several threads (`observe` takes a lock) and from
-several processes (`to_json` / `merge`).
+calibration saw it: scale = absmax / max; for int8 max is Qwix's 127.5). Slices may come from several threads
+(`observe` takes a lock) and from several processes (`to_json` / `merge`).
 """
 
 from __future__ import annotations

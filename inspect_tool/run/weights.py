@@ -1,8 +1,8 @@
 """Which weights a run used, in words, for `forward` and `export` to print: nothing is left to guess.
 
 `describe(cfg, checkpoint)`: "random init, seed 0", "Orbax checkpoint /abs/ckpt/1000/items (step 1000)",
-"FP8 export /abs/fp8-export" (or "int8 export ..."), or "Hugging Face directory /abs/hf (fp8 block-quantized)". The checkpoint kinds are
-recognised in the order `runner.load_model` tries them.
+"FP8 export /abs/fp8-export" (or "int8 export ..."), or "Hugging Face directory /abs/hf (fp8 block-quantized)". The
+checkpoint kinds are recognised in the order `runner.load_model` tries them.
 """
 
 from __future__ import annotations
