@@ -36,11 +36,11 @@ stack: $(BIN)/.installed ## create the virtual environment if needed and print t
 	print('stack: Python', sys.version.split()[0], *(p + ' ' + m.version(p) for p in \
 	('jax', 'flax', 'qwix', 'orbax-checkpoint', 'numpy')), '($(VENV))')"
 
-demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on a v5p-512 slice (no accelerator)
+demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage and its speed on v5p, fit on a v5p-512 slice
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) --summary   # (the 58-line listing left out)'
 	@$(IC) maxtext $(M671) --summary | sed -n '/^Total Parameters/,$$p'
-	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true   # (the verdict)'
-	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true \
+	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true --topology v5p-512   # (the verdict)'
+	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true --topology v5p-512 \
 	  | sed -n '/^At a glance/,/^$$/p'
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 \'
 	@echo '    per_device_batch_size=1 --topology v5p-512 --summary --train adamw   # (per-device totals)'

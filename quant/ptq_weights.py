@@ -173,7 +173,7 @@ def gathers_absmax(wq: WeightQuant) -> bool:
 
 
 def _statics(wq: WeightQuant) -> dict:
-  return dict(qtype=fp8.resolve_qtype(wq.qtype).name, calibration=wq.calibration,
+  return dict(qtype=fp8.resolve_qtype(wq.qtype, integers=True).name, calibration=wq.calibration,
               compute_dtype=jnp.dtype(wq.compute_dtype).name)
 
 
@@ -193,7 +193,7 @@ def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, shardi
 
 
 def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYTES):
-  """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 channelwise.
+  """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 or int8 channelwise.
 
   Works on sharded `jax.Array`s; bit-identical however `x` is sharded (absmax and the elementwise steps do not
   depend on the order of reduction). A weight larger than `chunk_bytes` is quantized in slices along its

@@ -13,7 +13,7 @@ import pytest
 GOLDEN_DIR = pathlib.Path(__file__).parent / "data" / "golden"
 UNQUANTIZED = "a_noquant.npz"
 FP8 = {False: "b_fp8full_mtpfalse.npz", True: "c_fp8full_mtptrue.npz"}  # by quantize_mtp
-# MaxText's fp8_full quantize_mtp=true forward with megablox=false (Qwix's ragged_dot): golden/make_golden_d.py
+# MaxText's fp8_full quantize_mtp=true forward with megablox=false (Qwix's ragged_dot): golden/make_golden.py
 MEGABLOX_FALSE = "d_fp8full_mtptrue_megablox_false.npz"
 AWAY = 0.05  # an fp8 result must stand at least this far (relative error) from the unquantized golden
 # MaxText's own stack (jax 0.12) reproduces the fp8 goldens bit for bit. jax 0.10 (the Python 3.11 venv) rounds a few

@@ -1,4 +1,5 @@
-"""Loads an FP8 export (`inspect_checkpoint export`) into the quantized model: Qwix PTQ + pre-quantized experts.
+"""Loads an export (`inspect_checkpoint export`, FP8 or int8) into the quantized model: Qwix PTQ + pre-quantized
+experts.
 
 The model is built abstractly and wrapped by `qwix.quantize_model` with a `PtqProvider` over the config's
 rules (one abstract call under `nnx.eval_shape`), so every dense kernel a rule quantizes becomes
@@ -75,7 +76,7 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
 
 
 def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
-  """The quantized model with the export's FP8 weights (see the module docstring), on `mesh`'s devices.
+  """The quantized model with the export's FP8 or int8 weights (see the module docstring), on `mesh`'s devices.
 
   Raises:
     errors.InputError: the config has no quantization.
@@ -85,7 +86,8 @@ def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
   rules = model_coverage.config_rules(cfg)
   if not rules:
     hint = exports.export_keys_hint(path) or "the quantization keys it was exported with"
-    raise errors.InputError(f"checkpoint {path!r} is an FP8 export; load it into the quantized model: add {hint}")
+    raise errors.InputError(f"checkpoint {path!r} is an {exports.label(path)}; load it into the quantized model: add "
+                            f"{hint}")
   listing = orbax_metadata.read_listing(path)
   model = _ptq_template(cfg, rules)
   _prequantize_params(model, listing)

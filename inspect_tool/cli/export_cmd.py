@@ -1,4 +1,5 @@
-"""`export`: write the quantization-applied model as an FP8 checkpoint, then validate it against its source."""
+"""`export`: write the quantization-applied model as an FP8 (or int8) checkpoint, then validate it against its
+source."""
 
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
-  block with quantize_mtp=true) is written as float8_e4m3fn values plus scales at the forward pass's granularity;
-  everything else is copied. Exit 0 when validation passes, 1 when a head's KL from the source is above --max-kl.
+  block with quantize_mtp=true) is written as the rule's weight type (float8_e4m3fn; int8 with quantization=int8)
+  plus scales at the forward pass's granularity; everything else is copied. Exit 0 when validation passes, 1 when
+  a head's KL from the source is above --max-kl.
 
   The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
   first line printed says which.
@@ -99,6 +101,8 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
                             "--num-processes and --process-id")
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
+  if layout != "orbax":
+    hf_layouts.check_quantization(hf_layouts.resolve(layout, scale_fmt), cfg.quantization)
   budget.resolve_max_memory(max_bytes)
   data = None
   if validate:

@@ -31,10 +31,11 @@ MAX_DEVICES = 1 << 20  # far above any slice or job MaxText runs on
               "training step with --train, else the forward pass. The verdict is XLA's: exit 1 when it does not fit.")
 @click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB; default: the --topology "
               "chip's): exit 1 when the largest device does not fit, naming the largest contributors and what fits.")
+@options.chip_option
 @options.output_options
 @options.listing_options
-def maxtext(overrides, include_all, verbose, devices, topology, train, compile_, device_memory, fmt, check_dtype,
-            output_file, html_file, summary, key_filter, collapse):
+def maxtext(overrides, include_all, verbose, devices, topology, train, compile_, device_memory, chip, fmt,
+            check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.listings import model_listing  # pylint: disable=import-outside-toplevel
@@ -52,10 +53,13 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   devices = sharding.devices_for(cfg, devices, topology)
   if devices is None and (train or device_memory):
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
+  if chip is not None and not summary and fmt == "text":
+    raise click.UsageError("--chip reports with the summary: add --summary (or --format json / markdown)")
   if key_filter is not None and device_memory:
     raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
   report, model = model_listing.model_listing(cfg, include_all=include_all, source=config.model_source(overrides),
-                                         key_filter=key_filter, fp8_column=summary or fmt != "text")
+                                              key_filter=key_filter, fp8_column=summary or fmt != "text",
+                                              chip=options.chip_of(topology, chip))
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
                                topology=topology, overrides=overrides)

@@ -102,6 +102,35 @@ def report_options(formats=("text", "json"), html: str | None = None, overwrite:
   return decorate
 
 
+CHIP_HELP = ("Say how each group's quantized matmuls run on this chip's matrix units (v4, v5e, v5p, v6e, tpu7x, "
+             "h100, h200, b200): natively and how fast against bf16, or widened to bf16; and which MaxText mode runs "
+             "faster there.")
+chip_option = click.option("--chip", help=CHIP_HELP)
+
+
+def chip_options(func):
+  """--topology and --chip of `rules`: the chip whose matrix units the verdicts at a glance are about."""
+  func = chip_option(func)
+  return click.option("--topology", help="A MaxText slice name (v5p-512, v6e-64, a3, ...) or a chip's name: as "
+                      "--chip, for that slice's chip.")(func)
+
+
+def chip_of(topology: str | None, chip: str | None) -> str | None:
+  """The chip `--chip` names, else `--topology`'s (None: neither given); both given, they must agree (exit 2)."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.sharding import matrix_units  # pylint: disable=import-outside-toplevel
+  from inspect_tool.sharding import mesh  # pylint: disable=import-outside-toplevel
+
+  of_topology = mesh.topology_chip(topology).name if topology is not None else None
+  if chip is not None:
+    matrix_units.chip(chip)
+    if of_topology is not None and of_topology != chip:
+      raise errors.InputError(f"--chip {chip} disagrees with --topology {topology} (a {of_topology} slice); give "
+                              "one of them, or both agreeing")
+    return chip
+  return of_topology
+
+
 def remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
   """Records --overwrite for `check_output_files` (also the callback of a command's own --overwrite)."""
   ctx.meta["inspect_checkpoint.overwrite"] = bool(value)

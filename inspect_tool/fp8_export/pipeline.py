@@ -229,6 +229,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   tokens = list(tokens)
   chosen = hf_layouts.resolve(layout or ("deepseek-fp8" if fp8 else "deepseek-bf16"), scale_fmt)
   cfg = config_lib.resolve_config(tokens)
+  hf_layouts.check_quantization(chosen, cfg.quantization)
   _check_source(cfg, source)
   if chosen.v4:
     write_v4.check_supported(cfg)

@@ -146,7 +146,7 @@ def orbax_described(jobs) -> dict[str, Described]:
     weight, scale = ".".join(wq.qvalue_key), ".".join(wq.scale_key)
     shared = [axis for axis in range(len(job.leaf.shape)) if axis not in wq.channel_axes]
     out[weight] = Described(source=source, quantized=True, scale=scale,
-                            layout=f"per channel: one {wq.compute_dtype} scale per index of axes "
+                            layout=f"per channel, {wq.qtype}: one {wq.compute_dtype} scale per index of axes "
                                    f"{list(wq.channel_axes)}, shared over axes {shared} (Qwix PTQ)")
     out[scale] = Described(source=source, scale_of=weight)
   return out

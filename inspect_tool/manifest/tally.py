@@ -2,8 +2,8 @@
 
 A slice's error is |qvalue × scale − source| in float32, element by element; relative to the block's absmax it is
 that error over |scale| × the quantized dtype's largest value (the block's absmax as the quantizer's absmax
-calibration saw it: scale = absmax / max). Slices may come from several threads (`observe` takes a lock) and from
-several processes (`to_json` / `merge`).
+calibration saw it: scale = absmax / max; for int8 max is Qwix's 127.5). Slices may come from several threads
+(`observe` takes a lock) and from several processes (`to_json` / `merge`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Tally:
     axis; an axis where `scale` has size 1 shares one scale) against `source`, in bands along the first axis of
     about `band_bytes` of float32 each (so that the error's temporaries stay small)."""
     source, qvalue, scale = np.asarray(source), np.asarray(qvalue), np.asarray(scale, np.float32)
-    qmax = float(ml_dtypes.finfo(qvalue.dtype).max)  # absmax / scale at the block's largest value
+    qmax = _absmax_over_scale(qvalue.dtype)
     if source.ndim == 0:
       self.observe(name, source, qvalue.astype(np.float32) * scale, scale * qmax)
       return
@@ -106,6 +106,15 @@ class Tally:
     """Adds another process's tally (its `to_json`)."""
     for name, row in json.loads(text).items():
       self._add(name, [float(v) for v in row])
+
+
+def _absmax_over_scale(dtype) -> float:
+  """absmax / scale of a block at its largest value: finfo.max of a float qtype, iinfo.max + 0.5 of an integer one
+  (Qwix's int8 bound, 127.5)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind == "i":
+    return float(np.iinfo(dtype).max) + 0.5
+  return float(ml_dtypes.finfo(dtype).max)
 
 
 def _float32_values(dtype) -> np.ndarray | None:

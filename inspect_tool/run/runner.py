@@ -59,7 +59,7 @@ def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, me
     with progress.step(f"loading Hugging Face checkpoint {checkpoint}"):
       return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
   if exports.is_export(checkpoint):
-    with progress.step(f"loading FP8 export {checkpoint}"):
+    with progress.step(f"loading {exports.label(checkpoint)} {checkpoint}"):
       return load_export.load_quantized_model(cfg, checkpoint, mesh=mesh)
 
   with progress.step(f"loading {checkpoint}"):
@@ -81,7 +81,8 @@ def grad_step(model, batch: batch_lib.Batch):
   is what the per-device memory estimate is checked against (XLA's `memory_analysis`)."""
 
   if exports.is_quantized_model(model):
-    raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
+    raise errors.InputError(f"gradients need float weights; the checkpoint is an "
+                            f"{exports.label(getattr(model, exports.MARK))} (use its source)")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p, r):
@@ -123,7 +124,7 @@ def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> 
   if hf_restore.is_hf_checkpoint(checkpoint):
     return f"the Hugging Face checkpoint {checkpoint} (FP8 weights dequantized)"
   if exports.is_export(checkpoint):
-    return f"the FP8 export {checkpoint}"
+    return f"the {exports.label(checkpoint)} {checkpoint}"
   return f"the checkpoint {checkpoint}"
 
 
@@ -146,8 +147,9 @@ def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str 
   compared = comparison_description(cfg, checkpoint) if compare else None
   model = load_model(cfg, checkpoint, mesh=mesh)
   if (compare or grad) and exports.is_quantized_model(model):
-    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
-                            f"{exports.REPORT_NAME} holds the comparison with its source)")
+    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an "
+                            f"{exports.label(checkpoint)} (its {exports.REPORT_NAME} holds the comparison with its "
+                            "source)")
   quantized = quantize_for_training(model, cfg)
   main = "forward pass" if quantized is model else f"forward pass ({cfg.quantization}, Qwix QT)"
   return Run(result=forward(quantized, batch, main),

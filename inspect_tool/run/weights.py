@@ -1,8 +1,8 @@
 """Which weights a run used, in words, for `forward` and `export` to print: nothing is left to guess.
 
 `describe(cfg, checkpoint)`: "random init, seed 0", "Orbax checkpoint /abs/ckpt/1000/items (step 1000)",
-"FP8 export /abs/fp8-export", or "Hugging Face directory /abs/hf (fp8 block-quantized)". The checkpoint kinds are
-recognised in the order `runner.load_model` tries them.
+"FP8 export /abs/fp8-export" (or "int8 export ..."), or "Hugging Face directory /abs/hf (fp8 block-quantized)". The
+checkpoint kinds are recognised in the order `runner.load_model` tries them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def describe(cfg, checkpoint: str | None) -> str:
   if hf_restore.is_hf_checkpoint(checkpoint):
     return f"Hugging Face directory {path}{_hf_kind(checkpoint)}"
   if exports.is_export(checkpoint):
-    return f"FP8 export {os.path.dirname(exports.find_report(checkpoint))}"
+    return f"{exports.label(checkpoint)} {os.path.dirname(exports.find_report(checkpoint))}"
   resolved = locate.resolve_orbax_path(checkpoint)
   step = f" (step {resolved.step})" if resolved.step is not None else " (no step number)"
   return f"Orbax checkpoint {paths.absolute(resolved.items_dir)}{step}"

@@ -423,9 +423,10 @@ class InitSource:
 
 
 def check_source(source: str) -> None:
-  """Refuses a source that is itself an FP8 export."""
+  """Refuses a source that is itself an export (FP8 or int8)."""
   if exports.find_report(source):
-    raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
+    raise errors.InputError(f"source {source!r} is already an {exports.label(source)}; export from the float "
+                            "checkpoint")
 
 
 def open_source(cfg, source: str | None, leaves) -> Any:
