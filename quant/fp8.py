@@ -23,6 +23,7 @@ import numpy as np
 
 from quant import calibration as calibration_lib
 from quant import errors
+from quant import rounding
 from quant import microscaling_quantize
 
 _QTYPES = {
@@ -118,7 +119,7 @@ def scale_from_absmax(amax, qtype, calibration: str = "absmax"):
                             "absmax,<factor>")
   limit = jnp.asarray(amax)
   if args:
-    limit = limit * args[0]
+    limit = rounding.rounded(limit * args[0], limit.dtype)
   return _scale_from_bound(limit, resolve_qtype(qtype, integers=True))
 
 
@@ -128,7 +129,8 @@ def _reduce_axes(channelwise_axes, ndim: int) -> tuple[int, ...]:
 
 
 def _scale_from_bound(value, qtype):
-  scale = value / bound(qtype)
+  value = jnp.asarray(value)
+  scale = rounding.by_constant(value, bound(qtype))
   tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
   return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale)
 
@@ -138,7 +140,7 @@ def quantize_with_scale(x, qtype, scale):
   (division in the dtype of `x`)."""
   x = jnp.asarray(x)
   qtype = resolve_qtype(qtype, integers=True)
-  q = x / jnp.asarray(scale).astype(x.dtype)
+  q = rounding.quotient(x, scale)  # as XLA computes it on a CPU, on every backend
   if qtype.kind == "i":
     return jnp.round(q).astype(qtype)
   info = jnp.finfo(qtype)
