@@ -58,7 +58,8 @@ test-stress: stack ## the stress tests (`slow`: memory cgroups, kills, signals, 
 test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"
 
-test-tpu: stack ## on a TPU host: the chip's tests (`tpu`) and the golden, export and gmm tests, in one process
+test-tpu: stack ## on a TPU host: the chip's tests (`tpu`) and the golden, export and gmm tests (no -n: one holds the chip)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -p no:xdist tests/test_tpu_commands.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider -p no:xdist $$(cat tests/tpu_lane.txt)
 
 durations: stack ## measure the whole suite again and rewrite tests/durations.json (what test-fast leaves out)

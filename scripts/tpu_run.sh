@@ -113,6 +113,8 @@ export_step() {
 }
 
 lane() {
+  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short tests/test_tpu_commands.py \
+    --junitxml="$OUT/lane-commands.xml"
   # shellcheck disable=SC2046
   "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short $(cat tests/tpu_lane.txt) \
     --junitxml="$OUT/lane.xml"

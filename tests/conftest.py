@@ -79,9 +79,12 @@ def _waits(tests) -> bool:
 
 
 def pytest_configure(config):
-  """One compilation cache for the whole run, never the user's ~/.cache: a temporary directory made by the main
+  """On a TPU host the tests' own JAX rounds as the value commands do there (`accelerator.round_like_a_cpu`).
+  One compilation cache for the whole run, never the user's ~/.cache: a temporary directory made by the main
   process (`make test`'s xdist controller, or the only process) and inherited by the workers and by every command the
   tests start; the test processes use it too, so a program compiled anywhere in the run is compiled once."""
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+  accelerator.round_like_a_cpu(["forward"])
   if not hasattr(config, "workerinput"):  # the main process: a directory of its own for the run
     config.stash[_SAVED_CACHE_ENV] = os.environ.get(compile_cache.JAX_ENV)
     os.environ[compile_cache.JAX_ENV] = tempfile.mkdtemp(prefix="inspect-checkpoint-tests-jax-cache-")

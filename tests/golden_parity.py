@@ -22,14 +22,17 @@ GOLDEN_STACK = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 OTHER_STACK_BOUND = {"main": 1.3e-7, "mtp": 6.6e-5}
 # On a TPU chip the goldens (made on a CPU) are met within bounds measured on a TPU v5e (jax 0.10.2, libtpu 0.0.42.1;
 # scripts/tpu_numerics.py; docs/benchmarks.md): the chip rounds bf16 intermediates at other points than the CPU
-# (its fusions; the unscanned model on a CPU differs from the scanned one by as much), 1.3e-2 unquantized at every
-# matmul_precision, and FP8 rounding turns those differences into other fp8 codes (0.11 from golden c, while each
-# FP8 product on the chip equals numpy's FP8 arithmetic: tests/test_tpu_chip.py).
+# (its fusions and transcendentals; the unscanned model on a CPU differs from the scanned one by as much), 1e-2
+# unquantized at every matmul_precision, and FP8 rounding turns those differences into other fp8 codes (0.1 from
+# golden c, while each FP8 product on the chip equals numpy's FP8 arithmetic: tests/test_tpu_chip.py).
 ON_TPU = jax.default_backend() == "tpu"
-TPU_BOUND = {("unquantized", "main"): 0.0135, ("unquantized", "mtp"): 0.0140, ("fp8", "main"): 0.115,
-             ("fp8", "mtp"): 0.130}
-TPU_TOP1 = {("unquantized", "main"): 32, ("unquantized", "mtp"): 32, ("fp8", "main"): 24, ("fp8", "mtp"): 27}
-TPU_LOSS_RTOL = 2e-3  # the losses' relative error on the chip
+# Measured with XLA rounding as a CPU does (`accelerator.round_like_a_cpu`): unquantized 0.01072 / 0.01237 (main /
+# MTP) from golden a, top-1 32/32; fp8_full 0.0980 / 0.1104 from golden c, top-1 28 / 27 of 32; per-token losses
+# within 2.8e-3 (without it: 0.0132 / 0.0137 and 0.111 / 0.125).
+TPU_BOUND = {("unquantized", "main"): 0.0115, ("unquantized", "mtp"): 0.0130, ("fp8", "main"): 0.105,
+             ("fp8", "mtp"): 0.118}
+TPU_TOP1 = {("unquantized", "main"): 32, ("unquantized", "mtp"): 32, ("fp8", "main"): 26, ("fp8", "mtp"): 25}
+TPU_LOSS_RTOL = 3e-3  # the losses' relative error on the chip
 
 
 def load(name: str) -> dict:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import qwix
 
+from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
 
 
@@ -85,7 +86,7 @@ def test_rule_is_handed_to_gmm_fp8_with_the_resolved_backend(monkeypatch):
   gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), backend="xla")
   (quantized, quantized_kw), (plain, plain_kw) = calls
   assert quantized[3] is rule and quantized[4] == jnp.bfloat16 and quantized[0].shape == (23, 8)
-  assert quantized_kw == {"backend": "reference", "tiles": None}  # auto on CPU
+  assert quantized_kw == {"backend": gmm_backends.resolve("auto"), "tiles": None}  # reference on a CPU, pallas on TPU
   assert plain[3] is None and plain_kw == {"backend": "xla"}
 
 

@@ -1,16 +1,11 @@
 """On a TPU chip (marked `tpu`: skipped elsewhere, `make test-tpu` runs them): our grouped-matmul kernel compiled by
-Mosaic, FP8 products against numpy's FP8 arithmetic, matmul precision, the export's bytes, every command.
+Mosaic, FP8 products against numpy's FP8 arithmetic, matmul precision (the commands: tests/test_tpu_commands.py).
 
 References are numpy (float64, ml_dtypes' FP8 rounding) and the same export made on the host's CPU; bounds are the
 errors measured on a TPU v5e (docs/benchmarks.md, "On the chip").
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +20,6 @@ from quant.gmm import kernel
 
 pytestmark = pytest.mark.tpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
-TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
-        "first_num_dense_layers=1", "vocab_size=1024"]
 E4M3 = jnp.float8_e4m3fn
 GROUPS = np.array([700, 0, 301, 5, 0, 530, 100], np.int32)  # 1636 rows of 2048: empty groups, boundaries in tiles
 
@@ -140,46 +131,3 @@ def test_highest_precision_makes_float32_products_exact_on_the_chip():
   want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert _rel(jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), want) <= 1e-6
   assert _rel(jnp.dot(a, b, precision=jax.lax.Precision.DEFAULT), want) >= 1e-4
-
-
-def _tool(*argv, env=None, timeout=600):
-  return subprocess.run([sys.executable, "-m", "inspect_tool", *argv], capture_output=True, text=True, cwd=REPO,
-                        env=dict(os.environ, **(env or {})), timeout=timeout, check=False)
-
-
-def test_jax_default_matmul_precision_highest_runs_the_fp8_forward():
-  done = _tool("forward", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT,
-               env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"})
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert "main loss" in done.stdout
-
-
-def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path):
-  """The same export quantized on the chip and on the host's CPU (JAX_PLATFORMS=cpu): every stored tensor's sha256."""
-  args = ["export", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT, "--no-validate"]
-  for where, env in (("tpu", {}), ("cpu", {"JAX_PLATFORMS": "cpu"})):
-    done = _tool(*args, "--output", str(tmp_path / where), env=env)
-    assert done.returncode == 0, (where, done.stderr[-2000:])
-  hashes = {}
-  for where in ("tpu", "cpu"):
-    with open(tmp_path / where / "export_manifest.json", encoding="utf-8") as f:
-      hashes[where] = {t["name"]: t["sha256"] for t in json.load(f)["tensors"]}
-  assert hashes["tpu"] == hashes["cpu"]
-
-
-@pytest.mark.parametrize("argv", [
-    ["forward", *TINY, "--checkpoint", CKPT],
-    ["diff", *TINY, "--path", CKPT],
-    ["rules", *TINY, "quantization=fp8_full", "quantize_mtp=true"],
-    ["maxtext", *TINY, "--summary"],
-    ["import", "--path", os.path.join(REPO, "tests", "data", "import", "hf_small"), "--output", "{tmp}/imported"],
-    ["export", *TINY, "quantization=fp8_full", "--checkpoint", CKPT, "--output", "{tmp}/ds", "--layout",
-     "deepseek-fp8"],
-    ["export", *TINY, "quantization=fp8_full", "--checkpoint", CKPT, "--output", "{tmp}/ue", "--layout",
-     "deepseek-fp8", "--scale-fmt", "ue8m0"],
-    ["export", "model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512", "quantization=fp8_full",
-     "--random-init", "--output", "{tmp}/v4", "--layout", "deepseek-v4"],
-], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-deepseek-v4"])
-def test_every_command_runs_on_the_chip(argv, tmp_path):
-  done = _tool(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
-  assert done.returncode == 0, done.stderr[-2000:]

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
   from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+  accelerator.round_like_a_cpu(argv)  # before JAX starts (a process's first command)
   if fresh:
     stop.clear()
   stop.install_handlers()

@@ -30,6 +30,13 @@ def _operand(x, other):
   return x.astype(jnp.bfloat16 if small(x.dtype) and small(other.dtype) else jnp.float32)
 
 
+def _precision(a, b):
+  """Its tile products at HIGHEST for float32 operands (every bit), the default for bf16 ones (Mosaic refuses HIGHEST
+  there), whatever JAX_DEFAULT_MATMUL_PRECISION says."""
+  wide = jnp.dtype(_operand(a, b).dtype) == jnp.float32
+  return jax.default_matmul_precision("highest" if wide else "default")
+
+
 def _pad_rows(x, tm: int):
   pad = -x.shape[0] % tm
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
@@ -48,7 +55,7 @@ def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   fitted = _fit(tiling, m, k, n)
-  with jax.default_matmul_precision("default"):  # its tile products take the default: never HIGHEST on bf16
+  with _precision(lhs, rhs):
     out = kernels.gmm(_pad_rows(_operand(lhs, rhs), fitted[0]), _operand(rhs, lhs), group_sizes, out_dtype, fitted,
                       transpose_rhs=transpose_rhs, interpret=interpret())
   return out[:m]
@@ -61,6 +68,6 @@ def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling | None, out_dtype=jnp
   m, k = lhs.shape
   fitted = _fit(tiling, m, k, grad.shape[1])
   lhs_t = _pad_rows(_operand(lhs, grad), fitted[0]).swapaxes(0, 1)
-  with jax.default_matmul_precision("default"):
+  with _precision(lhs, grad):
     return kernels.tgmm(lhs_t, _pad_rows(_operand(grad, lhs), fitted[0]), group_sizes, out_dtype, fitted,
                         num_actual_groups=group_sizes.shape[0], interpret=interpret())

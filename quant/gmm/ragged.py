@@ -41,6 +41,9 @@ def native_fp8() -> bool:
 def _operands(lhs, rhs):
   if _is_fp8(lhs) and _is_fp8(rhs) and native_fp8():
     return lhs, rhs
+  # fp8 values stay fp8 up to their widening: XLA on a TPU would otherwise fold the rounding to fp8 and the widening
+  # to bf16 into one conversion that skips the rounding (measured: the unquantized product).
+  lhs, rhs = (jax.lax.optimization_barrier(x) if _is_fp8(x) else x for x in (lhs, rhs))
   float_dtype = lambda x, other: other.dtype if _is_fp8(x) and not _is_fp8(other) else (
       jnp.bfloat16 if _is_fp8(x) else x.dtype)
   lhs, rhs = lhs.astype(float_dtype(lhs, rhs)), rhs.astype(float_dtype(rhs, lhs))
