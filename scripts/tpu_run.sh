@@ -10,7 +10,8 @@
 #   sweep     bench/bench_gmm.py --sweep (our kernel's tilings)
 #   gmm       bench/bench_gmm.py forward, then --grad (MaxText's kernel from MAXTEXT_MEGABLOX when set)
 #   export    the same export on the chip and on the host's CPU: wall times, tensors that differ
-#   lane      make test-tpu's tests in one process (tests/tpu_lane.txt)
+#   lane      make test-tpu's tests: tests/test_tpu_commands.py, then tests/tpu_lane.txt in one process
+#   lane-commands, lane-chip   tests/test_tpu_commands.py, tests/test_tpu_chip.py alone
 # Usage: scripts/tpu_run.sh STEP...   (each step has a time limit: STEP_LIMIT seconds, default 400)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,6 +111,16 @@ export_step() {
   done
   unset JAX_PLATFORMS
   JAX_PLATFORMS=cpu "$PY" scripts/compare_exports.py "$tmp/cpu" "$tmp/tpu"
+}
+
+lane-commands() {
+  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short tests/test_tpu_commands.py \
+    --junitxml="$OUT/lane-commands.xml"
+}
+
+lane-chip() {
+  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short tests/test_tpu_chip.py \
+    --junitxml="$OUT/lane-chip.xml"
 }
 
 lane() {
