@@ -7,7 +7,8 @@ there may keep a bf16 intermediate in float32 (excess precision): either moves a
 rounding boundary, so the same weight quantized on a TPU and on a CPU gave other fp8 codes (6.8% of them in a dense
 weight on a TPU v5e). `divide` corrects the float32 quotient to the nearest by its exact residual (Dekker's
 two-product, plain float32 operations); `quotient` and `by_constant` multiply by such a reciprocal, as the CPU does;
-each rounds once to the result dtype with `lax.reduce_precision`, which XLA keeps. On a CPU none changes a bit.
+each rounds once to the result dtype with `lax.reduce_precision`, which XLA keeps. Traced for a CPU they are the
+plain divisions (XLA's own choice there is the reference), elsewhere the emulation.
 """
 
 from __future__ import annotations
@@ -44,40 +45,67 @@ def _nearest(a, b, q):
   return jnp.where((r != 0) & jnp.isfinite(n) & (jnp.abs(rn) < jnp.abs(r)), n, q)
 
 
+def _on_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
 def divide(a, b, dtype):
   """a / b rounded to nearest (ties to even) in `dtype` (float32, or bf16 through a float32 quotient rounded once, as a
   CPU divides bf16), the same bits on every backend; other dtypes divide as they are."""
   dtype = jnp.dtype(dtype)
-  if dtype != jnp.float32 and dtype not in _BITS:
+  if _on_cpu() or (dtype != jnp.float32 and dtype not in _BITS):
     return (jnp.asarray(a).astype(dtype) / jnp.asarray(b).astype(dtype)).astype(dtype)
+  return emulated_divide(a, b, dtype)
+
+
+def emulated_divide(a, b, dtype):
+  """`divide` as the emulation computes it on any backend (float32 or bf16 `dtype`)."""
+  dtype = jnp.dtype(dtype)
   a32, b32 = jnp.asarray(a).astype(jnp.float32), jnp.asarray(b).astype(jnp.float32)
   q = _nearest(a32, b32, _nearest(a32, b32, a32 / b32))  # twice: a quotient within two units in the last place
-  return rounded(q, dtype)
+  return _reduced(q, dtype)
 
 
 def quotient(x, scale):
   """x / scale (scale broadcast against x, or of x's shape) in x's dtype, as XLA computes it on a CPU."""
   x, scale = jnp.asarray(x), jnp.asarray(scale).astype(jnp.asarray(x).dtype)
-  if x.dtype not in (jnp.float32, *_BITS):
+  if _on_cpu() or x.dtype not in (jnp.float32, *_BITS):
     return x / scale
+  return emulated_quotient(x, scale)
+
+
+def emulated_quotient(x, scale):
+  """`quotient` as the emulation computes it on any backend (the float32 reciprocal, one rounding)."""
   if scale.shape == x.shape:
-    return divide(x, scale, x.dtype)
-  reciprocal = divide(jnp.ones((), jnp.float32), scale, jnp.float32)
-  return rounded(x.astype(jnp.float32) * reciprocal, x.dtype)
+    return emulated_divide(x, scale, x.dtype)
+  reciprocal = emulated_divide(jnp.ones((), jnp.float32), scale, jnp.float32)
+  return _reduced(x.astype(jnp.float32) * reciprocal, x.dtype)
 
 
 def by_constant(x, constant: float):
   """x / constant as XLA computes a division by a constant (x times the float32 reciprocal, as a CPU rounds it),
   rounded to x's dtype on every backend; float64 divides."""
   x = jnp.asarray(x)
-  if x.dtype == jnp.float64:
+  if _on_cpu() or x.dtype == jnp.float64:
     return x / constant
+  return emulated_by_constant(x, constant)
+
+
+def emulated_by_constant(x, constant: float):
+  """`by_constant` as the emulation computes it on any backend."""
+  x = jnp.asarray(x)
   reciprocal = np.float32(1.0) / np.float32(constant)
-  return rounded(x.astype(jnp.float32) * reciprocal, x.dtype)
+  return _reduced(x.astype(jnp.float32) * reciprocal, x.dtype)
 
 
 def rounded(x, dtype):
-  """x rounded to `dtype` where XLA keeps the rounding (a bf16 result it would otherwise hold in float32)."""
+  """x rounded to `dtype` where XLA keeps the rounding (a bf16 result it would otherwise hold in float32 off a CPU)."""
+  if _on_cpu():
+    return x.astype(dtype)
+  return _reduced(x, dtype)
+
+
+def _reduced(x, dtype):
   dtype = jnp.dtype(dtype)
   if dtype not in _BITS:
     return x.astype(dtype)

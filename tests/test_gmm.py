@@ -87,7 +87,7 @@ def test_rule_is_handed_to_gmm_fp8_with_the_resolved_backend(monkeypatch):
   (quantized, quantized_kw), (plain, plain_kw) = calls
   assert quantized[3] is rule and quantized[4] == jnp.bfloat16 and quantized[0].shape == (23, 8)
   assert quantized_kw == {"backend": gmm_backends.resolve("auto"), "tiles": None}  # reference on a CPU, pallas on TPU
-  assert plain[3] is None and plain_kw == {"backend": "xla"}
+  assert plain[3] is None and plain_kw == {"backend": "xla", "tiles": None}
 
 
 def test_current_rule_is_none_outside_qwix():
