@@ -133,9 +133,8 @@ def _peer_ops(module, interpret: bool):
   return fwd, fwd_bwd
 
 
-def _ours(rule, grad: bool):
-  def forward(lhs, rhs, groups):
-    return gmm_fp8.quantized_gmm(lhs, rhs, groups, rule, jnp.bfloat16, backend=gmm_backends.resolve("auto"))
+def _with_vjp(forward, grad: bool):
+  """`forward(lhs, rhs, groups)`, or with `grad` its output and both operands' gradients for the cotangent `cot`."""
   if not grad:
     return forward
 
@@ -143,18 +142,16 @@ def _ours(rule, grad: bool):
     out, vjp = jax.vjp(lambda l, r: forward(l, r, groups), lhs, rhs)
     return (out, *vjp(cot))
   return fwd_bwd
+
+
+def _ours(rule, grad: bool):
+  return _with_vjp(lambda lhs, rhs, groups: gmm_fp8.quantized_gmm(lhs, rhs, groups, rule, jnp.bfloat16,
+                                                                  backend=gmm_backends.resolve("auto")), grad)
 
 
 def _ragged(grad: bool):
-  def forward(lhs, rhs, groups):
-    return jax.lax.ragged_dot(lhs, rhs, groups, preferred_element_type=jnp.bfloat16)
-  if not grad:
-    return forward
-
-  def fwd_bwd(lhs, rhs, groups, cot):
-    out, vjp = jax.vjp(lambda l, r: forward(l, r, groups), lhs, rhs)
-    return (out, *vjp(cot))
-  return fwd_bwd
+  return _with_vjp(lambda lhs, rhs, groups: jax.lax.ragged_dot(lhs, rhs, groups, preferred_element_type=jnp.bfloat16),
+                   grad)
 
 
 def _data(key, rows: int, k: int, n: int, experts: int):
