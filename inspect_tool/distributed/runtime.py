@@ -4,8 +4,9 @@
 line's `--coordinator HOST:PORT --num-processes N --process-id I`. `forward` and `diff` compute across processes
 and start JAX's distributed runtime (`jax_runtime=True`; without the flags JAX detects a cluster, e.g. Slurm, Open
 MPI, Cloud TPU, GKE, when the environment names one of several processes: `cluster_variable`). A single-host TPU VM
-names itself alone in `TPU_WORKER_HOSTNAMES` and runs as one process, as MaxText's trainer does there. `export` and `import` only agree and write their own shares:
-they join a `job.Job` (TCP through process 0, bounded waits, one-line failures) instead. The address is checked
+names itself alone in `TPU_WORKER_HOSTNAMES` and runs as one process, as MaxText's trainer does there. `export` and
+`import` only agree and write their own shares: they join a `job.Job` (TCP through process 0, bounded waits,
+one-line failures) instead. The address is checked
 before anything is started. Then `process_index()`/`process_count()` say who this is, `barrier` waits for every
 process, `broadcast_text` sends a string from process 0 to all and `gather_text` gives every process's string to
 all; `abandon(message)` tells the other processes that this one failed.
