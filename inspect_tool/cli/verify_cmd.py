@@ -8,7 +8,7 @@ from inspect_tool.cli import options
 
 
 @click.command(epilog=options.example("verify /tmp/export"))
-@click.argument("dst", type=click.Path())
+@click.argument("dst", type=options.InputPath("the export"))
 @click.option("--max-memory", "--max_memory", "max_memory", type=str,
               help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); tensors "
                    "are read and hashed in pieces that fit.")

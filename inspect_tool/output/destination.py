@@ -104,20 +104,37 @@ def protected_roots(sources: Sequence[str | None]) -> list[tuple[str, str, bool]
   return roots
 
 
+def _check_roots(dst: str, real: str, roots: Sequence[tuple[str, str, bool]], what: str = "output") -> None:
+  """Refuses `real` (the real path of `dst`) when it is, contains or (unless allowed) lies inside one of `roots`."""
+  noun = "directory" if what == "output" else "path"
+  for root, named, inside_ok in roots:
+    if real == root:
+      raise errors.InputError(f"{what} {dst!r} is {named}; choose another {noun}")
+    if _within(root, real):
+      raise errors.InputError(f"{what} {dst!r} contains {named}; choose a {noun} that does not")
+    if _within(real, root) and not inside_ok:
+      raise errors.InputError(f"{what} {dst!r} lies inside {named}; choose a {noun} outside it")
+
+
 def check_clear_of_inputs(dst: str, sources: Sequence[str | None] = ()) -> str:
   """Returns DST's absolute path, or raises when writing it could touch an input or the working directory."""
   if not dst or not dst.strip():
     raise errors.InputError("output path is empty; give the directory to create, e.g. --output fp8-export")
   absolute_path = absolute(dst)
-  real = _real(dst)
-  for root, what, inside_ok in protected_roots(sources):
-    if real == root:
-      raise errors.InputError(f"output {dst!r} is {what}; choose another directory")
-    if _within(root, real):
-      raise errors.InputError(f"output {dst!r} contains {what}; choose a directory that does not")
-    if _within(real, root) and not inside_ok:
-      raise errors.InputError(f"output {dst!r} lies inside {what}; choose a directory outside it")
+  _check_roots(dst, _real(dst), protected_roots(sources))
   return absolute_path
+
+
+def check_apart(output: str, others: Sequence[tuple[str, str | None]], what: str = "output file") -> None:
+  """The rule shared by every output of every command: `output` is not, does not contain and does not lie inside
+  any of `others` ((its description, its path): the command's inputs and its other outputs), with or without
+  --overwrite, so that no output replaces or writes into what the command reads or writes elsewhere. Paths by
+  URL (gs://, http(s)://, hf://) are no place on this machine: they pass here (`object_store` keeps gs:// DSTs
+  apart from gs:// sources)."""
+  if not output or not output.strip() or paths.is_url(output):
+    return
+  roots = [(_real(path), named, False) for named, path in others if path and path.strip() and not paths.is_url(path)]
+  _check_roots(output, _real(output), roots, what)
 
 
 def replaceable(dst: str) -> str | None:
