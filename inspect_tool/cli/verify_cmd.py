@@ -17,7 +17,8 @@ def verify(dst, max_memory, fmt, output_file):
   """Re-read the export DST (local or gs://) and check every tensor against DST/export_manifest.json: each listed
   tensor stored with its shape, dtype and sha256, none other.
 
-  Exit 0 with a one-line summary, 1 naming the first tensor that differs.
+  Exit 0 with a one-line summary, 1 naming the first tensor that differs, 2 when the export or its manifest cannot
+  be read (missing, malformed, a shard missing: one line on stderr).
   """
   import json  # pylint: disable=import-outside-toplevel
 
