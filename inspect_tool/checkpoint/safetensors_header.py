@@ -162,15 +162,32 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
-  found = []
+  found, held = [], {}
   for shard_path, header in zip(ordered, _each(read_header, ordered)):
     names = shards[shard_path]
     absent = [n for n in names if n not in header]
     if absent:
       raise errors.CheckpointError(
           f"{shard_path}: lacks {len(absent)} tensor(s) the index assigns to it, e.g. {absent[0]!r}")
+    _held_once(held, header, shard_path, weight_map, checked)
     found.extend((n, shard_path, header[n]) for n in names)
+  known = {paths.normalize(shard) for shard in shards}  # and the files beside them that the index does not name
+  others = [] if paths.is_web(index_path) else [
+      f for f in files.list_suffix(directory or ".", ".safetensors") if paths.normalize(f) not in known]
+  for other, header in zip(others, _each(read_header, others)):
+    _held_once(held, header, other, weight_map, checked)
   return found
+
+
+def _held_once(held: dict[str, str], header: dict, path: str, weight_map: dict, shard_paths: dict) -> None:
+  """Records the tensors of `path`'s header in `held` (name -> file); a name another file holds too is refused,
+  whatever the index says: which copy a reader takes would be up to the reader."""
+  for name in header:
+    first = held.setdefault(name, path)
+    if first != path:
+      named = shard_paths.get(weight_map.get(name))
+      says = f"; the index names {named}" if named else "; the index names neither"
+      raise errors.CheckpointError(f"tensor {name!r} is stored twice: in {first} and {path}{says}")
 
 
 def _each(function, shard_paths: list[str]) -> list:
