@@ -83,26 +83,25 @@ def read_header(path: str) -> dict[str, dict]:
   Each entry is `{"dtype", "shape", "start"}`, `start` the file offset of the tensor's first data byte.
 
   Refused: unknown dtypes, shapes that are not lists of integers in [0, 2^63), offsets that are not
-  integers, lie outside the data, overlap, or hold a different byte count than dtype × shape.
+  integers, lie outside the data, overlap, or hold a different byte count than dtype × shape. The entries are
+  parsed and checked one by one (`files.object_members`): a bad one is refused before the rest is parsed.
   """
   size, length, raw = _read_prefix(path)
-  header = files.parse_json(raw, lambda why: _bad(path, f"header is {why}"))
-  if not isinstance(header, dict):
-    raise _bad(path, "header is not a JSON object")
   data_size = size - 8 - length
-  entries, spans = {}, []
-  for name, entry in header.items():
+  entries, spans, last_end, ordered = {}, [], 0, True
+  for name, entry in files.object_members(raw, lambda why: _bad(path, f"header is {why}")):
     if name == "__metadata__":
       continue
-    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)):
+    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
       raise _bad(path, f"entry {name!r} lacks dtype/shape/data_offsets")
     dtype = entry["dtype"]
     if not isinstance(dtype, str) or dtype not in _BITS:
       raise _bad(path, f"tensor {name!r} has unknown dtype {str(dtype)[:40]!r}; known: {', '.join(_BITS)}")
-    shape = files.dims(entry["shape"], lambda why, n=name: _bad(path, f"tensor {n!r}: {why}"))
+    shape = entry["shape"]
+    if type(shape) is not list or not all(type(d) is int and 0 <= d <= files.MAX_DIM for d in shape):
+      shape = files.dims(shape, lambda why, n=name: _bad(path, f"tensor {n!r}: {why}"))  # names what is wrong
     offsets = entry["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int):
       raise _bad(path, f"tensor {name!r} data_offsets {str(offsets)[:60]} is not a pair of integers")
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
@@ -112,11 +111,13 @@ def read_header(path: str) -> dict[str, dict]:
     if end - begin != expected:
       raise _bad(path, f"tensor {name!r} holds {end - begin} bytes; {dtype} {list(shape)} needs {expected}")
     spans.append((begin, end, name))
+    ordered, last_end = ordered and begin >= last_end, max(last_end, end)  # in order: no overlap, no sort
     entries[name] = {"dtype": dtype, "shape": list(shape), "start": 8 + length + begin}  # start: file offset
-  spans.sort()
-  for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-    if begin < end:
-      raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data (offsets {begin} < {end})")
+  if not ordered:
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+      if begin < end:
+        raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data (offsets {begin} < {end})")
   return entries
 
 
