@@ -8,7 +8,6 @@ Keys are the Hugging Face names split on '.'.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
 import struct
@@ -195,8 +194,7 @@ def _each(function, shard_paths: list[str]) -> list:
   """`function` of each shard, in order; over HTTP `WEB_READERS` at a time (each a round trip or two)."""
   if not shard_paths or not paths.is_web(shard_paths[0]):
     return [function(p) for p in shard_paths]
-  with concurrent.futures.ThreadPoolExecutor(min(WEB_READERS, len(shard_paths))) as pool:
-    return list(pool.map(function, shard_paths))
+  return web.each(function, shard_paths, WEB_READERS)
 
 
 def _relative(path: str, directory: str) -> str:

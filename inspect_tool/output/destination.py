@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 from inspect_tool import errors
 from inspect_tool.output import object_store
 from inspect_tool.output import ours
+from inspect_tool.output import stop
 from inspect_tool.output import trees
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 from inspect_tool.storage import paths
@@ -306,11 +307,17 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     fd = _lock(lock, path)
   except OSError as e:
     raise errors.InputError(f"cannot write {path!r}: cannot lock it ({e.strerror or e})") from None
+  cleanup = stop.add_cleanup(lambda: _unlink(lock))  # if a stop cannot wait for us
   try:
     reclaimed = reclaim_stale_temporaries(path)
     check_replace(path, overwrite)  # again, now that no other run of ours can change it
     yield Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
   finally:
-    with contextlib.suppress(OSError):
-      os.unlink(lock)  # while still locked: a waiting run re-checks the inode and creates a new file
+    stop.remove_cleanup(cleanup)
+    _unlink(lock)  # while still locked: a waiting run re-checks the inode and creates a new file
     os.close(fd)
+
+
+def _unlink(path: str) -> None:
+  with contextlib.suppress(OSError):
+    os.unlink(path)
