@@ -45,6 +45,9 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   if compile_:
     _check_compile(topology, key_filter)
   cfg = config.resolve_config(overrides)
+  if compile_:
+    from inspect_tool.xla_compile import sizes  # pylint: disable=import-outside-toplevel
+    sizes.check(cfg, topology)  # before the model is traced
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   from inspect_tool import sharding  # pylint: disable=import-outside-toplevel

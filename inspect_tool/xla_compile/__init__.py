@@ -13,6 +13,7 @@ from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.xla_compile import build
 from inspect_tool.xla_compile import libtpu
 from inspect_tool.xla_compile import report as report_lib
+from inspect_tool.xla_compile import sizes
 
 
 def judge(cfg, topology: str, *, train: str | None = None, device_memory: str | None = None, leaves=None,
@@ -20,6 +21,7 @@ def judge(cfg, topology: str, *, train: str | None = None, device_memory: str | 
   """XLA's verdict on `cfg` for `topology`: the compiled program's memory, beside `plan_memory` (the analytic plan
   of `leaves`, when given), with advice calibrated to XLA when its peak does not fit."""
   limit, source = invocation_lib.limit_of(device_memory, topology)
+  sizes.check(cfg, topology)
   version = libtpu.require()
   result = build.compile_program(cfg, topology, train=train, limit=limit)
   devices = mesh_lib.topology_devices(topology) * mesh_lib.num_slices(cfg)
