@@ -143,24 +143,32 @@ def object_members(raw: bytes | bytearray | str, bad: Callable[[str], Exception]
     if text[i:i + 1] != "{":
       parse_json(raw, bad)  # bad JSON is named as such; valid JSON that starts otherwise is no object
       raise bad("not a JSON object")
-    decode, scan, seen = _decoder().raw_decode, json.decoder.scanstring, set()
+    value_at, key_at, seen = _decoder().scan_once, json.decoder.scanstring, set()
     i = _skip(text, i + 1)
     if text[i:i + 1] == "}":
       i += 1
     else:
-      while True:
+      while True:  # compact JSON (as the safetensors library writes it) takes no `_skip` call below
         if text[i:i + 1] != '"':
           raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
-        key, i = scan(text, i + 1)
-        i = _skip(text, i)
+        key, i = key_at(text, i + 1)
         if text[i:i + 1] != ":":
-          raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-        value, i = decode(text, _skip(text, i + 1))
+          i = _skip(text, i)
+          if text[i:i + 1] != ":":
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        i += 1
+        if text[i:i + 1] in _SPACES:
+          i = _skip(text, i)
+        try:
+          value, i = value_at(text, i)
+        except StopIteration as e:
+          raise json.JSONDecodeError("Expecting value", text, e.value) from None
         if key in seen:
           raise _DuplicateKey(key)
         seen.add(key)
         yield key, value
-        i = _skip(text, i)
+        if text[i:i + 1] not in ",}":
+          i = _skip(text, i)
         if text[i:i + 1] == "}":
           i += 1
           break

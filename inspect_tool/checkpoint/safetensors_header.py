@@ -30,6 +30,7 @@ DTYPES = {
 _BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "U32": 32, "I32": 32, "U64": 64, "I64": 64, "F16": 16,
          "BF16": 16, "F32": 32, "F64": 64, "C64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6,
          "F6_E3M2": 6, "F4": 4}
+_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -91,7 +92,7 @@ def read_header(path: str) -> dict[str, dict]:
   for name, entry in files.object_members(raw, lambda why: _bad(path, f"header is {why}")):
     if name == "__metadata__":
       continue
-    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+    if not (isinstance(entry, dict) and _FIELDS <= entry.keys()):
       raise _bad(path, f"entry {name!r} lacks dtype/shape/data_offsets")
     dtype = entry["dtype"]
     if not isinstance(dtype, str) or dtype not in _BITS:
