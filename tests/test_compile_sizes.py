@@ -84,8 +84,9 @@ def test_the_mask_tables_estimate_covers_what_jax_builds(length, block, dkv):
   """`sizes.mask_bytes` against the peak that JAX's own `process_mask` allocates (tracemalloc sees numpy's
   allocations): at least it, at most 2.5 times it."""
   from inspect_tool.xla_compile import sizes  # pylint: disable=import-outside-toplevel
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # pylint: disable=import-outside-toplevel
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
   mask = mask_lib.MultiHeadMask((mask_lib.CausalMask((length, length)),))
   process = info_lib.process_mask_dkv if dkv else info_lib.process_mask
@@ -116,7 +117,8 @@ def test_a_dimension_past_int32_is_one_line_for_every_command(capsys, key, value
 @pytest.mark.parametrize("key", ["num_experts", "vocab_size"])
 def test_the_largest_dimension_named_is_traced(capsys, key):
   """At 2^31-1 the model is traced (`rules` runs the abstract forward pass): the bound is JAX's, not below it."""
-  assert cli.main(["rules", "model_name=deepseek3-tiny", "override_model_config=true", f"{key}={limits.INT32_MAX}"]) == 0
+  keys = ["model_name=deepseek3-tiny", "override_model_config=true", f"{key}={limits.INT32_MAX}"]
+  assert cli.main(["rules", *keys]) == 0
   capsys.readouterr()
 
 

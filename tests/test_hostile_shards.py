@@ -33,7 +33,8 @@ def _twice(tmp_path, into: str) -> str:
   src = str(tmp_path / "src")
   shutil.copytree(HF_SMALL, src)
   first = st_numpy.load_file(os.path.join(src, FIRST))
-  assert NAME in first and json.load(open(os.path.join(src, "model.safetensors.index.json")))["weight_map"][NAME] == FIRST
+  with open(os.path.join(src, "model.safetensors.index.json"), encoding="utf-8") as f:
+    assert NAME in first and json.load(f)["weight_map"][NAME] == FIRST
   target = os.path.join(src, into)
   tensors = st_numpy.load_file(target) if os.path.exists(target) else {}
   tensors[NAME] = first[NAME] + np.float32(1.0)

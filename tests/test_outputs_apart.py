@@ -11,21 +11,13 @@ import numpy as np
 import pytest
 
 from hostile import REF_CKPT, REPO, TINY_CKPT_MODEL, refused
+from test_destination import _snapshot
 from inspect_tool import cli
 from inspect_tool.cli import options
 
 HF_SMALL = os.path.join(REPO, "tests", "data", "import", "hf_small")
 TINY = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=2",
         "first_num_dense_layers=1", "vocab_size=256"]
-
-
-def _snapshot(root) -> dict:
-  out = {}
-  for directory, dirs, files in os.walk(root):
-    for name in dirs + files:
-      path = os.path.join(directory, name)
-      out[os.path.relpath(path, root)] = None if os.path.isdir(path) else open(path, "rb").read()
-  return out
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16", "deepseek-v4")
                                           "--checkpoint tests/data/ckpt_deepseek3-tiny-L4-V1024 --output "
                                           "/tmp/tiny-fp8"))
 @cli_options.overrides_argument
-@click.option("--checkpoint", "source", type=cli_options.InputPath("the source"), help="Float MaxText-layout Orbax checkpoint to export.")
+@click.option("--checkpoint", "source", type=cli_options.InputPath("the source"),
+              help="Float MaxText-layout Orbax checkpoint to export.")
 @click.option("--random-init", "--random_init", "random_init", is_flag=True,
               help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
                    "not of a model.")

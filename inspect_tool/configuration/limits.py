@@ -90,8 +90,9 @@ def check_config(cfg) -> None:
 _WIDTHS = {  # a key that is one array dimension by itself: what it sizes
     "vocab_size": "the vocabulary", "head_dim": "a head", "q_lora_rank": "the query latent",
     "kv_lora_rank": "the key/value latent", "qk_nope_head_dim": "a query/key head",
-    "qk_rope_head_dim": "a query/key head's RoPE part", "v_head_dim": "a value head", "num_experts": "the router's scores",
-    "indexer_n_heads": "the indexer's heads", "indexer_head_dim": "an indexer head", "indexer_topk": "the indexer's keys",
+    "qk_rope_head_dim": "a query/key head's RoPE part", "v_head_dim": "a value head",
+    "num_experts": "the router's scores", "indexer_n_heads": "the indexer's heads",
+    "indexer_head_dim": "an indexer head", "indexer_topk": "the indexer's keys",
     "o_groups": "the output groups", "o_lora_rank": "the output latent",
     "max_position_embeddings": "the RoPE tables", "original_max_position_embeddings": "the RoPE tables",
     "max_target_length": "a sequence", "sliding_window_size": "the sliding window"}

@@ -86,8 +86,8 @@ def _malformed(entry) -> str | None:
     if not check(entry[field]):
       value = entry[field]
       if field == "sha256" and isinstance(value, str):
-        return f"has a sha256 of {len(value)} characters, not all lowercase hex; accepted: {accepted[field]}" if len(value) == 64 \
-            else f"has a sha256 of {len(value)} characters; accepted: {accepted[field]}"
+        hex_only = "" if len(value) != 64 else ", not all lowercase hex"
+        return f"has a sha256 of {len(value)} characters{hex_only}; accepted: {accepted[field]}"
       return f"has {field} {errors.shown(value)}; accepted: {accepted[field]}"
   return None
 

@@ -26,8 +26,9 @@ from inspect_tool.sharding import rules as rules_lib
 
 INT32_LIMIT = "2^31-1, the largest dimension a traced program indexes (JAX's int32 indices)"
 # Splash attention's mask tables, as JAX's `process_mask` builds them on the host for a causal mask of T × T tokens
-# cut into bq × bkv blocks (measured with tracemalloc, jax 0.12: 66–89 bytes per block of the (T/bq) × (T/bkv) grid at
-# its peak, plus the blocks it compares and about 1 MiB; `tests/test_compile_sizes.py` holds this to the library).
+# cut into bq × bkv blocks (measured with tracemalloc, jax 0.12: 66–89 bytes per block of the (T/bq) × (T/bkv)
+# grid at its peak, plus the blocks it compares and about 1 MiB; `tests/test_compile_sizes.py` holds this to the
+# library).
 MASK_BYTES_PER_BLOCK = 96
 MASK_FIXED_BYTES = 1 << 20
 MASK_PAIRS = ((False, "sa_block_q", "sa_block_kv"), (False, "sa_block_q_dq", "sa_block_kv_dq"),
