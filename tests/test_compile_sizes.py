@@ -8,6 +8,7 @@ and `num_slices=2` under `--compile` were tracebacks too; `mtp_num_layers=214748
 values named are held to JAX itself: the step lowers at them and overflows one above
 (`test_the_largest_batch_named_is_where_jax_overflows`), and the mask tables' size to JAX's own `process_mask`."""
 
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -16,11 +17,8 @@ import pytest
 
 from hostile import REPO, refused
 from inspect_tool import cli
-from inspect_tool.configuration import config
 from inspect_tool.configuration import limits
-from inspect_tool.xla_compile import build
 from inspect_tool.xla_compile import libtpu
-from inspect_tool.xla_compile import topology
 
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1"]
 INT32 = "past 2^31-1, the largest dimension a traced program indexes (JAX's int32 indices)"
@@ -55,28 +53,41 @@ INT32 = "past 2^31-1, the largest dimension a traced program indexes (JAX's int3
 ])
 def test_a_size_the_compiled_step_cannot_hold_is_one_line(capsys, argv, says):
   refused(capsys, argv, *says)
+  assert "TPU_WORKER_HOSTNAMES" not in os.environ  # refused before libtpu's start-up environment was set
 
 
-def _lowers(keys, pdbs: int) -> bool:
-  """Whether JAX lowers the tiny model's step at `pdbs` on v5p-8 (False: its OverflowError)."""
-  cfg = config.resolve_config([*TINY, *keys, f"per_device_batch_size={pdbs}"])
+_LOWER = """
+import sys
+from inspect_tool.configuration import config
+from inspect_tool.xla_compile import build, sizes, topology
+for pdbs in sys.argv[2:]:
+  cfg = config.resolve_config([*sys.argv[1].split(), f"per_device_batch_size={pdbs}"])
+  try:
+    sizes.check(cfg, "v5p-8")
+    checked = "accepted"
+  except sizes.errors.ConfigError as e:
+    checked = str(e)
   try:
     build.lower(cfg, topology.devices("v5p-8"))
+    print(pdbs, "lowered", checked)
   except OverflowError:
-    return False
-  return True
+    print(pdbs, "OverflowError", checked)
+"""
 
 
 @pytest.mark.parametrize("keys, largest", [([], 131071), (["ici_expert_parallelism=4", "ici_fsdp_parallelism=1"],
                                                           65535)])
 def test_the_largest_batch_named_is_where_jax_overflows(keys, largest):
-  from inspect_tool.xla_compile import sizes  # pylint: disable=import-outside-toplevel
+  """JAX lowers the tiny model's step on v5p-8 at the largest batch named and overflows one above (in a process of
+  its own: compiling for a topology sets libtpu's environment)."""
   libtpu.require()
-  cfg = config.resolve_config([*TINY, *keys, f"per_device_batch_size={largest}"])
-  sizes.check(cfg, "v5p-8")  # accepted
-  with pytest.raises(sizes.errors.ConfigError, match=f"largest accepted: per_device_batch_size={largest}"):
-    sizes.check(config.resolve_config([*TINY, *keys, f"per_device_batch_size={largest + 1}"]), "v5p-8")
-  assert _lowers(keys, largest) and not _lowers(keys, largest + 1)
+  result = subprocess.run([sys.executable, "-c", _LOWER, " ".join([*TINY, *keys]), str(largest), str(largest + 1)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+  lines = result.stdout.splitlines()
+  assert len(lines) == 2, result.stderr[-3000:]
+  assert lines[0] == f"{largest} lowered accepted", lines
+  assert lines[1].startswith(f"{largest + 1} OverflowError per_device_batch_size={largest + 1}: ") and lines[1].endswith(
+      f"largest accepted: per_device_batch_size={largest}"), lines
 
 
 @pytest.mark.parametrize("length, block, dkv", [(32768, 256, False), (32768, 512, False), (32768, 256, True)])
