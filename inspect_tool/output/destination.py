@@ -9,6 +9,8 @@
 - it removes the temporary directories of earlier runs on this DST whose process is gone (a SIGKILL or power
   loss leaves one behind); only directories carrying this tool's marker are ever removed.
 
+`check_apart(output, others)` is the rule every output of every command obeys: it is not, does not contain and does
+not lie inside any input (or other output) of the command, with or without --overwrite (`cli.options` gathers them).
 `check_output_file(path, overwrite)` is the rule for single-file outputs (`--output_file`, `--html`,
 `--save-logits`): only a regular file is ever replaced (with `overwrite`); a directory, device, FIFO, socket or
 symbolic link is refused. Sibling names (`.<name>.lock`, `.<name>.tmp-*`) are shortened with a hash so that
