@@ -3,8 +3,8 @@
 Modules: `libtpu` (installed at JAX's pin? its start-up environment), `topology` (MaxText's TPU slice names → the
 devices to compile for), `state` (abstract parameters, optimizer state and batch with MaxText's shardings), `step`
 (the training step and the forward pass), `sizes` (what the traced program and this host can hold, checked first),
-`build` (trace, lower, compile; XLA's memory), `memory` (the record,
-its peak and verdict), `report` (text and JSON beside the analytic plan).
+`build` (trace, lower, compile; XLA's memory), `memory` (the record, its peak and verdict), `report` (text and JSON
+beside the analytic plan).
 """
 
 from __future__ import annotations
