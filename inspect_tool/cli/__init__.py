@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import signal
 import sys
 
@@ -204,4 +205,7 @@ def entry_point() -> None:
     click.echo(f"error: {e}", err=True)
     code = 2
   stop.ignore_from_now()  # the run is over: a signal during the interpreter's teardown changes nothing
+  if stop.received() is not None:  # stopped: no wait at exit for threads still blocked (a network read)
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
   sys.exit(code)

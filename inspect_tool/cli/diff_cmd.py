@@ -12,7 +12,7 @@ from inspect_tool.cli import options
                                       "first_num_dense_layers=1 vocab_size=1024 --path "
                                       "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
 @options.overrides_argument
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @click.option("--filter", "key_filter", metavar="REGEX", help="List only the differences whose key contains a match "

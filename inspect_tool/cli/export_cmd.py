@@ -19,18 +19,19 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16", "deepseek-v4")
                                           "--checkpoint tests/data/ckpt_deepseek3-tiny-L4-V1024 --output "
                                           "/tmp/tiny-fp8"))
 @cli_options.overrides_argument
-@click.option("--checkpoint", "source", type=click.Path(), help="Float MaxText-layout Orbax checkpoint to export.")
+@click.option("--checkpoint", "source", type=cli_options.InputPath("the source"),
+              help="Float MaxText-layout Orbax checkpoint to export.")
 @click.option("--random-init", "--random_init", "random_init", is_flag=True,
               help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
                    "not of a model.")
-@click.option("--output", "dst", type=click.Path(),
+@click.option("--output", "dst", type=cli_options.OutputDirectory(),
               help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (with "
                    "quantization_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
               help="Replace an existing --output (kept intact if the export fails) and --output_file.")
-@click.option("--tokens", "tokens_file", type=click.Path(),
+@click.option("--tokens", "tokens_file", type=cli_options.InputPath("the tokens file"),
               help="Validation tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(),
+@click.option("--targets", "targets_file", type=cli_options.InputPath("the targets file"),
               help="Validation targets .npy (default: tokens shifted left).")
 @click.option("--max-kl", "--max_kl", "max_kl", type=param_types.Bounded(float, 0.0, 100.0), default=0.015,
               show_default=True, help="Exit 1 when any head's KL divergence (nats) from the source run with the "
@@ -141,6 +142,7 @@ def _compile_only(overrides, topology, fmt, output_file) -> int:
   from inspect_tool.xla_compile import libtpu  # pylint: disable=import-outside-toplevel
   from inspect_tool.xla_compile import topology as topology_lib  # pylint: disable=import-outside-toplevel
 
+  cli_options.check_output_files(output_file)
   topology_lib.slice_of(topology)
   libtpu.require()
   cfg = config.resolve_config(overrides)

@@ -14,11 +14,12 @@ from inspect_tool.cli import options
                                       "first_num_dense_layers=1 vocab_size=1024 --checkpoint "
                                       "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
 @options.overrides_argument
-@click.option("--checkpoint", type=click.Path(), help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek "
+@click.option("--checkpoint", type=options.InputPath("the source"),
+              help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek "
               "directory (config.json + safetensors, bf16 or FP8), to load (default: seeded random init).")
-@click.option("--tokens", "tokens_file", type=click.Path(),
+@click.option("--tokens", "tokens_file", type=options.InputPath("the tokens file"),
               help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(),
+@click.option("--targets", "targets_file", type=options.InputPath("the targets file"),
               help="int targets .npy (default: tokens shifted left).")
 @click.option("--save-logits", "--save_logits", "save_logits", type=options.OutputPath(),
               help="Write logits (and mtp_logits) to this .npz.")

@@ -12,9 +12,9 @@ from inspect_tool.cli import options as cli_options
 @click.command("import", epilog=cli_options.example("import --path tests/data/import/hf_small "
                                                      "--output hf_small_maxtext scan_layers=true"))
 @cli_options.overrides_argument
-@click.option("--path", "path", required=True, type=click.Path(file_okay=False),
+@click.option("--path", "path", required=True, type=cli_options.InputPath("the source", file_okay=False),
               help="Hugging Face DeepSeek directory: config.json and safetensors (FP8 release layout or float).")
-@click.option("--output", "dst", required=True, type=click.Path(),
+@click.option("--output", "dst", required=True, type=cli_options.OutputDirectory(),
               help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (DST/0/items, with "
                    "import_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,

@@ -46,6 +46,9 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   if compile_:
     _check_compile(topology, key_filter)
   cfg = config.resolve_config(overrides)
+  if compile_:
+    from inspect_tool.xla_compile import sizes  # pylint: disable=import-outside-toplevel
+    sizes.check(cfg, topology)  # before the model is traced
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   from inspect_tool import sharding  # pylint: disable=import-outside-toplevel
@@ -98,7 +101,7 @@ def _check_compile(topology, key_filter) -> None:
 
 
 @click.command(epilog=options.example("orbax --path tests/data/ckpt_deepseek3-tiny-L4-V1024 --summary"))
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="Step directory, its items directory, or a directory of steps.")
 @click.option("--all", "include_all", is_flag=True, help="List every item (nnx_aux, opt_state, step), grouped.")
 @options.output_options
@@ -126,7 +129,7 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 
 
 @click.command(epilog=options.example("hf --path tests/data/import/hf_small --summary"))
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="A .safetensors file, a directory of them, or a sharded index.json set.")
 @click.option("--keys", "keys", is_flag=True, help="Print the MaxText keys of the DeepSeek directory (config.json and "
               "the stored tensors) as one line of key=value, instead of the listing.")

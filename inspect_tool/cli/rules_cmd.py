@@ -12,7 +12,7 @@ from inspect_tool.cli import options
 @click.command(epilog=options.example("rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full "
                                       "quantize_mtp=true --chip v5p --html coverage.html"))
 @options.overrides_argument
-@click.option("--rules", "rules_file", type=click.Path(dir_okay=False),
+@click.option("--rules", "rules_file", type=options.InputPath("the rules file", dir_okay=False),
               help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
 @click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight; "
               "the verdict (passed or FAILED) is the last line on stderr.")

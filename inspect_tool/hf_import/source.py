@@ -20,6 +20,7 @@ from inspect_tool import errors
 from inspect_tool.checkpoint import hf_names
 from inspect_tool.checkpoint import hf_names_v4
 from inspect_tool.checkpoint import hf_restore
+from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 
@@ -137,7 +138,8 @@ class HfSource:
     return _Pending(self._pool.submit(self.read, key, index))
 
   def close(self) -> None:
-    self._pool.shutdown(wait=True)
+    """Ends the reading thread (after a stop signal without waiting for its read: it may never end)."""
+    self._pool.shutdown(wait=stop.received() is None, cancel_futures=True)
 
   def __contains__(self, key) -> bool:
     return key in self._entries

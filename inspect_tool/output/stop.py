@@ -10,10 +10,11 @@ after JAX's distributed runtime, whose preemption notifier would take SIGTERM). 
   callback run by the collector), the `sys.unraisablehook` installed here (again if something replaced it) takes
   the dropped `Interrupted` silently and does the same;
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
-- the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
-  a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
-  (`add_cleanup`), prints the line and exits when the main thread has not taken the signal `GRACE_S` seconds
-  after it, or has not ended `CLEANUP_S` seconds after taking it.
+- the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds), and
+  once it has, its way out can wait on threads blocked elsewhere (a worker in a network read that never ends): a
+  watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`, which writes before the handler runs: the
+  watchdog records the signal itself), removes the outputs in progress (`add_cleanup`), prints the line and exits
+  when the run has not ended `STOP_S` seconds after the signal, whatever the main thread is doing.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ import time
 from inspect_tool import errors
 
 NAMES = ("SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT")
-GRACE_S = 3.0  # seconds the main thread has to take the signal (raise `Interrupted`)
-CLEANUP_S = 30.0  # then, seconds it has to remove its outputs and end
+STOP_S = 4.0  # seconds a run has, from the stop signal, to remove its outputs and end: then the watchdog ends it
 _received: list[int] = []  # the first stop signal, kept until the run ends
-_raised: list[bool] = []  # whether the main thread raised `Interrupted` for it
 _cleanups: dict[int, object] = {}  # id -> callable, run by the watchdog before it exits
 _report_lock = threading.Lock()
 _reported: list[bool] = []  # whether the one line was printed
@@ -45,7 +44,6 @@ def _handler(signum, frame):
   if _swallowing(frame) or _importing(frame):  # raised here it would be dropped, or break a C extension's init
     _again_later(signum)
     return
-  _raised.append(True)
   raise errors.Interrupted(signum)
 
 
@@ -76,7 +74,6 @@ def _importing(frame) -> bool:
 
 def _again_later(signum: int) -> None:
   """Delivers `signum` to the main thread again in 50 ms (its first exception was swallowed)."""
-  _raised.clear()
   timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
   timer.daemon = True
   timer.start()
@@ -132,10 +129,12 @@ def _watch(read: int) -> None:
     signum = next((b for b in data if b in stops), None)
     if signum is None:
       continue
-    if not _still_stopping(GRACE_S) or (_raised and not _still_stopping(CLEANUP_S)):
-      continue  # the run ended its own way, or a test went on (`clear`)
+    if not _received:  # the byte comes before the handler runs: a stop it has not recorded yet is one still
+      _received.append(signum)
+    if not _still_stopping(STOP_S):
+      continue  # a test went on (`clear`); a run that ended its own way is no longer here
     report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
-    for cleanup in list(_cleanups.values()):
+    for cleanup in reversed(list(_cleanups.values())):  # the innermost output first, its lock last
       try:
         cleanup()
       except Exception:  # pylint: disable=broad-except
@@ -191,5 +190,4 @@ def check() -> None:
 def clear() -> None:
   """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
   _received.clear()
-  _raised.clear()
   _reported.clear()
