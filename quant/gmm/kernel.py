@@ -32,8 +32,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from quant.gmm import target
+
 SUB_ROWS = 128  # rows per block multiplied on its own at a group boundary (the MXU's height on every TPU)
-VMEM_CAP = 96 * 2**20  # most VMEM a kernel asks for (v5e and v6e have 128 MiB, v5p 95 MiB: compiles checked)
+VMEM_CAP = 96 * 2**20  # most VMEM a kernel asks for, below the chip's own (`target.vmem_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +114,20 @@ def _row_blocks(tm: int, sub: int) -> list[int]:
   return list(range(0, tm, sub)) if sub < tm else [0]
 
 
+def footprint(tiling: Tiling, lhs_dtype, rhs_dtype, out_dtype) -> int:
+  """VMEM bytes of a gmm's double-buffered tiles, its accumulator and the widened copies of narrower operand tiles
+  (tgmm's is no larger at the same tiling)."""
+  tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+  size = lambda d: int(jnp.dtype(d).itemsize)  # pylint: disable=unnecessary-lambda-assignment
+  wide = size(mxu_dtype(lhs_dtype, rhs_dtype))
+  widened = sum(n * wide for n, d in ((tm * tk, lhs_dtype), (tk * tn, rhs_dtype)) if size(d) < wide)
+  return 2 * (tm * tk * size(lhs_dtype) + tk * tn * size(rhs_dtype) + tm * tn * size(out_dtype)) + tm * tn * 4 + widened
+
+
 def _vmem_limit(*tiles: tuple[tuple[int, ...], object]) -> int:
-  """VMEM for double-buffered tiles (shape, dtype) plus the accumulator's margin, capped at `VMEM_CAP`."""
+  """VMEM for double-buffered tiles (shape, dtype) plus the accumulator's margin, within the target chip's."""
   need = sum(2 * int(jnp.dtype(d).itemsize) * functools.reduce(lambda a, b: a * b, s, 1) for s, d in tiles)
-  return int(min(VMEM_CAP, max(32 * 2**20, need * 3 // 2 + 8 * 2**20)))
+  return int(min(VMEM_CAP, target.vmem_bytes(), max(32 * 2**20, need * 3 // 2 + 8 * 2**20)))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "transpose_rhs", "sub_rows", "interpret"))

@@ -26,8 +26,12 @@ def _pad_rows(x, rows: int):
 
 
 def _fitted(tiling: kernel.Tiling | None, m: int, k: int, n: int, *dtypes) -> tuple[kernel.Tiling, int]:
-  """The tiling (`tiles.auto` for None) capped to the problem, and the rows padded to its row tile."""
-  fitted = (tiling or tiles_lib.auto(m, k, n)).fit(m, k, n, kernel.row_multiple(*dtypes))
+  """The tiling (`tiles.auto` for the target chip's VMEM for None) capped to the problem, and the rows padded to
+  its row tile."""
+  if tiling is None:
+    tiling = tiles_lib.auto(m, k, n, vmem=target.vmem_bytes() if not interpret() else None,
+                            dtypes=(dtypes[0], dtypes[1], jnp.float32))
+  fitted = tiling.fit(m, k, n, kernel.row_multiple(*dtypes))
   return fitted, -(-m // fitted.tm) * fitted.tm
 
 
