@@ -90,3 +90,38 @@ def test_a_stop_ends_a_command_blocked_on_a_server_that_never_answers(tmp_path, 
 def test_every_stop_ends_every_blocked_command_every_time(tmp_path, command, signame):
   for _ in range(REPEATS):
     _stopped_in_time(tmp_path, command, signame)
+
+
+_RUNS_GO_ON = """
+import os, signal, sys, time
+from inspect_tool import errors
+from inspect_tool.output import stop
+
+def stopped():
+  try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+  except errors.Interrupted:
+    return
+  sys.exit("no Interrupted")
+
+stop.install_handlers()
+stopped()                 # run 1, stopped: its watchdog counts down from here
+time.sleep(1.0)
+stop.clear()              # run 2 starts at once and is stopped too, within the watchdog's 50 ms poll
+stopped()
+time.sleep(3.5)           # run 1's countdown would have ended the process 4 s after its stop
+stop.clear()              # run 2 ends 3.5 s after its stop, in time
+stopped()                 # run 3, stopped, returns its own way (an in-process command)
+stop.run_ended()
+time.sleep(stop.STOP_S + 1)
+print("alive")
+"""
+
+
+def test_the_watchdog_ends_only_the_run_it_counts_down_for():
+  """In-process runs one after the other (tests calling `cli.main`): a stop that a run took its own way ends nothing
+  later; once the pytest worker itself was ended by a countdown begun for an earlier test's stop."""
+  proc = subprocess.run([sys.executable, "-c", _RUNS_GO_ON], capture_output=True, text=True, cwd=REPO, timeout=60,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO), check=False)
+  assert (proc.returncode, proc.stdout, proc.stderr) == (0, "alive\n", "")

@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
   code = _run(argv)
   from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
   runtime.finish()
+  if fresh:  # an in-process run (tests): it has ended, the watchdog must not end the process later
+    stop.run_ended()
   return code
 
 

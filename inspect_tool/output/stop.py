@@ -22,6 +22,7 @@ from __future__ import annotations
 import _thread
 import gc
 import os
+import select
 import signal
 import sys
 import threading
@@ -36,11 +37,20 @@ _cleanups: dict[int, object] = {}  # id -> callable, run by the watchdog before 
 _report_lock = threading.Lock()
 _reported: list[bool] = []  # whether the one line was printed
 _watchdog: list[threading.Thread] = []
+_runs = [0]  # bumped when a run ends (`clear`, `run_ended`): a watchdog counting down for it lets go
+_stopped_run = [0]  # the value of `_runs` when the stop in `_received` arrived
+_wakeups: list[int] = []  # the read end of the signals' wakeup pipe
+_wakeup_lock = threading.Lock()  # the watchdog reads a signal's byte and records it as one step; `_drain` waits
+
+
+def _received_now(signum: int) -> None:
+  if not _received:
+    _stopped_run[0] = _runs[0]
+    _received.append(signum)
 
 
 def _handler(signum, frame):
-  if not _received:
-    _received.append(signum)
+  _received_now(signum)
   if _swallowing(frame) or _importing(frame):  # raised here it would be dropped, or break a C extension's init
     _again_later(signum)
     return
@@ -106,6 +116,8 @@ def install_handlers() -> None:
   if not _watchdog:
     read, write = os.pipe()
     os.set_blocking(write, False)
+    os.set_blocking(read, False)
+    _wakeups.append(read)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     thread = threading.Thread(target=_watch, args=(read,), name="stop-watchdog", daemon=True)
     thread.start()
@@ -123,14 +135,18 @@ def ignore_from_now() -> None:
 def _watch(read: int) -> None:
   stops = {int(getattr(signal, name)) for name in NAMES}
   while True:
-    data = os.read(read, 64)
-    if not data:
-      return
-    signum = next((b for b in data if b in stops), None)
-    if signum is None:
-      continue
-    if not _received:  # the byte comes before the handler runs: a stop it has not recorded yet is one still
-      _received.append(signum)
+    select.select([read], [], [])
+    with _wakeup_lock:
+      try:
+        data = os.read(read, 64)
+      except BlockingIOError:  # drained by `run_ended` meanwhile
+        continue
+      if not data:
+        return
+      signum = next((b for b in data if b in stops), None)
+      if signum is None:
+        continue
+      _received_now(signum)  # the byte comes before the handler runs: a stop it has not recorded yet is one still
     if not _still_stopping(STOP_S):
       continue  # a test went on (`clear`); a run that ended its own way is no longer here
     report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
@@ -143,13 +159,15 @@ def _watch(read: int) -> None:
 
 
 def _still_stopping(seconds: float) -> bool:
-  """Waits `seconds`; False as soon as the stop is forgotten (`clear`)."""
+  """Waits `seconds`; False as soon as the stopped run has ended (`clear`, `run_ended`), even if a later run in
+  this process was stopped since."""
+  run = _stopped_run[0]
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline:
-    if not _received:
+    if not _received or _runs[0] != run:
       return False
     time.sleep(0.05)
-  return bool(_received)
+  return bool(_received) and _runs[0] == run
 
 
 def report(line: str) -> bool:
@@ -189,5 +207,21 @@ def check() -> None:
 
 def clear() -> None:
   """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
-  _received.clear()
-  _reported.clear()
+  run_ended(forget=True)
+
+
+def run_ended(forget: bool = False) -> None:
+  """The run returned its own way (a test's in-process command): a watchdog counting down for it lets go, and the
+  signals' bytes it has not read yet are dropped (read later, they would start a countdown for the next run);
+  `received` still names the stop that ended it unless `forget`."""
+  with _wakeup_lock:
+    for read in _wakeups:
+      try:
+        while os.read(read, 4096):
+          pass
+      except BlockingIOError:
+        pass
+    if forget:
+      _received.clear()
+      _reported.clear()
+    _runs[0] += 1
