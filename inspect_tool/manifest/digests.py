@@ -1,0 +1,213 @@
+"""The sha256 of every tensor an export writes (and a scale tensor's zero, NaN and inf counts), fed with the values
+as the writers hand them over: no second read of the output.
+
+The manifest's hash is that of a tensor's elements in C order (`stored`). A writer gives a tensor's values as boxes
+(`add`): a box that continues the C-order stream where the hash stands is hashed at once; from the first box that
+does not on (a quantized weight cut along its channels, whose C order runs across every slice: the routed
+experts (E, L, K, N) written layer by layer), the boxes are appended as they come to a scratch file of the tensor's
+own (unnamed, on the export's file system or in $TMPDIR), and once every element has come the rest of the stream is
+gathered from it in C-order windows of `WINDOW_BYTES` and hashed. Memory holds a window and a box's piece of it,
+never the tensor.
+
+`Digests(background=True)` (the Orbax writer) does that work in two threads of its own: one takes the boxes in the
+order given (`add` returns its future, which the writer counts among its writes in flight), the other gathers and
+hashes the scratch files of complete tensors. `background=False` (the safetensors writer, whose tensors are always
+written front to back) hashes in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import math
+import os
+import tempfile
+import threading
+from typing import Callable
+
+import numpy as np
+
+from inspect_tool.manifest import stored
+
+WINDOW_BYTES = 4 << 20  # the C-order window gathered from a scratch file at once
+
+
+def counts(values: np.ndarray) -> list[int]:
+  """[zero, NaN, inf] counts of an array of scales."""
+  values = np.asarray(values, np.float32)
+  return [int(np.count_nonzero(values == 0)), int(np.count_nonzero(np.isnan(values))),
+          int(np.count_nonzero(np.isinf(values)))]
+
+
+def run_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+  """(first element, elements) of the box `index` of an array of `shape` when the box is one run of the array in C
+  order; None when it is not."""
+  sides = [s.stop - s.start for s in index]
+  lead = next((a for a, side in enumerate(sides) if side != 1), len(sides))
+  if any(side != d for side, d in zip(sides[lead + 1:], shape[lead + 1:])):
+    return None
+  first = 0
+  for s, d in zip(index, shape):
+    first = first * d + s.start
+  return first, math.prod(sides)
+
+
+class ArrayHash:
+  """The sha256 of one tensor's elements in C order, fed by boxes in any order (see the module)."""
+
+  def __init__(self, shape, dtype, scratch_dir: str | None = None, counted: bool = False):
+    self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+    self.total = math.prod(self.shape)
+    self.received = 0  # elements given
+    self.position = 0  # elements hashed, in C order
+    self.counts = [0, 0, 0] if counted else None
+    self._sha = hashlib.sha256()
+    self._scratch_dir = scratch_dir
+    self._file = None  # the scratch file, from the first box out of order on
+    self._boxes: list[tuple[tuple[slice, ...], int]] = []  # (box, offset in the scratch file) of every box there
+    self._end = 0  # bytes in the scratch file
+
+  @property
+  def complete(self) -> bool:
+    return self.received == self.total
+
+  def add(self, index: tuple[slice, ...] | None, value: np.ndarray) -> None:
+    """Adds the box `index` (None: the elements that follow the last ones given, in C order) of the tensor."""
+    value = np.ascontiguousarray(value, self.dtype)
+    if self.counts is not None:
+      for i, n in enumerate(counts(value)):
+        self.counts[i] += n
+    run = (self.received, value.size) if index is None else run_of(tuple(index), self.shape)
+    data = value.reshape(-1).view(np.uint8)
+    if self._file is None and run is not None and run[0] == self.position:
+      self._sha.update(data)
+      self.position += run[1]
+    elif index is None:
+      raise ValueError(f"values appended to a tensor of shape {self.shape} after a box out of C order")
+    else:
+      self._spill(tuple(index), data)
+    self.received += value.size
+
+  def _spill(self, index: tuple[slice, ...], data: np.ndarray) -> None:
+    if self._file is None:
+      self._file = tempfile.TemporaryFile(dir=self._scratch_dir)  # pylint: disable=consider-using-with
+    view = memoryview(data)
+    while view:
+      view = view[os.pwrite(self._file.fileno(), view, self._end + len(data) - len(view)):]
+    self._boxes.append((index, self._end))
+    self._end += len(data)
+
+  def hexdigest(self) -> str:
+    """The hash of the complete tensor: the rest of its C-order stream gathered from the scratch file."""
+    assert self.complete, (self.received, self.total)
+    if self._file is not None:
+      try:
+        self._gather()
+      finally:
+        self._file.close()
+        self._file, self._boxes = None, []
+    return self._sha.hexdigest()
+
+  def _gather(self) -> None:
+    itemsize = self.dtype.itemsize
+    window, piece = (np.empty(max(1, WINDOW_BYTES // itemsize), self.dtype) for _ in range(2))
+    for box in stored.slabs(self.shape, itemsize, WINDOW_BYTES):
+      first, size = run_of(box, self.shape)
+      if first + size <= self.position:
+        continue
+      part = window[:size].reshape(tuple(s.stop - s.start for s in box))
+      for index, offset in self._boxes:
+        self._copy_into(part, box, index, offset, piece)
+      self._sha.update(window[max(0, self.position - first):size].view(np.uint8))
+      self.position = first + size
+
+  def _copy_into(self, part: np.ndarray, box, index, offset: int, piece: np.ndarray) -> None:
+    """Copies what the scratch box `index` (at `offset`) holds of the window `box` into `part` (the window's
+    values), through `piece`: one read, since the overlap is one run of the box (the window is one of the
+    tensor)."""
+    lo = [max(w.start, b.start) for w, b in zip(box, index)]
+    hi = [min(w.stop, b.stop) for w, b in zip(box, index)]
+    if any(a >= b for a, b in zip(lo, hi)):
+      return
+    sides = tuple(b.stop - b.start for b in index)
+    first, size = run_of(tuple(slice(a - b.start, c - b.start) for a, c, b in zip(lo, hi, index)), sides)
+    got = os.preadv(self._file.fileno(), [piece[:size].view(np.uint8)], offset + first * self.dtype.itemsize)
+    if got != size * self.dtype.itemsize:
+      raise OSError(f"the scratch file of a tensor being hashed gave {got} of {size * self.dtype.itemsize} bytes")
+    part[tuple(slice(a - w.start, c - w.start) for a, c, w in zip(lo, hi, box))] = piece[:size].reshape(
+        tuple(c - a for a, c in zip(lo, hi)))
+
+  def discard(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+class Digests:
+  """Every tensor one writer hashes: `track` one, `add` its boxes, then `found` (see the module)."""
+
+  def __init__(self, scratch_dir: str | None = None, counted: Callable[[str], bool] = lambda name: False,
+               background: bool = True):
+    self._scratch_dir, self._counted = scratch_dir, counted
+    self._hashes: dict[str, ArrayHash] = {}
+    self._done: dict[str, concurrent.futures.Future] = {}
+    self._lock = threading.Lock()
+    self._boxes = self._gather = None
+    if background:
+      self._boxes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash-boxes")
+      self._gather = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash-gather")
+
+  def track(self, name: str, shape, dtype) -> None:
+    """Hashes tensor `name` of `shape` and `dtype` as it is written (by this writer alone, every element)."""
+    self._hashes[name] = ArrayHash(shape, dtype, self._scratch_dir, self._counted(name))
+    if self._hashes[name].complete:  # an empty tensor
+      self._finish(name)
+
+  def tracks(self, name: str) -> bool:
+    return name in self._hashes
+
+  def tensor(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of the tracked tensor `name`."""
+    return self._hashes[name].shape, self._hashes[name].dtype
+
+  def add(self, name: str, index: tuple[slice, ...] | None, value) -> concurrent.futures.Future | None:
+    """Adds a box of tensor `name` (`ArrayHash.add`; `value` may be a function that gives it, called by the
+    hashing thread); returns the future of that work in the background (None: done)."""
+    if self._boxes is None:
+      self._add(name, index, value)
+      return None
+    return self._boxes.submit(self._add, name, index, value)
+
+  def _add(self, name: str, index, value) -> None:
+    digest = self._hashes[name]
+    digest.add(index, value() if callable(value) else value)
+    if digest.complete:
+      self._finish(name)
+
+  def _finish(self, name: str) -> None:
+    with self._lock:
+      if self._gather is None:
+        future = concurrent.futures.Future()
+        future.set_result(self._hashes[name].hexdigest())
+      else:
+        future = self._gather.submit(self._hashes[name].hexdigest)
+      self._done[name] = future
+
+  def found(self) -> dict[str, list]:
+    """name -> [sha256, zero, NaN, inf] of every tracked tensor that is complete (the counts of a scale tensor;
+    0 else), once the work in the background is done."""
+    self.close()
+    out = {}
+    for name, future in self._done.items():
+      digest = self._hashes[name]
+      out[name] = [future.result(), *(digest.counts or [0, 0, 0])]
+    return out
+
+  def close(self, cancel: bool = False) -> None:
+    """Waits for (or, `cancel`, drops) the work in the background; removes the scratch files left."""
+    for pool in (self._boxes, self._gather):
+      if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=cancel)
+    if cancel:
+      for digest in self._hashes.values():
+        digest.discard()
