@@ -10,10 +10,14 @@ propagates NaN, as numpy's does.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from quant.microscaling import E2M1_VALUES
+
+CHUNK_BYTES = 16 << 20  # float32 error held at once by `channel_figures`
 
 
 def _reduced(error, axes: tuple[int, ...]):
@@ -30,9 +34,27 @@ def _product(values, scale):
 
 def channel_figures(source, qvalue, scale):
   """(largest, sum) of the error of `qvalue` × `scale` against `source` over every axis `scale` shares (size 1),
-  each of `scale`'s shape (Qwix's per-channel layout)."""
-  error = jnp.abs(_product(qvalue.astype(jnp.float32), scale.astype(jnp.float32)) - source.astype(jnp.float32))
-  return _reduced(error, tuple(a for a in range(error.ndim) if scale.shape[a] == 1))
+  each of `scale`'s shape (Qwix's per-channel layout). The error is taken in runs of the first axis of at most
+  `CHUNK_BYTES` of float32 (a loop), so that the step's temporaries stay that small: as one array XLA on the CPU
+  holds the whole float32 error, four times the qvalue, in fresh pages at every call."""
+  shared = tuple(a for a in range(source.ndim) if scale.shape[a] == 1)
+  scale = scale.astype(jnp.float32)
+
+  def reduced(x, q, s):
+    return _reduced(jnp.abs(_product(q.astype(jnp.float32), s) - x.astype(jnp.float32)), shared)
+
+  if not source.ndim:
+    return reduced(source, qvalue, scale)
+  rows = source.shape[0]
+  row_bytes = 4 * math.prod(source.shape[1:])
+  run = max([d for d in range(1, rows + 1) if rows % d == 0 and d * row_bytes <= CHUNK_BYTES] or [1])
+  runs = lambda a: a.reshape((rows // run, run) + a.shape[1:])  # noqa: E731
+  qvalue = jax.lax.optimization_barrier(qvalue)  # the error from the stored qvalue, not from its producer again
+  if 0 in shared:  # every run shares the scale: the runs' figures reduced over the runs
+    largest, total = jax.lax.map(lambda xq: reduced(*xq, scale), (runs(source), runs(qvalue)))
+    return jnp.max(largest, axis=0), jnp.sum(total, axis=0)
+  largest, total = jax.lax.map(lambda xqs: reduced(*xqs), (runs(source), runs(qvalue), runs(scale)))
+  return largest.reshape(scale.shape), total.reshape(scale.shape)
 
 
 def block_figures(source, qvalue, scale, block: tuple[int, int]):

@@ -2,17 +2,19 @@
 as the writers hand them over: no second read of the output.
 
 The manifest's hash is that of a tensor's elements in C order (`stored`). A writer gives a tensor's values as boxes
-(`add`): a box that continues the C-order stream where the hash stands is hashed at once; from the first box that
-does not on (a quantized weight cut along its channels, whose C order runs across every slice: the routed
-experts (E, L, K, N) written layer by layer), the boxes are appended as they come to a scratch file of the tensor's
-own (unnamed, on the export's file system or in $TMPDIR), and once every element has come the rest of the stream is
-gathered from it in C-order windows of `WINDOW_BYTES` and hashed. Memory holds a window and a box's piece of it,
-never the tensor.
+(`add`): a box that continues the C-order stream where the hash stands is hashed at once. From the first box that
+does not on (a quantized weight cut along its channels, whose C order runs across every slice: the routed experts
+(E, L, K, N) written layer by layer; the boxes of a second pass, back to front), the tensor is assembled instead:
+each box copied to its place in a C-order buffer of the tensor's size, where the writer's plan has room for one
+(`track(..., memory=)`; the buffers are `held_bytes`, and one whose tensor is hashed is used again for the next, so
+that its pages are not fresh ones each time); else each box appended to a scratch file (unnamed, on the export's
+file system or in $TMPDIR; also used again), from which the rest of the stream is gathered in C-order windows of
+`WINDOW_BYTES` once every element has come. Either way the rest is hashed when the tensor is complete.
 
 `Digests(background=True)` (the Orbax writer) does that work in two threads of its own: one takes the boxes in the
-order given (`add` returns its future, which the writer counts among its writes in flight), the other gathers and
-hashes the scratch files of complete tensors. `background=False` (the safetensors writer, whose tensors are always
-written front to back) hashes in the caller's thread.
+order given (`add` returns its future, which the writer counts among its writes in flight), the other hashes the
+tensors assembled. `background=False` (the safetensors writer, whose tensors are always written front to back)
+hashes in the caller's thread.
 """
 
 from __future__ import annotations
@@ -53,23 +55,30 @@ def run_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] 
 
 
 class ArrayHash:
-  """The sha256 of one tensor's elements in C order, fed by boxes in any order (see the module)."""
+  """The sha256 of one tensor's elements in C order, fed by boxes in any order (see the module). `room` gives the
+  means to assemble it when the first box out of order comes: a C-order buffer of `nbytes` (uint8) or a scratch
+  file (its argument: the bytes needed), and takes them back once the tensor is hashed."""
 
-  def __init__(self, shape, dtype, scratch_dir: str | None = None, counted: bool = False):
+  def __init__(self, shape, dtype, counted: bool = False, room=None):
     self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
     self.total = math.prod(self.shape)
     self.received = 0  # elements given
     self.position = 0  # elements hashed, in C order
     self.counts = [0, 0, 0] if counted else None
     self._sha = hashlib.sha256()
-    self._scratch_dir = scratch_dir
-    self._file = None  # the scratch file, from the first box out of order on
-    self._boxes: list[tuple[tuple[slice, ...], int]] = []  # (box, offset in the scratch file) of every box there
-    self._end = 0  # bytes in the scratch file
+    self._room = room or _Room()
+    self._buffer = None  # the C-order buffer (uint8), from the first box out of order on
+    self._file = None  # or the scratch file, with the boxes appended to it: (box, offset) in `_boxes`
+    self._boxes: list[tuple[tuple[slice, ...], int]] = []
+    self._end = 0  # bytes appended to the scratch file
 
   @property
   def complete(self) -> bool:
     return self.received == self.total
+
+  @property
+  def assembling(self) -> bool:
+    return self._buffer is not None or self._file is not None
 
   def add(self, index: tuple[slice, ...] | None, value: np.ndarray) -> None:
     """Adds the box `index` (None: the elements that follow the last ones given, in C order) of the tensor."""
@@ -78,34 +87,38 @@ class ArrayHash:
       for i, n in enumerate(counts(value)):
         self.counts[i] += n
     run = (self.received, value.size) if index is None else run_of(tuple(index), self.shape)
-    data = value.reshape(-1).view(np.uint8)
-    if self._file is None and run is not None and run[0] == self.position:
-      self._sha.update(data)
+    if not self.assembling and run is not None and run[0] == self.position:
+      self._sha.update(value.reshape(-1).view(np.uint8))
       self.position += run[1]
     elif index is None:
       raise ValueError(f"values appended to a tensor of shape {self.shape} after a box out of C order")
     else:
-      self._spill(tuple(index), data)
+      self._assemble(tuple(index), value)
     self.received += value.size
 
-  def _spill(self, index: tuple[slice, ...], data: np.ndarray) -> None:
-    if self._file is None:
-      self._file = tempfile.TemporaryFile(dir=self._scratch_dir)  # pylint: disable=consider-using-with
-    view = memoryview(data)
-    while view:
-      view = view[os.pwrite(self._file.fileno(), view, self._end + len(data) - len(view)):]
+  def _assemble(self, index: tuple[slice, ...], value: np.ndarray) -> None:
+    if not self.assembling:
+      self._buffer, self._file = self._room.take(self.total * self.dtype.itemsize)
+      self._end = 0
+    if self._buffer is not None:
+      self._buffer.view(self.dtype).reshape(self.shape)[index] = value
+      return
+    view = memoryview(value.reshape(-1).view(np.uint8))
     self._boxes.append((index, self._end))
-    self._end += len(data)
+    while view:
+      written = os.pwrite(self._file.fileno(), view, self._end)
+      view, self._end = view[written:], self._end + written
 
   def hexdigest(self) -> str:
-    """The hash of the complete tensor: the rest of its C-order stream gathered from the scratch file."""
+    """The hash of the complete tensor: the rest of its C-order stream, from its buffer or its scratch file."""
     assert self.complete, (self.received, self.total)
-    if self._file is not None:
-      try:
+    try:
+      if self._buffer is not None:
+        self._sha.update(self._buffer[self.position * self.dtype.itemsize:])
+      elif self._file is not None:
         self._gather()
-      finally:
-        self._file.close()
-        self._file, self._boxes = None, []
+    finally:
+      self.discard()
     return self._sha.hexdigest()
 
   def _gather(self) -> None:
@@ -122,15 +135,15 @@ class ArrayHash:
       self.position = first + size
 
   def _copy_into(self, part: np.ndarray, box, index, offset: int, piece: np.ndarray) -> None:
-    """Copies what the scratch box `index` (at `offset`) holds of the window `box` into `part` (the window's
-    values), through `piece`: one read, since the overlap is one run of the box (the window is one of the
-    tensor)."""
+    """Copies what the box `index` appended at `offset` holds of the window `box` into `part` (the window's
+    values), through `piece`, in one read: the overlap is one run of the box, since the window is one of the
+    tensor."""
     lo = [max(w.start, b.start) for w, b in zip(box, index)]
     hi = [min(w.stop, b.stop) for w, b in zip(box, index)]
     if any(a >= b for a, b in zip(lo, hi)):
       return
-    sides = tuple(b.stop - b.start for b in index)
-    first, size = run_of(tuple(slice(a - b.start, c - b.start) for a, c, b in zip(lo, hi, index)), sides)
+    first, size = run_of(tuple(slice(a - b.start, c - b.start) for a, c, b in zip(lo, hi, index)),
+                         tuple(b.stop - b.start for b in index))
     got = os.preadv(self._file.fileno(), [piece[:size].view(np.uint8)], offset + first * self.dtype.itemsize)
     if got != size * self.dtype.itemsize:
       raise OSError(f"the scratch file of a tensor being hashed gave {got} of {size * self.dtype.itemsize} bytes")
@@ -138,9 +151,58 @@ class ArrayHash:
         tuple(c - a for a, c in zip(lo, hi)))
 
   def discard(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
+    """Gives the buffer or the scratch file back."""
+    if self.assembling:
+      self._room.give(self._buffer, self._file)
+    self._buffer, self._file, self._boxes = None, None, []
+
+
+class _Room:
+  """The buffers and scratch files that tensors out of C order are assembled in, used again once given back: a
+  buffer where `memory` bytes hold it beside the others (`held_bytes`: every buffer, in use or not), else a scratch
+  file in `scratch_dir`. `wait()` waits for the tensors being hashed, which give theirs back."""
+
+  def __init__(self, scratch_dir: str | None = None, memory: int = 0, wait: Callable[[], None] = lambda: None):
+    self.scratch_dir, self.memory, self.wait = scratch_dir, memory, wait
+    self.held_bytes = 0
+    self._lock = threading.Lock()
+    self._buffers: list[np.ndarray] = []  # given back
+    self._files: list = []  # given back
+
+  def take(self, nbytes: int):
+    """(buffer of `nbytes`, None) or (None, scratch file): a buffer given back if one is large enough (once the
+    tensors being hashed have given theirs back), else a new one where the room holds it."""
+    self.wait()
+    if nbytes <= self.memory:
+      with self._lock:
+        fits = [b for b in self._buffers if b.nbytes >= nbytes]
+        if fits:
+          buffer = min(fits, key=lambda b: b.nbytes)
+          self._buffers.remove(buffer)
+          return buffer[:nbytes], None
+        while self._buffers and self.held_bytes + nbytes > self.memory:  # too small ones go
+          self.held_bytes -= self._buffers.pop().nbytes
+        if self.held_bytes + nbytes <= self.memory:
+          self.held_bytes += nbytes
+          return np.empty(nbytes, np.uint8), None
+    with self._lock:
+      if self._files:
+        return None, self._files.pop()
+    return None, tempfile.TemporaryFile(dir=self.scratch_dir)  # pylint: disable=consider-using-with
+
+  def give(self, buffer, file) -> None:
+    with self._lock:
+      if buffer is not None:
+        self._buffers.append(buffer.base if buffer.base is not None else buffer)
+      if file is not None:
+        self._files.append(file)
+
+  def close(self) -> None:
+    """Lets every buffer and scratch file go."""
+    with self._lock:
+      for file in self._files:
+        file.close()
+      self._buffers, self._files, self.held_bytes = [], [], 0
 
 
 class Digests:
@@ -148,18 +210,28 @@ class Digests:
 
   def __init__(self, scratch_dir: str | None = None, counted: Callable[[str], bool] = lambda name: False,
                background: bool = True):
-    self._scratch_dir, self._counted = scratch_dir, counted
+    self._counted = counted
     self._hashes: dict[str, ArrayHash] = {}
     self._done: dict[str, concurrent.futures.Future] = {}
     self._lock = threading.Lock()
+    self._rooms: dict[int, _Room] = {}
+    self._scratch_dir = scratch_dir
     self._boxes = self._gather = None
     if background:
       self._boxes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash-boxes")
       self._gather = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash-gather")
 
-  def track(self, name: str, shape, dtype) -> None:
-    """Hashes tensor `name` of `shape` and `dtype` as it is written (by this writer alone, every element)."""
-    self._hashes[name] = ArrayHash(shape, dtype, self._scratch_dir, self._counted(name))
+  @property
+  def held_bytes(self) -> int:
+    """What the buffers of tensors out of C order hold (in use or kept for the next)."""
+    return sum(room.held_bytes for room in self._rooms.values())
+
+  def track(self, name: str, shape, dtype, memory: int = 0) -> None:
+    """Hashes tensor `name` of `shape` and `dtype` as it is written (by this writer alone, every element); out of C
+    order, it is assembled in a buffer where `memory` bytes hold one beside the others, else in a scratch file."""
+    if memory not in self._rooms:  # one pool per budget (each array's plan gives its own; most share one)
+      self._rooms[memory] = _Room(self._scratch_dir, memory, self._wait)
+    self._hashes[name] = ArrayHash(shape, dtype, self._counted(name), self._rooms[memory])
     if self._hashes[name].complete:  # an empty tensor
       self._finish(name)
 
@@ -193,6 +265,12 @@ class Digests:
         future = self._gather.submit(self._hashes[name].hexdigest)
       self._done[name] = future
 
+  def _wait(self) -> None:
+    """Waits for the tensors being hashed (they give their buffers back)."""
+    with self._lock:
+      hashing = list(self._done.values())
+    concurrent.futures.wait(hashing)
+
   def found(self) -> dict[str, list]:
     """name -> [sha256, zero, NaN, inf] of every tracked tensor that is complete (the counts of a scale tensor;
     0 else), once the work in the background is done."""
@@ -204,10 +282,12 @@ class Digests:
     return out
 
   def close(self, cancel: bool = False) -> None:
-    """Waits for (or, `cancel`, drops) the work in the background; removes the scratch files left."""
+    """Waits for (or, `cancel`, drops) the work in the background; lets the buffers and scratch files go."""
     for pool in (self._boxes, self._gather):
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=cancel)
     if cancel:
       for digest in self._hashes.values():
         digest.discard()
+    for room in self._rooms.values():
+      room.close()

@@ -179,8 +179,8 @@ class OrbaxArrayWriter:
   @property
   def in_flight_bytes(self) -> int:
     """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each, and the bytes of each
-    while it is hashed."""
-    return sum(held for _, held in self._in_flight)
+    while it is hashed; and what the hashes keep of arrays written out of C order (`digests.held_bytes`)."""
+    return sum(held for _, held in self._in_flight) + (self._digests.held_bytes if self._digests else 0)
 
   def make_room(self, room: int) -> None:
     """Waits for the oldest writes in flight until the rest hold at most `room` bytes (`in_flight_bytes`)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -275,14 +276,15 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     for key, shape, dtype, chunk, *_ in destination_arrays(job):
       writer.register(key, chunk, shape, dtype)
       if digests is not None and len(owned[-1]) == len(units):  # all of it written here
-        digests.track(".".join(key), shape, dtype)
+        digests.track(".".join(key), shape, dtype, _spare_room(job))  # boxes out of C order kept there
     running += len(units)
   reads = None
   progress = on_slice or (lambda nbytes, arrays: None)
   mine = [job for job, units in zip(jobs, owned) if units]
   if quantizers is None and any(job.quant is not None for job in mine):
     raise ValueError("write_arrays: quantized jobs need their quantizers")
-  quantizers = (quantizers or _Copies)(mine)
+  # an import quantizes nothing: nothing to compile, nothing to close
+  quantizers = quantizers(mine) if quantizers else types.SimpleNamespace(close=lambda: None)
   ahead = absmax_ahead.AbsmaxAhead(source, mine, quantizers)
   try:
     stores = iter(writer.create_many([spec for job in mine for spec in destination_arrays(job)]))
@@ -314,22 +316,17 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
 
 
-class _Copies:
-  """The quantizers of a write that quantizes nothing (an import): nothing to compile, nothing to close."""
-
-  def __init__(self, jobs):
-    del jobs
-
-  def close(self) -> None:
-    pass
-
-
 def _write_room(job: ArrayJob, reads: box_reads.BoxReads) -> int:
   """The bytes that writes in flight may hold while `job` is processed: the room its plan had (`ArrayJob.room`)
   less the boxes held and being read and `budget.SLICE_FACTOR` times its slice (a copy of stored chunks, which
   quantizes nothing: its box once more). 0 when none is left (a write then waits for the earlier ones)."""
   work = job.slice_bytes if job.stored is not None else budget_lib.SLICE_FACTOR * job.slice_bytes
   return max(0, job.room - reads.held() - work)
+
+
+def _spare_room(job: ArrayJob) -> int:
+  """The room the plan of `job` leaves beside its boxes (two, read ahead) and its slice's work."""
+  return max(0, job.room - (1 + job.ahead) * job.read_bytes - budget_lib.SLICE_FACTOR * job.slice_bytes)
 
 
 def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
