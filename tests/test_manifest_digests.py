@@ -101,6 +101,19 @@ def test_tensors_out_of_order_one_after_another_use_one_buffer_or_scratch_file_a
   assert digests.held_bytes == 0 and os.listdir(tmp_path) == []
 
 
+def test_without_scratch_files_a_tensor_out_of_order_beyond_memory_is_left_to_be_read_back(tmp_path):
+  value = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+  digests = digests_lib.Digests(str(tmp_path), scratch=False)  # gs://: nothing on local disk
+  digests.track("in order", value.shape, value.dtype)
+  digests.track("reversed", value.shape, value.dtype, memory=value.nbytes - 1)
+  digests.track("held", value.shape, value.dtype, memory=value.nbytes)
+  for name in ("in order", "reversed", "held"):
+    for box in read_plan.boxes(value.shape, (1, 6))[::1 if name == "in order" else -1]:
+      digests.add(name, box, value[box])
+  assert digests.found() == {"in order": [_sha(value), 0, 0, 0], "held": [_sha(value), 0, 0, 0]}
+  assert os.listdir(tmp_path) == []
+
+
 def test_appended_values_and_scale_counts():
   scales = np.array([0.0, 1.5, np.nan, np.inf, -np.inf, 0.0, 2.0], np.float32)
   digests = digests_lib.Digests(counted=lambda name: name.endswith("_scale_inv"), background=False)

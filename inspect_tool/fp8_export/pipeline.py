@@ -200,28 +200,30 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
 
 def _digests(tmp: str, counted, background: bool) -> digests_lib.Digests:
   """The hashes of the tensors the export writes, taken as they are written; scratch files (for arrays written out
-  of C order) in the export's temporary directory, or $TMPDIR when it is on gs://."""
-  return digests_lib.Digests(None if paths.is_remote(tmp) else tmp, counted, background)
+  of C order beyond the memory plan's room) in the export's temporary directory, none on gs:// (nothing is written
+  to local disk: such an array is read back)."""
+  remote = paths.is_remote(tmp)
+  return digests_lib.Digests(None if remote else tmp, counted, background, scratch=not remote)
 
 
 def _write_manifest(tmp: str, catalogue: dict, digests: digests_lib.Digests, described: dict,
                     tally: tally_lib.Tally, layout: str, max_memory: int) -> dict:
-  """Every process hands over the hashes its writer took and its tally; an array that several processes wrote
-  parts of is read back and hashed (by each process, its share); process 0 writes `tmp/export_manifest.json` and
-  returns its summary for the report (others: {})."""
+  """Every process hands over the hashes its writer took and its tally; an array no writer hashed (one that several
+  processes wrote parts of; on gs://, one written out of C order beyond the memory plan's room) is read back and
+  hashed (by each process, its share); process 0 writes `tmp/export_manifest.json` and returns its summary for the
+  report (others: {})."""
   merged = tally_lib.Tally()
   for text in distributed.gather_text(tally.to_json()):
     merged.merge(text)
   found = {}
   for text in distributed.gather_text(json.dumps(digests.found())):
     found.update(json.loads(text))
-  split = [name for name in catalogue if name not in found]  # the same list on every process
-  if split:
+  missing = [name for name in catalogue if name not in found]  # the same list on every process
+  if missing:
     tensors = stored_lib.StoredTensors(tmp)
-    with progress.step(f"hashing {len(split)} stored tensors written by several processes for "
-                       f"{manifest_lib.NAME}", plain=True):
-      found.update(manifest_lib.hashes(tensors, described, manifest_lib.piece_bytes_for(max_memory,
-                                                                                        budget.current_rss()), split))
+    with progress.step(f"hashing {len(missing)} stored tensors read back for {manifest_lib.NAME}", plain=True):
+      found.update(manifest_lib.hashes(tensors, described,
+                                       manifest_lib.piece_bytes_for(max_memory, budget.current_rss()), missing))
   if distributed.process_index() != 0:
     return {}
   doc = manifest_lib.manifest(catalogue, found, described, merged, layout)

@@ -8,8 +8,9 @@ does not on (a quantized weight cut along its channels, whose C order runs acros
 each box copied to its place in a C-order buffer of the tensor's size, where the writer's plan has room for one
 (`track(..., memory=)`; the buffers are `held_bytes`, and one whose tensor is hashed is used again for the next, so
 that its pages are not fresh ones each time); else each box appended to a scratch file (unnamed, on the export's
-file system or in $TMPDIR; also used again), from which the rest of the stream is gathered in C-order windows of
-`WINDOW_BYTES` once every element has come. Either way the rest is hashed when the tensor is complete.
+file system; also used again), from which the rest of the stream is gathered in C-order windows of `WINDOW_BYTES`
+once every element has come; else (`scratch=False`: nothing on local disk) the tensor is dropped, for the caller
+to read back. Either way the rest is hashed when the tensor is complete.
 
 `Digests(background=True)` (the Orbax writer) does that work in two threads of its own: one takes the boxes in the
 order given (`add` returns its future, which the writer counts among its writes in flight), the other hashes the
@@ -69,6 +70,7 @@ class ArrayHash:
     self._room = room or _Room()
     self._buffer = None  # the C-order buffer (uint8), from the first box out of order on
     self._file = None  # or the scratch file, with the boxes appended to it: (box, offset) in `_boxes`
+    self.dropped = False  # out of C order with neither: not hashed here (read back once written)
     self._boxes: list[tuple[tuple[slice, ...], int]] = []
     self._end = 0  # bytes appended to the scratch file
 
@@ -83,10 +85,13 @@ class ArrayHash:
   def add(self, index: tuple[slice, ...] | None, value: np.ndarray) -> None:
     """Adds the box `index` (None: the elements that follow the last ones given, in C order) of the tensor."""
     value = np.ascontiguousarray(value, self.dtype)
+    self.received += value.size
+    if self.dropped:
+      return
     if self.counts is not None:
       for i, n in enumerate(counts(value)):
         self.counts[i] += n
-    run = (self.received, value.size) if index is None else run_of(tuple(index), self.shape)
+    run = (self.received - value.size, value.size) if index is None else run_of(tuple(index), self.shape)
     if not self.assembling and run is not None and run[0] == self.position:
       self._sha.update(value.reshape(-1).view(np.uint8))
       self.position += run[1]
@@ -94,12 +99,13 @@ class ArrayHash:
       raise ValueError(f"values appended to a tensor of shape {self.shape} after a box out of C order")
     else:
       self._assemble(tuple(index), value)
-    self.received += value.size
 
   def _assemble(self, index: tuple[slice, ...], value: np.ndarray) -> None:
     if not self.assembling:
       self._buffer, self._file = self._room.take(self.total * self.dtype.itemsize)
-      self._end = 0
+      self._end, self.dropped = 0, self._buffer is None and self._file is None
+      if self.dropped:
+        return
     if self._buffer is not None:
       self._buffer.view(self.dtype).reshape(self.shape)[index] = value
       return
@@ -109,9 +115,12 @@ class ArrayHash:
       written = os.pwrite(self._file.fileno(), view, self._end)
       view, self._end = view[written:], self._end + written
 
-  def hexdigest(self) -> str:
-    """The hash of the complete tensor: the rest of its C-order stream, from its buffer or its scratch file."""
+  def hexdigest(self) -> str | None:
+    """The hash of the complete tensor: the rest of its C-order stream, from its buffer or its scratch file (None:
+    dropped)."""
     assert self.complete, (self.received, self.total)
+    if self.dropped:
+      return None
     try:
       if self._buffer is not None:
         self._sha.update(self._buffer[self.position * self.dtype.itemsize:])
@@ -160,10 +169,12 @@ class ArrayHash:
 class _Room:
   """The buffers and scratch files that tensors out of C order are assembled in, used again once given back: a
   buffer where `memory` bytes hold it beside the others (`held_bytes`: every buffer, in use or not), else a scratch
-  file in `scratch_dir`. `wait()` waits for the tensors being hashed, which give theirs back."""
+  file in `scratch_dir` (`scratch`; else neither). `wait()` waits for the tensors being hashed, which give theirs
+  back."""
 
-  def __init__(self, scratch_dir: str | None = None, memory: int = 0, wait: Callable[[], None] = lambda: None):
-    self.scratch_dir, self.memory, self.wait = scratch_dir, memory, wait
+  def __init__(self, scratch_dir: str | None = None, memory: int = 0, wait: Callable[[], None] = lambda: None,
+               scratch: bool = True):
+    self.scratch_dir, self.memory, self.wait, self.scratch = scratch_dir, memory, wait, scratch
     self.held_bytes = 0
     self._lock = threading.Lock()
     self._buffers: list[np.ndarray] = []  # given back
@@ -185,6 +196,8 @@ class _Room:
         if self.held_bytes + nbytes <= self.memory:
           self.held_bytes += nbytes
           return np.empty(nbytes, np.uint8), None
+    if not self.scratch:
+      return None, None
     with self._lock:
       if self._files:
         return None, self._files.pop()
@@ -209,8 +222,8 @@ class Digests:
   """Every tensor one writer hashes: `track` one, `add` its boxes, then `found` (see the module)."""
 
   def __init__(self, scratch_dir: str | None = None, counted: Callable[[str], bool] = lambda name: False,
-               background: bool = True):
-    self._counted = counted
+               background: bool = True, scratch: bool = True):
+    self._counted, self._scratch = counted, scratch
     self._hashes: dict[str, ArrayHash] = {}
     self._done: dict[str, concurrent.futures.Future] = {}
     self._lock = threading.Lock()
@@ -230,7 +243,7 @@ class Digests:
     """Hashes tensor `name` of `shape` and `dtype` as it is written (by this writer alone, every element); out of C
     order, it is assembled in a buffer where `memory` bytes hold one beside the others, else in a scratch file."""
     if memory not in self._rooms:  # one pool per budget (each array's plan gives its own; most share one)
-      self._rooms[memory] = _Room(self._scratch_dir, memory, self._wait)
+      self._rooms[memory] = _Room(self._scratch_dir, memory, self._wait, self._scratch)
     self._hashes[name] = ArrayHash(shape, dtype, self._counted(name), self._rooms[memory])
     if self._hashes[name].complete:  # an empty tensor
       self._finish(name)
@@ -272,13 +285,14 @@ class Digests:
     concurrent.futures.wait(hashing)
 
   def found(self) -> dict[str, list]:
-    """name -> [sha256, zero, NaN, inf] of every tracked tensor that is complete (the counts of a scale tensor;
-    0 else), once the work in the background is done."""
+    """name -> [sha256, zero, NaN, inf] of every tracked tensor that is complete and was not dropped (the counts of
+    a scale tensor; 0 else), once the work in the background is done."""
     self.close()
     out = {}
     for name, future in self._done.items():
       digest = self._hashes[name]
-      out[name] = [future.result(), *(digest.counts or [0, 0, 0])]
+      if future.result() is not None:
+        out[name] = [future.result(), *(digest.counts or [0, 0, 0])]
     return out
 
   def close(self, cancel: bool = False) -> None:
