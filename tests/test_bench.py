@@ -87,6 +87,20 @@ def test_every_bench_script_has_a_tiny_case():  # `_name.py`: a module the scrip
   assert sorted(scripts) == sorted(RATIO_LINES)
 
 
+def test_bench_export_runs_beside_a_baseline_tree():
+  """`bench_export.py --baseline TREE` (here this tree itself) runs that tree's export in the same rounds and prints
+  ours over it."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  out = subprocess.run([sys.executable, os.path.join("bench", "bench_export.py"), "--tiny", "--baseline", REPO],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=900, check=False)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  for chunks in ("single", "256KiB"):
+    for case in ("export", r"export --max-memory \d+MiB \(1\.5x floor\)"):
+      assert re.search(rf"^\[tiny/{chunks}\] {case} / export at \S+( --max-memory \d+MiB)?: {NUMBER} x \(medians; "
+                       rf"rounds {NUMBER}; CPU {NUMBER} x\)$", out.stdout, re.MULTILINE), (case, out.stdout[-3000:])
+
+
 @pytest.mark.parametrize("script", sorted(RATIO_LINES))
 def test_bench_script_runs_in_tiny_mode(script):
   env = dict(os.environ, JAX_PLATFORMS="cpu",

@@ -1,8 +1,10 @@
 """`export` under jax.distributed: 2 processes x 2 CPU devices on 127.0.0.1 write one Orbax checkpoint with the
-same arrays, byte for byte, as one process; `diff` runs the same way."""
+same arrays, byte for byte, as one process, and its manifest hashes every array; `diff` runs the same way."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -81,6 +83,10 @@ def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
     assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
   processes = sorted(d for d in os.listdir(two / "0" / "items") if d.startswith("ocdbt.process_"))
   assert processes == ["ocdbt.process_0", "ocdbt.process_1"]  # each process wrote its own slices
+  # Each process hashed what it wrote; process 0's manifest has every array's hash of its C-order bytes.
+  manifest = json.loads((two / "export_manifest.json").read_text())
+  assert {e["name"]: e["sha256"] for e in manifest["tensors"]} == {
+      name: hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest() for name, value in b.items()}
   assert sorted(os.listdir(tmp_path)) == ["one", "two"]
 
   diffs = _run_processes(["diff", *TOKENS, "--path", str(two)])

@@ -154,7 +154,8 @@ def test_a_wrong_write_fails_the_kl_gate_and_keeps_the_export_with_its_report(ba
   from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
 
   right = hf_matrices._block_quantize_transposed  # pylint: disable=protected-access
-  monkeypatch.setattr(hf_matrices, "_block_quantize_transposed", lambda w: (right(w)[0], right(w)[1] * 1.5))
+  monkeypatch.setattr(hf_matrices, "_block_quantize_transposed",
+                      lambda w: (lambda q, scale, error: (q, scale * 1.5, error))(*right(w)))
   dst = tmp_path / "fp8"
   code, out, _ = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
                      "--tokens", batch_files[0], "--targets", batch_files[1])

@@ -6,6 +6,7 @@ Every process writes its share straight under the staging prefix: the two proces
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -81,7 +82,11 @@ def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
                         timeout=300, envs=[{"TMPDIR": str(path)} for path in tmpdirs])
   for code, _, err in outs:
     assert code == 0, err[-3000:]
-  _assert_same_arrays(_arrays(one), _arrays(two), count=86)
+  arrays = _arrays(two)
+  _assert_same_arrays(_arrays(one), arrays, count=86)
+  manifest = json.loads(objects.read(two + "/export_manifest.json")[0])  # hashed as written, nothing read back
+  assert {e["name"]: e["sha256"] for e in manifest["tensors"]} == {
+      name: hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest() for name, value in arrays.items()}
   listed = gcs.listing(two)
   assert {"0/items/ocdbt.process_0/manifest.ocdbt", "0/items/ocdbt.process_1/manifest.ocdbt"} <= set(listed)
   assert listed[-3:] == ["commit_success.txt", "export_manifest.json", "quantization_report.json"]

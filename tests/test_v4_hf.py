@@ -242,7 +242,8 @@ def test_a_wrong_fp4_write_fails_the_kl_gate(release_import, tmp_path, capsys, m
   from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
 
   right = hf_matrices._jitted_fp4_quantize()  # pylint: disable=protected-access
-  monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize", lambda: (lambda w: (right(w)[0], right(w)[1] + 1)))
+  monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize",
+                      lambda: (lambda w: (lambda packed, codes, error: (packed, codes + 1, error))(*right(w))))
   src, keys = release_import
   dst = tmp_path / "export"
   code = cli.main(["export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4",

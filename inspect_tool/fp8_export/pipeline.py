@@ -32,6 +32,7 @@ from inspect_tool.fp8_export import validate as validate_lib
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.fp8_export import write_v4
 from inspect_tool.manifest import build as manifest_lib
+from inspect_tool.manifest import digests as digests_lib
 from inspect_tool.manifest import stored as stored_lib
 from inspect_tool.manifest import tally as tally_lib
 from inspect_tool.output import atomic
@@ -153,12 +154,18 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   with job_plan.temporary_directory(dst, overwrite) as tmp:
     atomic.test_point("start")
     step_dir = paths.join(tmp, str(report_lib.STEP))
-    tally = tally_lib.Tally()
-    written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
-                                           label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
-                                           quantizers=quantize.Quantizers, tally=tally)
-    distributed.barrier("finalized")  # process 0 has merged the databases: every process hashes its share
-    manifest = _write_manifest(tmp, manifest_lib.orbax_described(jobs), tally, "orbax", max_memory)
+    tally, described = tally_lib.Tally(), manifest_lib.orbax_described(jobs)
+    digests = _digests(tmp, lambda name: described.get(name, manifest_lib.Described()).scale_of is not None, True)
+    try:
+      written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
+                                             label=f"exporting {len(jobs)} arrays ({len(plan.weights)} quantized)",
+                                             quantizers=quantize.Quantizers, tally=tally, digests=digests)
+    except BaseException:
+      digests.close(cancel=True)  # its threads stop, its scratch files go
+      raise
+    distributed.barrier("finalized")  # process 0 has merged the databases: split arrays can be read back
+    manifest = _write_manifest(tmp, manifest_lib.orbax_catalogue(jobs), digests, described, tally, "orbax",
+                               max_memory)
     if index != 0:
       distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
       return ExportResult(paths.absolute(dst), {}, None)
@@ -191,18 +198,35 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   return ExportResult(paths.absolute(dst), report, validation)
 
 
-def _write_manifest(tmp: str, described: dict, tally: tally_lib.Tally, layout: str, max_memory: int) -> dict:
-  """Every process hashes its share of the stored tensors and hands over its tally; process 0 writes
-  `tmp/export_manifest.json` and returns its summary for the report (others: {})."""
+def _digests(tmp: str, counted, background: bool) -> digests_lib.Digests:
+  """The hashes of the tensors the export writes, taken as they are written; scratch files (for arrays written out
+  of C order beyond the memory plan's room) in the export's temporary directory, none on gs:// (nothing is written
+  to local disk: such an array is read back)."""
+  remote = paths.is_remote(tmp)
+  return digests_lib.Digests(None if remote else tmp, counted, background, scratch=not remote)
+
+
+def _write_manifest(tmp: str, catalogue: dict, digests: digests_lib.Digests, described: dict,
+                    tally: tally_lib.Tally, layout: str, max_memory: int) -> dict:
+  """Every process hands over the hashes its writer took and its tally; an array no writer hashed (one that several
+  processes wrote parts of; on gs://, one written out of C order beyond the memory plan's room) is read back and
+  hashed (by each process, its share); process 0 writes `tmp/export_manifest.json` and returns its summary for the
+  report (others: {})."""
   merged = tally_lib.Tally()
   for text in distributed.gather_text(tally.to_json()):
     merged.merge(text)
-  tensors = stored_lib.StoredTensors(tmp)
-  with progress.step(f"hashing {len(tensors.names())} stored tensors for {manifest_lib.NAME}", plain=True):
-    doc = manifest_lib.manifest(tensors, described, merged, layout,
-                                manifest_lib.piece_bytes_for(max_memory, budget.current_rss()))
+  found = {}
+  for text in distributed.gather_text(json.dumps(digests.found())):
+    found.update(json.loads(text))
+  missing = [name for name in catalogue if name not in found]  # the same list on every process
+  if missing:
+    tensors = stored_lib.StoredTensors(tmp)
+    with progress.step(f"hashing {len(missing)} stored tensors read back for {manifest_lib.NAME}", plain=True):
+      found.update(manifest_lib.hashes(tensors, described,
+                                       manifest_lib.piece_bytes_for(max_memory, budget.current_rss()), missing))
   if distributed.process_index() != 0:
     return {}
+  doc = manifest_lib.manifest(catalogue, found, described, merged, layout)
   atomic.write_inside(tmp, manifest_lib.NAME, json.dumps(doc, indent=1) + "\n")
   return manifest_lib.summary(doc)
 
@@ -276,10 +300,12 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
     with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
       tally = tally_lib.Tally()
+      digests = _digests(tmp, lambda name: name.endswith(".scale" if chosen.v4 else "_scale_inv"), False)
       what = "DeepSeek-V4" if chosen.v4 else f"DeepSeek {'FP8' if chosen.fp8 else 'bf16'}"
       with progress.step(f"writing {what} safetensors ({len(arrays)} arrays)"):
         try:
-          args = dict(work_bytes=work_bytes, chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally)
+          args = dict(work_bytes=work_bytes, chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally,
+                      digests=digests)
           if chosen.v4:
             summary = write_v4.write_deepseek_v4(_Views(arrays), cfg, tmp, **args)
           else:
@@ -294,7 +320,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       stores.clear()
-      manifest = _write_manifest(tmp, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
+      manifest = _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.pop("weight_map"), digests),
+                                 digests, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
                                  chosen.label, max_memory)
       validation = None
       if not skipped:

@@ -249,7 +249,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                        read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       fp8: bool = True, tally=None, scale_fmt: str | None = None) -> dict[str, Any]:
+                       fp8: bool = True, tally=None, scale_fmt: str | None = None, digests=None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
   checkpoint in `dst_dir`.
 
@@ -275,13 +275,14 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     read_overhead: (key, block shape) -> bytes the source holds beyond a block while decoding it (default 0).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
     fp8: False writes bfloat16, unquantized (`--layout deepseek-bf16`).
-    tally: a `manifest.tally.Tally` that sees every quantized matrix beside its source.
+    tally: a `manifest.tally.Tally` that gets the quantizer's error figures of every quantized matrix.
+    digests: a `manifest.digests.Digests` that hashes every tensor as it is written.
     scale_fmt: "ue8m0" (`--scale-fmt ue8m0`, DeepSeek-V3.1's layout): every scale a power of two (float32), and
       `scale_fmt: ue8m0` in config.json's quantization_config; None: DeepSeek-V3's absmax / 448.
 
   Returns:
     {"files": shard names, "num_tensors", "num_fp8", "total_size" (bytes of tensor data), "config": config.json,
-    "origins": tensor name -> (MaxText key, its shape, its dtype)}.
+    "origins": tensor name -> (MaxText key, its shape, its dtype), "weight_map": tensor name -> shard file}.
 
   Raises:
     errors.ConfigError: a model feature with no Hugging Face DeepSeek equivalent.
@@ -292,7 +293,8 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
   pairs = _match(list(arrays.keys()), plan)
   codec = hf_matrices.Codec(power_of_two=scale_fmt == "ue8m0") if fp8 else hf_matrices.Codec("bf16")
-  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
+  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve,
+                                       digests=digests) as writer:
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
@@ -323,4 +325,4 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   files = sorted(set(weight_map.values()))
   return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
-          "config": config, "origins": writer.origins}
+          "config": config, "origins": writer.origins, "weight_map": weight_map}

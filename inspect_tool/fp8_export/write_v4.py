@@ -131,18 +131,21 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
                       header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                       chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                       read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
-                      progress: Callable[[int, int, str], None] | None = None, tally=None) -> dict[str, Any]:
+                      progress: Callable[[int, int, str], None] | None = None, tally=None,
+                      digests=None) -> dict[str, Any]:
   """Writes `arrays` (every leaf of `cfg`'s deepseek4 model, MaxText key -> float array, lazy ones indexed by
   layers, experts and rows) in DeepSeek-V4's release layout in `dst_dir` (an existing empty directory).
 
   Returns the summary `write_hf.write_deepseek_fp8` returns ("files", "num_tensors", "num_fp8" (FP8 matrices),
-  "num_fp4" (FP4 expert matrices), "total_size", "config", "origins").
+  "num_fp4" (FP4 expert matrices), "total_size", "config", "origins", "weight_map"); `tally` and `digests` as it
+  takes them.
   """
   check_supported(cfg)
   plan = hf_names_v4.leaf_plan(cfg)
   pairs = write_hf._match(list(arrays.keys()), plan)  # pylint: disable=protected-access
   mhc: dict[tuple[str, ...], dict[str, tuple]] = {}
-  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
+  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve,
+                                       digests=digests) as writer:
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
@@ -188,4 +191,4 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
   scales = {name for name in weight_map if name.endswith(".scale")}
   return {"files": sorted(set(weight_map.values())), "num_tensors": len(weight_map),
           "num_fp8": len(scales - experts), "num_fp4": len(experts), "total_size": writer.total_size,
-          "config": config, "origins": writer.origins}
+          "config": config, "origins": writer.origins, "weight_map": weight_map}

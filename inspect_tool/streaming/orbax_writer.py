@@ -65,10 +65,12 @@ def _ocdbt(path: str, mapped: bool = False, writing: bool = False) -> dict:
 class OrbaxArrayWriter:
   """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
 
-  def __init__(self, items_dir: str, *, process_index: int = 0, context=None):
+  def __init__(self, items_dir: str, *, process_index: int = 0, context=None, digests=None):
     self.items_dir = paths.absolute(items_dir)
     self.process_index = process_index
     self._context = context or ts_context()
+    self._digests = digests  # `manifest.digests.Digests`: what it tracks is hashed as it is written
+    self._names: dict[int, str] = {}  # id of a created array's handle -> its name (the key joined by dots)
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
     self._specs: dict[tuple[str, ...], tuple] = {}  # key -> (shape, dtype name, chunk), checked after the merge
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
@@ -106,9 +108,12 @@ class OrbaxArrayWriter:
                     "store_data_equal_to_fill_value": True})  # Orbax reads a missing chunk as an error
     try:
       futures = [ts.open(spec, create=True, open=True, context=self._context) for spec in specs]
-      return [future.result() for future in futures]
+      stores = [future.result() for future in futures]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
+    for store, spec in zip(stores, specs):
+      self._names[id(store)] = spec["kvstore"]["path"][:-1]
+    return stores
 
   def write_scalar(self, key: Sequence[str], value, dtype) -> None:
     """A scalar of the pytree (Orbax's `scalar` value type; MaxText's converter writes `step` so), written now."""
@@ -134,31 +139,48 @@ class OrbaxArrayWriter:
     all on disk)."""
     values = [np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value) for _, _, value in parts]
     nbytes = sum(value.nbytes for value in values)  # (the former is >= 1-D)
-    self._start(nbytes, room, lambda: [store[index].write(value) if index else store.write(value)
-                                       for (store, index, _), value in zip(parts, values)])
+    hashed = [(self._hashed(store), index, value) for (store, index, _), value in zip(parts, values)]
+    hashed = [(name, index, value) for name, index, value in hashed if name is not None]
+    self._start(IN_FLIGHT_FACTOR * nbytes + sum(value.nbytes for _, _, value in hashed), room,
+                lambda: [store[index].write(value) if index else store.write(value)
+                         for (store, index, _), value in zip(parts, values)]
+                + [self._digests.add(name, index, value) for name, index, value in hashed])
     self.written_bytes += nbytes
 
   def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int, room: int = 0) -> None:
     """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
-    `write_slice`; `nbytes`: their decoded size."""
-    self._start(sum(len(value) for _, value in chunks), room,
-                lambda: [store.kvstore.write(key, value) for key, value in chunks])
+    `write_slice`; `nbytes`: their decoded size (decoded once more in the background, from these bytes, where the
+    array is hashed)."""
+    encoded, name = sum(len(value) for _, value in chunks), self._hashed(store)
+    hashes = []
+    if name is not None:
+      index = _chunks_box(store, chunks)
+      hashes = [lambda: self._digests.add(name, index, lambda: _decoded(store, chunks, index))]
+    self._start(IN_FLIGHT_FACTOR * encoded + (nbytes if hashes else 0), room,
+                lambda: [store.kvstore.write(key, value) for key, value in chunks] + [h() for h in hashes])
     self.written_bytes += nbytes
 
-  def _start(self, nbytes: int, room: int, writes) -> None:
-    """Makes room for a write of `nbytes` (`write_slice`), then starts it: `writes()` gives its futures."""
-    self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
+  def _hashed(self, store) -> str | None:
+    """The name of `store` when its values are hashed as they are written (`digests`), else None."""
+    name = self._names.get(id(store))
+    return name if self._digests is not None and name is not None and self._digests.tracks(name) else None
+
+  def _start(self, held: int, room: int, writes) -> None:
+    """Makes room for a write that holds `held` bytes while in flight (`write_slice`), then starts it: `writes()`
+    gives its futures."""
+    self.make_room(room - held)
     budget.keep_within()
     try:
-      futures = writes()
+      futures = [future for future in writes() if future is not None]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-    self._in_flight.append((futures, IN_FLIGHT_FACTOR * nbytes))
+    self._in_flight.append((futures, held))
 
   @property
   def in_flight_bytes(self) -> int:
-    """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each."""
-    return sum(held for _, held in self._in_flight)
+    """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each, and the bytes of each
+    while it is hashed; and what the hashes keep of arrays written out of C order (`digests.held_bytes`)."""
+    return sum(held for _, held in self._in_flight) + (self._digests.held_bytes if self._digests else 0)
 
   def make_room(self, room: int) -> None:
     """Waits for the oldest writes in flight until the rest hold at most `room` bytes (`in_flight_bytes`)."""
@@ -232,6 +254,25 @@ class OrbaxArrayWriter:
                               context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
+
+
+def _chunks_box(store, chunks: Sequence[tuple[str, bytes]]) -> tuple[slice, ...]:
+  """The box of `store` that its stored chunks [(key "c/i/j", bytes)] cover (regular grid, default keys)."""
+  chunk = store.spec().to_json()["metadata"]["chunk_grid"]["configuration"]["chunk_shape"]
+  grid = [[int(i) for i in key.split("/")[1:]] for key, _ in chunks]
+  return tuple(slice(min(g[a] for g in grid) * c, min(d, (max(g[a] for g in grid) + 1) * c))
+               for a, (c, d) in enumerate(zip(chunk, store.shape)))
+
+
+def _decoded(store, chunks: Sequence[tuple[str, bytes]], index: tuple[slice, ...]) -> np.ndarray:
+  """The values of the stored chunks of `store` that cover `index`, decoded from their bytes in memory (an array
+  of `store`'s metadata on tensorstore's memory kvstore, in a context of its own)."""
+  spec = store.spec().to_json()
+  twin = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory", "path": "twin/"}, "metadata": spec["metadata"]},
+                 create=True, context=ts.Context()).result()
+  for future in [twin.kvstore.write(key, value) for key, value in chunks]:
+    future.result()
+  return twin[index].read().result()
 
 
 def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=frozenset()) -> dict:
