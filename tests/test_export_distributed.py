@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
@@ -67,6 +68,7 @@ def _arrays(path: str) -> dict:
   return {n: np.asarray(read.result()) for n, read in zip(names, reads)}
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   single = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *TOKENS, "--checkpoint", CKPT,
@@ -93,6 +95,7 @@ def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
   assert [code for code, _, _ in diffs] == [0, 0], diffs[0][2][-2000:]
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_forward_over_two_processes_prints_what_one_process_with_four_devices_prints():
   model = [t for t in TOKENS if not t.startswith("quantiz")]
   one = subprocess.run([sys.executable, "-m", "inspect_tool", "forward", *model, "--checkpoint", CKPT],

@@ -69,6 +69,7 @@ def test_an_export_to_gs_reproduces_maxtexts_fp8_golden(gcs, capsys, tmp_path):
   assert report["validation"]["passed"] is True
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
   one, two = f"gs://{BUCKET}/dist/one", f"gs://{BUCKET}/dist/two"
   single = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *_tokens(True), "--checkpoint", CKPT,

@@ -119,6 +119,7 @@ print("alive")
 """
 
 
+@pytest.mark.slow  # stress: repeated stop signals to one process over 10 s (.ci/run: once)
 def test_the_watchdog_ends_only_the_run_it_counts_down_for():
   """In-process runs one after the other (tests calling `cli.main`): a stop that a run took its own way ends nothing
   later; once the pytest worker itself was ended by a countdown begun for an earlier test's stop."""
