@@ -46,6 +46,7 @@ from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
 from inspect_tool.streaming import object_shards
 from inspect_tool.streaming import read
+from inspect_tool.streaming import source as source_lib
 from inspect_tool.streaming import write_orbax
 
 KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swapped", "swap-aside",
@@ -184,7 +185,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
               "streamed_arrays": sum(job.streamed for job in jobs),
               "absmax_ahead_arrays": sum(bool(job.ahead_box) for job in jobs),
               "kept_freed_bytes": kept,
-              "decoding": report_lib.decoding(getattr(src, "decodes", {}),
+              "decoding": report_lib.decoding(src.decoded(),
                                               {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
     report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                      source_bytes=source_bytes, written_bytes=written.written_bytes,
@@ -262,32 +263,14 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = params.model_leaves(cfg)
     arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
-    stores, shapes = {}, {}  # key -> the source array's handle and chunk shape, each array opened once here
-
-    def store(key):
-      if key not in stores:
-        stores[key] = arrays.open(key)
-      return stores[key]
-
-    def chunk_shape(key):
-      if key not in shapes:
-        shapes[key] = arrays.chunk_shape(store(key))
-      return shapes[key]
-
-    def read_overhead(key, box):
-      return arrays.read_overhead(store(key), box) if chunk_shape(key) else 0
-
-    def cached_overhead(key, box):  # read through a chunk cache (`read.ArrayView.cached`)
-      return arrays.cached_overhead(store(key), box)
-
+    keyed = source_lib.Keyed(arrays)  # each array opened once here
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory, v4=chosen.v4,
                                       held=budget.current_rss() + kept + budget.reserve_bytes(chosen.fp8)
                                       + write_hf.RESERVE_BYTES
                                       + (object_shards.RESERVE_BYTES if paths.is_remote(claimed.path) else 0),
-                                      chunk_shape=chunk_shape, read_overhead=read_overhead,
-                                      cached_overhead=cached_overhead if hasattr(arrays, "view") else None,
-                                      stream_overhead=(lambda key: arrays.stream_overhead(store(key)))
-                                      if hasattr(arrays, "stream_overhead") else None)
+                                      chunk_shape=keyed.chunk_shape, read_overhead=keyed.read_overhead,
+                                      cached_overhead=keyed.cached_overhead if arrays.cached_reads else None,
+                                      stream_overhead=keyed.stream_overhead)
     skipped = "--no-validate"
     rerun = report_lib.run_elsewhere_hf(tokens, source, claimed.path, layout=chosen,
                                         max_memory=_validation_memory(leaves), batch_options=batch_options,
@@ -304,7 +287,8 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       what = "DeepSeek-V4" if chosen.v4 else f"DeepSeek {'FP8' if chosen.fp8 else 'bf16'}"
       with progress.step(f"writing {what} safetensors ({len(arrays)} arrays)"):
         try:
-          args = dict(work_bytes=work_bytes, chunk_shape=chunk_shape, read_overhead=read_overhead, tally=tally,
+          args = dict(work_bytes=work_bytes, chunk_shape=keyed.chunk_shape, read_overhead=keyed.read_overhead,
+                      tally=tally,
                       digests=digests)
           if chosen.v4:
             summary = write_v4.write_deepseek_v4(_Views(arrays), cfg, tmp, **args)
@@ -314,12 +298,11 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         except errors.InputError as e:  # name the destination, not its temporary directory
           raise errors.InputError(str(e).replace(tmp, claimed.path)) from None
         finally:
-          if hasattr(arrays, "close_stream"):
-            arrays.close_stream()
-      decoding = report_lib.decoding(getattr(arrays, "decodes", {}),
+          arrays.close_stream()
+      decoding = report_lib.decoding(arrays.decoded(),
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
-      stores.clear()
+      keyed.clear()
       manifest = _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.pop("weight_map"), digests),
                                  digests, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
                                  chosen.label, max_memory)
@@ -349,4 +332,4 @@ class _Views:
     return self._source.keys()
 
   def __getitem__(self, key):
-    return self._source.view(key) if hasattr(self._source, "view") else self._source.open(key)
+    return self._source.view(key)

@@ -1,6 +1,6 @@
 """Import stage 2, reading: a Hugging Face DeepSeek directory as the source arrays of MaxText's leaves.
 
-`HfSource` has the reading interface of the export's sources (`streaming.read`), so the export's writer cuts,
+`HfSource` is an array source as the export's are (`streaming.source.ArraySource`), so the export's writer cuts,
 reads and writes every MaxText array by slices within `--max-memory`. A MaxText leaf is assembled from the
 release's tensors through the one name mapping (`checkpoint.hf_names.leaf_plan`, read backwards by
 `checkpoint.hf_restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
@@ -23,6 +23,7 @@ from inspect_tool.checkpoint import hf_restore
 from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
+from inspect_tool.streaming import source as source_lib
 
 ROW_BAND_BYTES = 64 * 2**20  # float32 bytes of the rows one read of the embedding or head holds
 COPIES = 3  # float32 buffers one HF tensor may be held in at once (raw, float32, MaxText layout)
@@ -38,7 +39,7 @@ class _Pending:
     return self._future.result()
 
 
-class HfSource:
+class HfSource(source_lib.ArraySource):
   """The MaxText leaves `leaves` of `cfg`'s model, read from the Hugging Face directory `path`."""
 
   def __init__(self, path: str, cfg, leaves):

@@ -3,6 +3,8 @@
 The layer `export` and `import` both stand on. One module per job, in the order the data passes:
 
 * `budget`: `--max-memory`, the process's resident memory, and how an array is cut into slices;
+* `source`: the interface every array source implements (`ArraySource`: what it must give, what it may, with
+  defaults), and `Keyed`, its figures per array key;
 * `read`: the source arrays (an Orbax checkpoint through tensorstore, or a seeded init), box by box, decodes counted;
 * `read_plan`: chunk-aligned boxes cut into slices, and the smallest budget that reads an array (the floor);
 * `box_reads`: boxes in order, up to two read ahead within and across arrays as the budget holds them;

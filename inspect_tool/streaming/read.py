@@ -33,6 +33,7 @@ from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import paths
 from inspect_tool.streaming import chunk_stream
 from inspect_tool.streaming import read_plan
+from inspect_tool.streaming import source as source_lib
 
 # Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
 # being decoded, its decoded bytes (its stored bytes are freed before it is copied into the box, whose pages are
@@ -59,8 +60,10 @@ def nbytes(leaf: tree.Leaf) -> int:
   return leaf.size * np.dtype(leaf.dtype).itemsize
 
 
-class CheckpointSource:
+class CheckpointSource(source_lib.ArraySource):
   """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
+
+  cached_reads = True
 
   def __init__(self, path: str, leaves, context=None):
     self._listing = orbax_metadata.read_listing(path)
@@ -247,6 +250,9 @@ class CheckpointSource:
     """The array of model leaf `key` as a lazy array whose indexing reads (and counts) through `read`."""
     return ArrayView(self, self.open(key))
 
+  def decoded(self) -> dict[tuple[str, ...], list[int]]:
+    return self.decodes
+
   def __iter__(self):
     return iter(self._pairs)
 
@@ -371,7 +377,7 @@ class PendingRead:
                                    f"truncated or corrupt ({errors.first_line(e)})") from None
 
 
-class InitSource:
+class InitSource(source_lib.ArraySource):
   """The seeded random init of the config's model (the whole model is built: for small models)."""
 
   def __init__(self, cfg, leaves):

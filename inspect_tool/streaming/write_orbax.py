@@ -166,8 +166,8 @@ def _plan_jobs(plan, source, max_memory: int, held: int) -> list[ArrayJob]:
     args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
                 overhead=lambda box, store=store: source.read_overhead(store, box),
                 stored=(lambda box, store=store: source.cached_overhead(store, box))
-                if align and hasattr(source, "cached_box") else None,  # a source with cached reads
-                stream=source.stream_overhead(store) if hasattr(source, "stream_overhead") else None)
+                if align and source.cached_reads else None,  # a source with cached reads
+                stream=source.stream_overhead(store))
     found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
     if found is None:
       chunk_bytes = source.chunk_bytes(store)
@@ -311,8 +311,7 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   finally:
     ahead.close()
     quantizers.close()
-    if hasattr(source, "close_stream"):
-      source.close_stream()
+    source.close_stream()
   return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
 
 
