@@ -37,13 +37,13 @@ from inspect_tool.manifest import stored as stored_lib
 from inspect_tool.manifest import tally as tally_lib
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
-from inspect_tool.output import stop
 from inspect_tool.paramtree import params
 from inspect_tool.run import batch as batch_lib
 from inspect_tool.run import limits
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import job_runner
 from inspect_tool.streaming import object_shards
 from inspect_tool.streaming import read
 from inspect_tool.streaming import source as source_lib
@@ -136,11 +136,7 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
   max_memory = int(max_memory)
   kept = budget.streaming_allocations(max_memory)
   src = read.open_source(cfg, source, leaves)
-  index, count = distributed.process_index(), distributed.process_count()
-  held = int(distributed.broadcast_text(str(budget.current_rss() + kept) if index == 0 else None))  # same cuts
-  jobs = write_orbax.plan_jobs(plan, src, max_memory, held)
-  job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
-  stop.check()
+  jobs = job_runner.plan(plan, src, max_memory, kept)
   source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
   skipped = None
   rerun = report_lib.run_elsewhere(tokens, dst, batch_options)
@@ -152,10 +148,10 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
       data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
   else:
     skipped = "--no-validate"
-  with job_plan.temporary_directory(dst, overwrite) as tmp:
-    atomic.test_point("start")
-    step_dir = paths.join(tmp, str(report_lib.STEP))
-    tally, described = tally_lib.Tally(), manifest_lib.orbax_described(jobs)
+  tally, described = tally_lib.Tally(), manifest_lib.orbax_described(jobs)
+  validated = []
+
+  def write(tmp):
     digests = _digests(tmp, lambda name: described.get(name, manifest_lib.Described()).scale_of is not None, True)
     try:
       written = write_orbax.write_checkpoint(jobs, src, tmp, dst,
@@ -164,39 +160,41 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     except BaseException:
       digests.close(cancel=True)  # its threads stop, its scratch files go
       raise
-    distributed.barrier("finalized")  # process 0 has merged the databases: split arrays can be read back
-    manifest = _write_manifest(tmp, manifest_lib.orbax_catalogue(jobs), digests, described, tally, "orbax",
-                               max_memory)
-    if index != 0:
-      distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
-      return ExportResult(paths.absolute(dst), {}, None)
-    stop.check()
-    atomic.test_point("written")
+    return written, digests
+
+  def manifest(tmp, written):
+    return _write_manifest(tmp, manifest_lib.orbax_catalogue(jobs), written[1], described, tally, "orbax",
+                           max_memory)
+
+  def report(tmp, written, summary):
+    written = written[0]
     validation = None
     if not skipped:
       budget.hand_back_freed()  # what the streaming kept: validation plans beside the resident size
-      validation = validate_lib.validate(cfg, source, step_dir, data, max_kl=max_kl, mesh=mesh,
-                                         tokens=tokens_file or "fixed")
+      validation = validate_lib.validate(cfg, source, paths.join(tmp, str(report_lib.STEP)), data, max_kl=max_kl,
+                                         mesh=mesh, tokens=tokens_file or "fixed")
+    validated.append(validation)
     atomic.test_point("validated")
     memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
-              "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0), "processes": count,
-              "two_pass_arrays": sum(job.two_pass for job in jobs),
+              "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
+              "processes": distributed.process_count(), "two_pass_arrays": sum(job.two_pass for job in jobs),
               "read_ahead_arrays": sum(job.ahead for job in jobs), "boxes_read_ahead": written.boxes_read_ahead,
               "streamed_arrays": sum(job.streamed for job in jobs),
               "absmax_ahead_arrays": sum(bool(job.ahead_box) for job in jobs),
               "kept_freed_bytes": kept,
               "decoding": report_lib.decoding(src.decoded(),
                                               {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
-    report = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
-                                     source_bytes=source_bytes, written_bytes=written.written_bytes,
-                                     mesh_devices=int(mesh.size), validation=validation,
-                                     validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
-    report["manifest"] = manifest
-    atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
-    atomic.test_point("report")
-    stop.check()
-  distributed.barrier("committed")
-  return ExportResult(paths.absolute(dst), report, validation)
+    document = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
+                                       source_bytes=source_bytes, written_bytes=written.written_bytes,
+                                       mesh_devices=int(mesh.size), validation=validation,
+                                       validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
+    document["manifest"] = summary
+    return document
+
+  document = job_runner.run(dst, overwrite, exports.REPORT_NAME, write, report, merged=manifest)
+  if document is None:
+    return ExportResult(paths.absolute(dst), {}, None)
+  return ExportResult(paths.absolute(dst), document, validated[0])
 
 
 def _digests(tmp: str, counted, background: bool) -> digests_lib.Digests:
@@ -281,15 +279,16 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
         progress.note(f"validation skipped: {skipped}; run it where the models fit: {rerun}")
       elif data is None:
         data = batch_lib.load_batch(None, None, vocab_size=cfg.vocab_size, max_target_length=cfg.max_target_length)
-    with atomic.atomic_directory(claimed.path, overwrite=overwrite) as tmp:
-      tally = tally_lib.Tally()
+    tally, validated = tally_lib.Tally(), []
+
+    def write(tmp):
+      nonlocal arrays
       digests = _digests(tmp, lambda name: name.endswith(".scale" if chosen.v4 else "_scale_inv"), False)
       what = "DeepSeek-V4" if chosen.v4 else f"DeepSeek {'FP8' if chosen.fp8 else 'bf16'}"
       with progress.step(f"writing {what} safetensors ({len(arrays)} arrays)"):
         try:
           args = dict(work_bytes=work_bytes, chunk_shape=keyed.chunk_shape, read_overhead=keyed.read_overhead,
-                      tally=tally,
-                      digests=digests)
+                      tally=tally, digests=digests)
           if chosen.v4:
             summary = write_v4.write_deepseek_v4(_Views(arrays), cfg, tmp, **args)
           else:
@@ -303,23 +302,32 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       keyed.clear()
-      manifest = _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.pop("weight_map"), digests),
-                                 digests, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
-                                 chosen.label, max_memory)
+      return dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding), digests
+
+    def manifest(tmp, written):
+      summary, digests = written
+      return _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.pop("weight_map"), digests),
+                             digests, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
+                             chosen.label, max_memory)
+
+    def report(tmp, written, summary_of_manifest):
+      summary = written[0]
       validation = None
       if not skipped:
         budget.hand_back_freed()
         validation = validate_lib.validate_hf(cfg, source, tmp, data, layout=chosen, max_kl=max_kl,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
-      summary = dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding)
+      validated.append(validation)
       summary.pop("config", None)
-      report = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
-                                          validation=validation, validation_skipped=skipped, layout=chosen,
-                                          rerun=rerun)
-      report["manifest"] = manifest
-      atomic.write_inside(tmp, exports.REPORT_NAME, json.dumps(report, indent=1) + "\n")
-  return ExportResult(claimed.path, report, validation)
+      document = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
+                                            validation=validation, validation_skipped=skipped, layout=chosen,
+                                            rerun=rerun)
+      document["manifest"] = summary_of_manifest
+      return document
+
+    document = job_runner.run(claimed.path, overwrite, exports.REPORT_NAME, write, report, merged=manifest)
+  return ExportResult(claimed.path, document, validated[0])
 
 
 class _Views:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 from typing import Sequence
 
 import numpy as np
@@ -23,15 +22,14 @@ from inspect_tool.distributed import runtime as distributed
 from inspect_tool.hf_import import inputs
 from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
-from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import ours
-from inspect_tool.output import stop
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import job_runner
 from inspect_tool.streaming import write_orbax
 
 REPORT_NAME = "import_report.json"
@@ -81,42 +79,31 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
   """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
   kept = budget.streaming_allocations(max_memory)
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
-  index = distributed.process_index()
   try:
-    held = int(distributed.broadcast_text(str(budget.current_rss() + kept) if index == 0 else None))  # same cuts
-    jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
-    job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
-    stop.check()
+    jobs = job_runner.plan(_NoQuantization(), src, max_memory, kept)
     unused = src.unused_names()
     differences = hf_config.differences(path)
-    if index == 0:
+    if distributed.process_index() == 0:
       for text in differences:
         progress.note(f"warning: {path} computes what MaxText does not: {text}")
       if unused:
         shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
         progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
-    with job_plan.temporary_directory(dst, overwrite) as tmp:
-      atomic.test_point("start")
-      written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
-                                               step=True)
-      if index != 0:
-        distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
-        return {}
-      stop.check()
-      atomic.test_point("written")
-      copies = mtp_copies(src, cfg)
-      report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
-                       differences=differences,
-                       memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
-                               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
-                               "processes": distributed.process_count()})
-      atomic.write_inside(tmp, REPORT_NAME, json.dumps(report, indent=1) + "\n")
-      atomic.test_point("report")
-      stop.check()
-    distributed.barrier("committed")
+
+    def write(tmp):
+      return write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays", step=True)
+
+    def report(tmp, written, merged):  # pylint: disable=unused-argument
+      return _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused,
+                     copies=mtp_copies(src, cfg), differences=differences,
+                     memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
+                             "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
+                             "processes": distributed.process_count()})
+
+    document = job_runner.run(dst, overwrite, REPORT_NAME, write, report)
   finally:
     src.close()
-  return report
+  return document or {}
 
 
 def mtp_copies(src: source_lib.HfSource, cfg) -> list[dict]:

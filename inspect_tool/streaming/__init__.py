@@ -15,4 +15,6 @@ The layer `export` and `import` both stand on. One module per job, in the order 
 * `safetensors_writer`: safetensors files written tensor by tensor, with their index; `object_shards`: such a file
   streamed into objects on gs:// and composed there;
 * `job_plan`: one plan per job (the processes agree before any writes) and the job's temporary directory.
+* `job_runner`: the write sequence of `export` (both layouts) and `import`, on one process or many: the plan agreed,
+  the temporary destination, test points, barriers, the report, the commit.
 """
