@@ -1,7 +1,7 @@
 """Suite-wide settings: one JAX persistent compilation cache for the whole run (the test processes and every command
 they start), in a temporary directory, never the user's ~/.cache; the tests that took longest when last measured
 (`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out), and the files run
-longest first, those that mostly wait spread among the others (`_file_order`)."""
+longest first, those that mostly wait spread among the others (`_file_order`). Shared by the tests: `REPO`, `DATA` and `run_cli` (`from conftest import ...`)."""
 
 import json
 import os
@@ -12,6 +12,18 @@ import tempfile
 import pytest
 
 from inspect_tool.run import compile_cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the suite runs in
+DATA = os.path.join(REPO, "tests", "data")  # every test's data, copied from ../shared/reference (tests/README.md)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+  """The in-process command `inspect_checkpoint ARGV...` (each argument as a string): exit code, stdout, stderr."""
+  from inspect_tool import cli  # pylint: disable=import-outside-toplevel
+
+  code = cli.main([str(a) for a in argv])
+  out, err = capsys.readouterr()
+  return code, out, err
 
 
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")

@@ -9,8 +9,9 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from conftest import DATA
 
-GOLDEN_DIR = pathlib.Path(__file__).parent / "data" / "golden"
+GOLDEN_DIR = pathlib.Path(DATA) / "golden"
 UNQUANTIZED = "a_noquant.npz"
 FP8 = {False: "b_fp8full_mtpfalse.npz", True: "c_fp8full_mtptrue.npz"}  # by quantize_mtp
 # MaxText's fp8_full quantize_mtp=true forward with megablox=false (Qwix's ragged_dot): golden/make_golden.py

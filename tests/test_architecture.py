@@ -11,7 +11,8 @@ import pytest
 
 import maxtext_listings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO
+ROOT = pathlib.Path(REPO)
 PACKAGES = ("inspect_tool", "quant")
 MAX_LINES = 450
 

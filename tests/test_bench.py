@@ -15,7 +15,7 @@ import pytest
 # The bench scripts run where benchmarks are measured: once, on the primary stack (.ci/run).
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 NUMBER = r"\d+(?:\.\d+)?"
 
 # script -> lines its tiny run must print (regular expressions, one per line, multiline mode)

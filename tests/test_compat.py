@@ -8,7 +8,8 @@ import pytest
 
 from quant import compat, errors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO
+ROOT = pathlib.Path(REPO)
 
 
 def test_no_module_but_compat_names_a_private_module_of_a_dependency():

@@ -16,7 +16,6 @@ import pytest
 import qwix
 import tensorstore as ts
 
-from inspect_tool import cli
 from inspect_tool import errors
 from inspect_tool.fp8_export import pipeline as export
 from inspect_tool.coverage import plan as export_plan
@@ -26,8 +25,8 @@ from inspect_tool.checkpoint import orbax_metadata
 
 import golden_parity
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data")
+from conftest import REPO
+from conftest import DATA
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
@@ -67,11 +66,6 @@ def _read(path, dotted):
 
 _rel = golden_parity.rel
 
-
-def _run(capsys, *argv):
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 # What becomes FP8 ----------------------------------------------------------------------------------------------
@@ -153,13 +147,13 @@ def test_exported_model_without_mtp_quantization_reproduces_maxtext_golden(expor
 
 def test_forward_loads_the_export_into_the_quantized_model_and_reproduces_maxtext_golden(exports, capsys, tmp_path):
   logits = tmp_path / "logits.npz"
-  code, out, err = _run(capsys, "forward", *_tokens(True), "--checkpoint", exports[True].dst, "--save-logits",
+  code, out, err = run_cli(capsys, "forward", *_tokens(True), "--checkpoint", exports[True].dst, "--save-logits",
                         str(logits))
   assert code == 0, err
   assert "mtp depth 1" in out and f"weights: FP8 export {os.path.abspath(exports[True].dst)}" in out.splitlines()
   saved = np.load(logits)
   _assert_reproduces_fp8_golden(saved["logits"], saved["mtp_logits"][0], quantize_mtp=True)
-  code, _, err = _run(capsys, "forward", *TINY, "--checkpoint", exports[True].dst)
+  code, _, err = run_cli(capsys, "forward", *TINY, "--checkpoint", exports[True].dst)
   assert code == 2 and "quantization=fp8_full quantize_mtp=true" in err and len(err.splitlines()) == 1
 
 
@@ -177,14 +171,14 @@ def test_megablox_false_export_reproduces_maxtexts_megablox_false_forward(tmp_pa
 
 def test_orbax_listing_shows_fp8_and_diff_understands_the_export(exports, capsys):
   dst = exports[True].dst
-  code, out, _ = _run(capsys, "orbax", "--path", dst, "--check_dtype=true")
+  code, out, _ = run_cli(capsys, "orbax", "--path", dst, "--check_dtype=true")
   assert code == 0
   assert f"key: {MOE}.wi_0.array.qvalue | shape: (16, 3, 64, 64) | dtype: float8_e4m3fn" in out
-  code, out, _ = _run(capsys, "diff", *_tokens(True), "--path", dst)
+  code, out, _ = run_cli(capsys, "diff", *_tokens(True), "--path", dst)
   assert code == 0 and "AGREE" in out
-  code, out, _ = _run(capsys, "diff", *_tokens(False), "--path", dst)
+  code, out, _ = run_cli(capsys, "diff", *_tokens(False), "--path", dst)
   assert code == 1 and "quantize_mtp=true" in out
-  code, out, _ = _run(capsys, "diff", *TINY, "--path", dst)
+  code, out, _ = run_cli(capsys, "diff", *TINY, "--path", dst)
   assert code == 1 and "quantization=fp8_full quantize_mtp=true" in out
 
 
@@ -224,7 +218,7 @@ def test_validation_above_max_kl_exits_1_and_keeps_the_report(tmp_path, capsys, 
   tokens = tmp_path / "tokens.npy"
   np.save(tokens, (np.arange(24).reshape(2, 12) * 7 % 1024).astype(np.int32))
   dst = tmp_path / "out"
-  code, out, _ = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst), "--tokens",
+  code, out, _ = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst), "--tokens",
                       str(tokens), "--max-kl", "0.05")
   assert code == 1 and out.rstrip().endswith("FAILED: KL above 0.05 nats (main 0.1)")
   report = json.loads((dst / "quantization_report.json").read_text())
@@ -235,10 +229,10 @@ def test_validation_above_max_kl_exits_1_and_keeps_the_report(tmp_path, capsys, 
 def test_validation_names_its_three_forward_passes_off_a_terminal_when_they_take_long(tmp_path, capsys, monkeypatch):
   from inspect_tool import progress  # pylint: disable=import-outside-toplevel
 
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "quick"))
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "quick"))
   assert code == 0 and err == "", err  # seconds each: nothing but the result in a pipe
   monkeypatch.setattr(progress, "PLAIN_AFTER_SECONDS", 0.0)  # as passes of a large model take
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"))
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"))
   assert code == 0, err
   stages = [line.split("… ")[0] for line in err.splitlines() if "… " in line]  # capsys: stderr is no terminal
   assert stages == ["validation 1/3: source under the export's numerics", "validation 2/3: source unquantized",
@@ -250,7 +244,7 @@ def test_export_with_random_init_exports_the_seeded_init_and_says_so(tmp_path, c
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
 
   dst = tmp_path / "init"
-  code, out, err = _run(capsys, "export", *_tokens(False), "--random-init", "--output", str(dst),
+  code, out, err = run_cli(capsys, "export", *_tokens(False), "--random-init", "--output", str(dst),
                          "--no-validate")
   assert code == 0, err
   assert "validation skipped" in out and out.splitlines()[0] == "weights: random init, seed 0"
@@ -264,7 +258,7 @@ def test_export_with_random_init_exports_the_seeded_init_and_says_so(tmp_path, c
 
 def test_layout_deepseek_fp8_writes_hugging_face_safetensors(tmp_path, capsys):
   dst = tmp_path / "hf"
-  code, out, err = _run(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
+  code, out, err = run_cli(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
                         "deepseek-fp8", "--no-validate")
   assert code == 0, err
   assert out.startswith(f"weights: Orbax checkpoint {CKPT}") and f"\nwrote {dst}: " in out
@@ -291,7 +285,7 @@ def _leftovers(parent):
 
 def test_existing_output_is_refused_without_overwrite_before_any_work(tmp_path, capsys):
   dst = _previous(tmp_path)
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst))
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst))
   assert code == 2 and "already exists; pass --overwrite" in err and len(err.splitlines()) == 1
   assert (dst / "marker").read_text() == "previous"
 
@@ -310,7 +304,7 @@ def test_disk_full_is_one_line_exit_2_and_the_previous_output_survives(tmp_path,
 
   monkeypatch.setattr(orbax_writer.OrbaxArrayWriter, "create_many", lambda self, arrays: [_Full() for _ in arrays])
   dst = _previous(tmp_path)
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(dst),
                       "--overwrite", "--no-validate")
   assert code == 2 and err.startswith("error: cannot write") and "no space left on device" in err
   assert len(err.splitlines()) == 1
@@ -326,7 +320,7 @@ def test_deepseek_fp8_disk_full_is_one_line_naming_the_destination(tmp_path, cap
 
   monkeypatch.setattr(safetensors_writer.os, "pwrite", full)
   dst = _previous(tmp_path)
-  code, _, err = _run(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
+  code, _, err = run_cli(capsys, "export", *TINY, "--checkpoint", CKPT, "--output", str(dst), "--layout",
                       "deepseek-fp8", "--overwrite", "--no-validate")
   assert code == 2 and len(err.splitlines()) == 1, err
   assert err.startswith(f"error: cannot write '{dst}{os.sep}") and "No space left on device" in err
@@ -339,7 +333,7 @@ def test_permission_denied_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     raise PermissionError(errno.EACCES, "Permission denied")
 
   monkeypatch.setattr(tempfile, "mkdtemp", denied)
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"),
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", CKPT, "--output", str(tmp_path / "out"),
                       "--no-validate")
   assert code == 2 and "permission denied" in err and len(err.splitlines()) == 1
   assert not (tmp_path / "out").exists()
@@ -351,7 +345,7 @@ def test_corrupt_source_is_one_line_exit_2(tmp_path, capsys):
   data_dir = source / "0" / "items" / "d"
   for name in os.listdir(data_dir):
     (data_dir / name).write_bytes(b"\0garbage")
-  code, _, err = _run(capsys, "export", *_tokens(False), "--checkpoint", str(source), "--output",
+  code, _, err = run_cli(capsys, "export", *_tokens(False), "--checkpoint", str(source), "--output",
                       str(tmp_path / "out"), "--no-validate")
   assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
   assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
@@ -370,6 +364,7 @@ _SHARDED = """
 import json, sys
 import jax
 from inspect_tool.fp8_export import pipeline
+from conftest import run_cli
 assert jax.device_count() == 4, jax.devices()
 result = pipeline.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
 print(json.dumps(result.report["mesh"]))

@@ -24,7 +24,7 @@ from test_export import CKPT, TINY, _assert_reproduces_fp8_golden, _tokens
 from test_export_distributed import _arrays, _run_processes
 from test_import import HF
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 
 def _cli(capsys, *argv):

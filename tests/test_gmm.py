@@ -14,6 +14,7 @@ import qwix
 
 from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
+from conftest import REPO
 
 
 def _reference(lhs, rhs, group_sizes):
@@ -135,4 +136,4 @@ def test_under_qwix_gmm_asks_for_the_modules_rule_and_logs_no_op(monkeypatch):
 
 def test_importing_quant_does_not_import_jax():
   code = "import sys, quant; assert 'jax' not in sys.modules, 'jax imported'"
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

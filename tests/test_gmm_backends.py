@@ -38,7 +38,7 @@ FP8_RULE = qwix.QtRule(module_path=".*", weight_qtype=E4M3, act_qtype=E4M3, bwd_
 GROUPS = np.array([7, 0, 13, 0, 11], np.int32)  # empty groups; 31 rows in groups, 9 past them; tiles of 16 rows
 M, K, N = 40, 24, 20
 FP8_NOISE = 1e-6
-DATA = os.path.join(os.path.dirname(__file__), "data")
+from conftest import DATA
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full", "quantize_mtp=true"]
 

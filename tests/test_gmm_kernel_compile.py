@@ -15,7 +15,7 @@ from quant.gmm import kernel
 from quant.gmm import target
 from quant.gmm import tiles
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 COMPILE = """
 import sys
 import jax, jax.numpy as jnp

@@ -14,7 +14,7 @@ from inspect_tool.output import atomic
 from inspect_tool.output import stop
 from inspect_tool.streaming import job_runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 
 def _recorded(monkeypatch) -> list[str]:

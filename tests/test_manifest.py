@@ -23,7 +23,7 @@ from test_export_distributed import CKPT, _arrays
 
 from inspect_tool.manifest import stored
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 TOKENS = [*TINY_CKPT_MODEL, "quantization=fp8_full", "quantize_mtp=true"]
 E4M3_MAX = 448.0
 

@@ -8,13 +8,14 @@ import re
 
 import pytest
 
-from inspect_tool import cli
 from inspect_tool import errors
 from inspect_tool.sharding import matrix_units
 
 from test_rules_glance import _tables
+from conftest import run_cli
+from conftest import REPO
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
+DOCS = pathlib.Path(REPO) / "docs" / "coverage.md"
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
 FP8_FULL = TINY + ["quantization=fp8_full", "quantize_mtp=true"]
@@ -22,11 +23,6 @@ QUANTIZED_GROUPS = ("dense stack", "MoE attention", "router", "routed experts wi
                     "routed experts wo", "shared experts", "MTP block")
 INT8_GROUPS = ("dense stack", "MoE attention", "router", "shared experts")
 
-
-def _run(capsys, *argv):
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _docs_table() -> dict:
@@ -91,7 +87,7 @@ def test_the_advice_names_the_mode_that_runs_faster_on_the_chip(chip, in_use, ex
 
 
 def test_rules_on_v5p_says_fp8_saves_memory_there_and_int8_runs_at_twice_bf16(capsys):
-  code, out, _ = _run(capsys, "rules", *FP8_FULL, "--chip", "v5p")
+  code, out, _ = run_cli(capsys, "rules", *FP8_FULL, "--chip", "v5p")
   assert code == 0
   lines = out.splitlines()
   block = lines[2:lines.index("Rules:") - 1]
@@ -101,12 +97,12 @@ def test_rules_on_v5p_says_fp8_saves_memory_there_and_int8_runs_at_twice_bf16(ca
     assert "on v5p: fp8 at the bf16 rate" in " ".join(block[row:row + 2]), name
   assert "on v5p" not in next(line for line in block if line.startswith("  head  "))
   assert "MaxText's quantization=int8 runs at 2x (918 TOPS vs 459 TFLOPS bf16)" in " ".join(block)
-  code, same, _ = _run(capsys, "rules", *FP8_FULL, "--topology", "v5p-8")
+  code, same, _ = run_cli(capsys, "rules", *FP8_FULL, "--topology", "v5p-8")
   assert code == 0 and same == out
 
 
 def test_rules_json_markdown_and_html_carry_the_chip(capsys, tmp_path):
-  code, out, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--topology", "v5e-8", "--format", "json")
+  code, out, _ = run_cli(capsys, "rules", *TINY, "quantization=int8", "--topology", "v5e-8", "--format", "json")
   assert code == 0
   chip = json.loads(out)["summary"]["chip"]
   assert chip["chip"] == "v5e" and chip["advice"].startswith("On v5e: int8 units, 2x bf16: the fastest rate")
@@ -114,30 +110,30 @@ def test_rules_json_markdown_and_html_carry_the_chip(capsys, tmp_path):
   for group in chip["groups"]:
     assert group["speeds"] == [{"unit": "int8", "rate_vs_bf16": pytest.approx(393 / 197),
                                 "text": "int8 units, 2x bf16"}]
-  code, out, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--chip", "v5e", "--format", "markdown")
+  code, out, _ = run_cli(capsys, "rules", *TINY, "quantization=int8", "--chip", "v5e", "--format", "markdown")
   header, rows = _tables(out)[0]
   assert header[-1] == "on v5e" and all(len(r) == len(header) for r in rows)
   assert {r[0]: r[-1] for r in rows if r[-1]} == {name: "int8 units, 2x bf16" for name in INT8_GROUPS}
-  code, out, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--format", "json")
+  code, out, _ = run_cli(capsys, "rules", *TINY, "quantization=int8", "--format", "json")
   assert json.loads(out)["summary"]["chip"] is None
   page = tmp_path / "rules.html"
-  code, _, _ = _run(capsys, "rules", *TINY, "quantization=int8", "--chip", "v5e", "--html", str(page))
+  code, _, _ = run_cli(capsys, "rules", *TINY, "quantization=int8", "--chip", "v5e", "--html", str(page))
   text = page.read_text(encoding="utf-8")
   assert code == 0 and "<th>on v5e</th>" in text and "On v5e: int8 units, 2x bf16" in text
 
 
 def test_an_unknown_chip_or_a_disagreeing_topology_is_one_line_exit_2(capsys):
-  code, out, err = _run(capsys, "rules", *TINY, "--chip", "v9")
+  code, out, err = run_cli(capsys, "rules", *TINY, "--chip", "v9")
   assert code == 2 and not out and len(err.splitlines()) == 1
   assert "unknown chip 'v9'; accepted: v4, v5e, v5p, v6e, tpu7x, h100, h200, b200" in err
-  code, _, err = _run(capsys, "rules", *TINY, "--chip", "v5e", "--topology", "v5p-8")
+  code, _, err = run_cli(capsys, "rules", *TINY, "--chip", "v5e", "--topology", "v5p-8")
   assert code == 2 and "--chip v5e disagrees with --topology v5p-8 (a v5p slice)" in err
   with pytest.raises(errors.InputError, match="unknown chip"):
     matrix_units.chip("H100")
 
 
 def test_maxtext_summary_on_a_topology_says_how_the_quantization_runs_there(capsys):
-  code, out, _ = _run(capsys, "maxtext", *TINY, "quantization=int8", "--summary", "--topology", "v5e-8")
+  code, out, _ = run_cli(capsys, "maxtext", *TINY, "quantization=int8", "--summary", "--topology", "v5e-8")
   assert code == 0
   lines = out.splitlines()
   start = next(i for i, line in enumerate(lines) if line.startswith("At a glance"))
@@ -146,14 +142,14 @@ def test_maxtext_summary_on_a_topology_says_how_the_quantization_runs_there(caps
   for name in INT8_GROUPS:
     assert next(line for line in block if line.startswith(f"  {name}  ")).endswith("on v5e: int8 units, 2x bf16")
   assert block[-1].startswith("On v5e: int8 units, 2x bf16")
-  code, out, _ = _run(capsys, "maxtext", *TINY, "--summary", "--chip", "tpu7x")
+  code, out, _ = run_cli(capsys, "maxtext", *TINY, "--summary", "--chip", "tpu7x")
   assert code == 0 and "At a glance" not in out
   assert "On tpu7x: no quantization. MaxText's quantization=fp8_full runs at 2x (4614 TFLOPS vs 2307 TFLOPS" in out
-  code, out, _ = _run(capsys, "maxtext", *TINY, "quantization=fp8_full", "--chip", "v5p", "--format", "json")
+  code, out, _ = run_cli(capsys, "maxtext", *TINY, "quantization=fp8_full", "--chip", "v5p", "--format", "json")
   data = json.loads(out)
   assert code == 0 and data["chip"]["chip"] == "v5p" and len(data["glance"]) == 9
   assert {g["name"] for g in data["chip"]["groups"]} == set(QUANTIZED_GROUPS) - {"MTP block"}
-  code, out, _ = _run(capsys, "maxtext", *TINY, "quantization=int8", "--summary")
+  code, out, _ = run_cli(capsys, "maxtext", *TINY, "quantization=int8", "--summary")
   assert code == 0 and "At a glance" not in out and "On v" not in out
-  code, _, err = _run(capsys, "maxtext", *TINY, "quantization=int8", "--chip", "v5e")
+  code, _, err = run_cli(capsys, "maxtext", *TINY, "quantization=int8", "--chip", "v5e")
   assert code == 2 and "--chip reports with the summary: add --summary" in err

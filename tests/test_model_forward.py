@@ -22,7 +22,8 @@ from inspect_tool.model import attention
 from inspect_tool.model import mtp
 from quant.gmm import op as gmm_lib
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
 

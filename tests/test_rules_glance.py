@@ -15,8 +15,9 @@ from inspect_tool import cli
 from inspect_tool.configuration import config
 from inspect_tool.coverage import trace as coverage
 from inspect_tool.report import coverage_format, coverage_report, glance_format
+from conftest import DATA
 
-QWIX = pathlib.Path(__file__).parent / "data" / "qwix"
+QWIX = pathlib.Path(DATA) / "qwix"
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "quantization=fp8_full"]
 LINE = re.compile(r"\[QWIX(?:-only_rule)?\] module='([^']+)' op=(\w+) rule=(\w+)")
 QTYPE = re.compile(r"(weight|act|bwd)_qtype=(?:<class 'jax\.numpy\.(\w+)'>|None)")

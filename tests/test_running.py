@@ -16,7 +16,7 @@ from inspect_tool.run import runner as running
 
 import golden_parity
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+from conftest import DATA
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]

@@ -15,7 +15,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.streaming import read
 from inspect_tool.streaming import source as source_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 SOURCE_NAMES = {"source", "src", "arrays", "_source", "self._source"}
 
 

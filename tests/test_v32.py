@@ -21,7 +21,8 @@ from inspect_tool.paramtree import params
 from inspect_tool.run import runner as running
 from inspect_tool.model import indexer
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 CKPT = DATA / "ckpt_v32-small"
 SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_layers=1", "base_emb_dim=64",
          "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "base_moe_mlp_dim=32",

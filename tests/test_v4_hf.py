@@ -19,8 +19,9 @@ import pytest
 
 from test_export_distributed import _arrays
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data", "v4")
+from conftest import REPO
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "v4")
 SAVED, RELEASE, V31, SAVED_BF16 = (os.path.join(DATA, name) for name in ("v4_saved", "v4_release", "v31_ue8m0",
                                                                          "v4_saved_bf16"))
 TOKENS, V3_TOKENS = os.path.join(DATA, "tokens.npy"), os.path.join(REPO, "tests", "data", "import", "tokens.npy")

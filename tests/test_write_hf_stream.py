@@ -19,7 +19,7 @@ from inspect_tool.streaming import safetensors_writer
 
 import test_export_hf
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 NP_DTYPES = test_export_hf.NP_DTYPES
 
 

@@ -20,7 +20,8 @@ from inspect_tool.listings import grid_plan
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import xla_grid
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "xla_ref")
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "xla_ref")
 TOLERANCE = 0.15
 RESULTS = grid_plan.results(DATA)
 COMPILED = sorted(name for name, d in RESULTS.items() if d["ok"])
