@@ -20,7 +20,8 @@ from inspect_tool.run import runner
 from quant import metrics
 
 import golden_parity
-from test_export import CKPT, TINY, _read, _run
+from conftest import run_cli
+from test_export import CKPT, TINY, _read
 
 TOKENS = TINY + ["quantization=int8"]
 INT8_GOLDEN = "e_int8.npz"
@@ -85,7 +86,7 @@ def test_the_export_runs_as_maxtexts_own_int8_forward(exported, capsys, tmp_path
   (golden e; measured bit for bit on MaxText's stack, main and MTP), which stands 0.0336 / 0.0329 from the
   unquantized golden a."""
   logits = tmp_path / "logits.npz"
-  code, out, err = _run(capsys, "forward", *TOKENS, "--checkpoint", exported.dst, "--save-logits", str(logits))
+  code, out, err = run_cli(capsys, "forward", *TOKENS, "--checkpoint", exported.dst, "--save-logits", str(logits))
   assert code == 0, err
   assert f"weights: int8 export {os.path.abspath(exported.dst)}" in out.splitlines()
   saved, golden = np.load(logits), golden_parity.load(INT8_GOLDEN)
@@ -95,21 +96,21 @@ def test_the_export_runs_as_maxtexts_own_int8_forward(exported, capsys, tmp_path
     golden_parity.assert_fp8_reproduces(ours, want, head)
     np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
     assert golden_parity.rel(ours, unquantized) >= 0.03  # quantized at all (measured 0.0336 / 0.0329)
-  code, _, err = _run(capsys, "forward", *TINY, "--checkpoint", exported.dst)
+  code, _, err = run_cli(capsys, "forward", *TINY, "--checkpoint", exported.dst)
   assert code == 2 and len(err.splitlines()) == 1
   assert "is an int8 export" in err and "quantization=int8" in err
 
 
 def test_listing_diff_and_verify_take_the_int8_export(exported, capsys):
-  code, out, err = _run(capsys, "orbax", "--path", exported.dst, "--check_dtype")
+  code, out, err = run_cli(capsys, "orbax", "--path", exported.dst, "--check_dtype")
   assert code == 0 and "an int8 export (" in err
   assert ("key: params.params.decoder.moe_layers.self_attention.wq_a.kernel.array.qvalue | shape: (64, 3, 32) | "
           "dtype: int8") in out.splitlines()
-  code, out, _ = _run(capsys, "diff", *TOKENS, "--path", exported.dst)
+  code, out, _ = run_cli(capsys, "diff", *TOKENS, "--path", exported.dst)
   assert code == 0 and "AGREE: model and checkpoint agree (70 weights)" in out
-  code, out, _ = _run(capsys, "diff", *TINY, "--path", exported.dst)
+  code, out, _ = run_cli(capsys, "diff", *TINY, "--path", exported.dst)
   assert code == 1 and "the checkpoint is an int8 export but the model has no quantization → quantization=int8" in out
-  code, out, _ = _run(capsys, "verify", exported.dst)
+  code, out, _ = run_cli(capsys, "verify", exported.dst)
   assert code == 0 and out.startswith(f"verified {exported.dst}: 70 tensors")
 
 
@@ -133,14 +134,14 @@ def test_validation_is_gated_on_kl_and_costs_what_int8_costs_in_maxtext(exported
                                     ["--layout", "deepseek-v4"]])
 def test_int8_with_a_deepseek_fp8_layout_is_one_line_exit_2(layout, capsys, tmp_path):
   dst = tmp_path / "out"
-  code, out, err = _run(capsys, "export", *TOKENS, "--checkpoint", CKPT, "--output", str(dst), *layout)
+  code, out, err = run_cli(capsys, "export", *TOKENS, "--checkpoint", CKPT, "--output", str(dst), *layout)
   assert code == 2 and not out and len(err.splitlines()) == 1
   assert f"quantization=int8 with {' '.join(layout)}" in err and "--layout orbax" in err
   assert not dst.exists() and os.listdir(tmp_path) == []
 
 
 def test_other_integer_types_are_refused_naming_what_exports(capsys, tmp_path):
-  code, _, err = _run(capsys, "export", *TINY, "quantization=int4", "--checkpoint", CKPT, "--output",
+  code, _, err = run_cli(capsys, "export", *TINY, "quantization=int4", "--checkpoint", CKPT, "--output",
                       str(tmp_path / "out"))
   assert code == 2 and len(err.splitlines()) == 1
   assert "unsupported quantization type 'int4'; accepted: float8_e4m3fn, float8_e5m2, int8" in err
