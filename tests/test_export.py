@@ -27,6 +27,7 @@ import golden_parity
 
 from conftest import REPO
 from conftest import DATA
+from conftest import run_cli
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024"]
@@ -364,7 +365,6 @@ _SHARDED = """
 import json, sys
 import jax
 from inspect_tool.fp8_export import pipeline
-from conftest import run_cli
 assert jax.device_count() == 4, jax.devices()
 result = pipeline.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
 print(json.dumps(result.report["mesh"]))

@@ -61,7 +61,7 @@ def test_diff_agrees_as_locally(remote, capsys):
   assert there[1].replace(remote, CKPT) == local[1]
   assert "AGREE" in there[1]
   changed = run_cli(capsys, "diff", *L4[:-1], "vocab_size=2048", "--path", remote)
-  assert changed[0] == 1 and changed[1].replace(remote, CKPT) == _run(
+  assert changed[0] == 1 and changed[1].replace(remote, CKPT) == run_cli(
       capsys, "diff", *L4[:-1], "vocab_size=2048", "--path", CKPT)[1]
 
 

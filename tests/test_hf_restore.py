@@ -25,6 +25,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import hf_names, hf_restore
 
 from conftest import DATA
+from conftest import run_cli
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
@@ -311,7 +312,6 @@ from inspect_tool import model
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
 from inspect_tool.checkpoint import hf_restore
-from conftest import run_cli
 cfg = config.resolve_config(sys.argv[2:])
 leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
 four = hf_restore.restore_leaves(sys.argv[1], cfg, leaves)
