@@ -14,21 +14,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 from quant.microscaling import E2M1_VALUES
 
 CHUNK_BYTES = 16 << 20  # float32 error held at once by `channel_figures`
-
-
-def absmax_over_scale(dtype) -> float:
-  """absmax / scale of a block at its largest value: finfo.max of a float qtype, iinfo.max + 0.5 of an integer one
-  (Qwix's int8 bound, 127.5); the `qmax` of `manifest.tally.Tally.add`."""
-  dtype = np.dtype(dtype)
-  if dtype.kind == "i":
-    return float(np.iinfo(dtype).max) + 0.5
-  return float(ml_dtypes.finfo(dtype).max)
 
 
 def _reduced(error, axes: tuple[int, ...]):

@@ -47,8 +47,8 @@ from inspect_tool.streaming import budget as budget_lib
 from inspect_tool.streaming import orbax_writer
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
-from quant import dequant_error
 from quant import errors as quant_errors
+from quant import fp8
 from quant import ptq_weights
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +358,7 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
       qvalue, scale, error = quantizers.quantize(read_lib.to_jax(part), wq)  # one call: the slice is within budget
       qvalue, scale = np.asarray(qvalue), np.asarray(scale)
       if tally is not None:
-        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, dequant_error.absmax_over_scale(qvalue.dtype))
+        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, fp8.bound(qvalue.dtype))
       part = None
       writer.write_slice([(outputs[0], index, qvalue), (outputs[1], _scale_index(index, wq), scale)],
                          _write_room(job, reads))
@@ -400,7 +400,7 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
       qvalue, scale, error = quantizers.quantize_block(read_lib.to_jax(part), amax[channels], wq)
       qvalue, scale = np.asarray(qvalue), np.asarray(scale)
       if tally is not None:
-        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, dequant_error.absmax_over_scale(qvalue.dtype))
+        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, fp8.bound(qvalue.dtype))
       parts = [(outputs[0], index, qvalue)]
       if channels not in scaled:
         scaled.add(channels)
