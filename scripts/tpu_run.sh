@@ -22,6 +22,7 @@ PY=$VENV/bin/python
 LIMIT=${STEP_LIMIT:-400}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tool from this tree (scripts import it), the host's JAX kept
 L4=(model_name=deepseek3-tiny mtp_num_layers=1 override_model_config=true base_num_decoder_layers=4
     first_num_dense_layers=1 vocab_size=1024)
 CKPT=tests/data/ckpt_deepseek3-tiny-L4-V1024

@@ -33,7 +33,6 @@ ON_TPU = jax.default_backend() == "tpu"
 TPU_BOUND = {("unquantized", "main"): 0.0115, ("unquantized", "mtp"): 0.0130, ("fp8", "main"): 0.105,
              ("fp8", "mtp"): 0.118}
 TPU_TOP1 = {("unquantized", "main"): 32, ("unquantized", "mtp"): 32, ("fp8", "main"): 26, ("fp8", "mtp"): 25}
-TPU_LOSS_RTOL = 3e-3  # the losses' relative error on the chip
 
 
 def load(name: str) -> dict:
@@ -84,9 +83,23 @@ def maxtext_fp8_cost() -> list:
           metrics.compare_logits("mtp_1", plain["mtp_logits"], golden["mtp_logits"])]
 
 
+# The cost of fp8_full on the chip against MaxText's on a CPU, measured on a TPU v5e (2026-12-07, the export of the L4
+# checkpoint with quantize_mtp=true, `scripts/tpu_run.sh commands`): cosine 0.99384 / 0.99188 (MaxText's 0.99390 /
+# 0.99221), KL 0.5% / 4.2% above, relative error 0.5% / 2.0% above, top-1 30 / 24 of 32 (MaxText's 29 / 25). Bounds:
+TPU_COST = {"cosine": 5e-4, "kl": 0.05, "rel_error": 0.025, "top1_positions": 2}
+
+
 def assert_same_cost(row: dict, want) -> None:
-  """An unquantized-vs-fp8 comparison row equals MaxText's (`maxtext_fp8_cost`) and stands clearly away."""
-  assert row["head"] == want.head and row["positions"] == want.positions
-  assert row["top1_agreement"] == want.top1_agreement and row["rel_error"] >= AWAY
+  """An unquantized-vs-fp8 comparison row equals MaxText's (`maxtext_fp8_cost`; on a TPU chip within `TPU_COST`) and
+  stands clearly away."""
+  assert row["head"] == want.head and row["positions"] == want.positions and row["rel_error"] >= AWAY
+  if ON_TPU:
+    positions = row["positions"]
+    assert abs(row["top1_agreement"] - want.top1_agreement) * positions <= TPU_COST["top1_positions"] + 1e-9
+    assert abs(row["cosine"] - want.cosine) <= TPU_COST["cosine"]
+    for field in ("kl", "rel_error"):
+      assert row[field] == pytest.approx(getattr(want, field), rel=TPU_COST[field], abs=0), field
+    return
+  assert row["top1_agreement"] == want.top1_agreement
   for field in ("cosine", "kl", "rel_error"):
     assert row[field] == pytest.approx(getattr(want, field), rel=1e-5, abs=0), field

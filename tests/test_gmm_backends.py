@@ -172,6 +172,7 @@ def test_cli_names_a_bad_backend_in_one_line_with_exit_2(keys, message, tmp_path
   tokens = tmp_path / "t.npy"
   np.save(tokens, batch.fixed_tokens(1, 8, 1024))
   proc = subprocess.run([sys.executable, "-m", "inspect_tool", "forward", "model_name=deepseek3-tiny", *keys,
-                         "--tokens", str(tokens)], capture_output=True, text=True, timeout=300, check=False)
+                         "--tokens", str(tokens)], capture_output=True, text=True, timeout=300, check=False,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))  # a test process on a TPU host holds the chip
   assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert proc.stderr.strip().startswith(message)

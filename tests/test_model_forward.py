@@ -78,13 +78,17 @@ def test_mtp_logits_match_maxtext_golden_bit_for_bit(golden_result, golden):
 
 def test_losses_match_maxtext_golden(golden_result, golden):
   """Per-token cross-entropy: measured 6.2e-8 relative (float32 log-softmax order); MTP sums: exact. On a TPU chip,
-  whose logits stand 1.3e-2 from the golden, the losses within `golden_parity.TPU_LOSS_RTOL`."""
+  whose logits stand 1.3e-2 from the golden, each loss as far from MaxText's as its logits allow: a token's
+  cross-entropy (log-sum-exp minus the target's logit) moves by at most twice the largest change in its row of
+  logits, so the main losses, the MTP block's masked sum and the mean stay within those sums (float32 slack 1e-5)."""
   if golden_parity.ON_TPU:
-    tol = golden_parity.TPU_LOSS_RTOL
-    np.testing.assert_allclose(np.asarray(golden_result.xent), golden["main_xent_per_token"], rtol=tol, atol=0)
-    np.testing.assert_allclose(np.asarray(golden_result.mtp_losses), golden["mtp_losses__mtp_block__losses"],
-                               rtol=tol)
-    np.testing.assert_allclose(float(golden_result.loss), golden["main_xent_per_token"].mean(), rtol=tol)
+    main = 2 * np.abs(np.asarray(golden_result.logits, np.float64) - golden["logits"]).max(-1)
+    mtp = 2 * np.abs(np.asarray(golden_result.mtp_logits[0], np.float64) - golden["mtp_logits"]).max(-1)
+    mask = golden["mtp_acceptance__mtp_block__mtp_mask"][0]
+    assert np.all(np.abs(np.asarray(golden_result.xent, np.float64) - golden["main_xent_per_token"]) <= main + 1e-5)
+    assert abs(float(golden_result.mtp_losses[0]) - float(golden["mtp_losses__mtp_block__losses"][0])) <= float(
+        np.sum(mask * mtp)) + 1e-4
+    assert abs(float(golden_result.loss) - float(golden["main_xent_per_token"].mean())) <= float(main.mean()) + 1e-5
     return
   np.testing.assert_allclose(np.asarray(golden_result.xent), golden["main_xent_per_token"], rtol=1e-7, atol=0)
   np.testing.assert_array_equal(np.asarray(golden_result.mtp_losses), golden["mtp_losses__mtp_block__losses"])
