@@ -14,7 +14,7 @@ from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import write_hf as export_hf
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 
 import deepseek_fp8_reference
 import maxtext_listings

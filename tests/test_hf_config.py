@@ -157,7 +157,7 @@ def test_transformers_and_our_reader_read_the_exported_rope_as_the_model_runs_it
   assert hf["softmax_scale"] == pytest.approx(ours[2], rel=1e-12)
   leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
   write_hf.write_deepseek_fp8({leaf.key: np.ones(leaf.shape, np.float32) for leaf in leaves}, cfg, str(tmp_path))
-  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
   read = config.resolve_config(hf_config.tokens(hf_config.derive_keys(str(tmp_path))))
   back = _rope_of(read)
   np.testing.assert_array_equal(back[0], ours[0])

@@ -225,7 +225,7 @@ def _published(tmp_path, doc, tensors):
 
 
 def test_deepseeks_published_v3_config_is_maxtexts_deepseek3_671b(tmp_path, capsys):
-  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   path = _published(tmp_path, PUBLISHED_V3, {
       "model.layers.3.mlp.gate.e_score_correction_bias": np.zeros(256, np.float32),

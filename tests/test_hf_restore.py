@@ -22,7 +22,8 @@ from inspect_tool import cli, errors, model
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
-from inspect_tool.checkpoint import hf_names, hf_restore
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import restore as hf_restore
 
 from conftest import DATA
 from conftest import run_cli
@@ -311,7 +312,7 @@ import jax, numpy as np
 from inspect_tool import model
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 cfg = config.resolve_config(sys.argv[2:])
 leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
 four = hf_restore.restore_leaves(sys.argv[1], cfg, leaves)

@@ -20,7 +20,7 @@ import pytest
 from safetensors import numpy as st_numpy
 
 from hostile import REPO, refused
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 from web_server import WebServer
 
 HF_SMALL = os.path.join(REPO, "tests", "data", "import", "hf_small")

@@ -14,7 +14,7 @@ import pytest
 from safetensors import numpy as st_numpy
 
 import test_v32
-from inspect_tool.checkpoint import hf_names
+from inspect_tool.hf import names as hf_names
 from inspect_tool.configuration import config
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.paramtree import tree

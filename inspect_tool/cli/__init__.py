@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from inspect_tool import process_state
 from inspect_tool.cli import flags
 
 # The cyclic garbage collector's thresholds for the command's process: JAX's and Flax's imports and the model's
@@ -24,6 +25,14 @@ GC_THRESHOLDS = (20_000, 20, 20)
 # scans once imported (`gc.freeze`: kept for the process's life anyway): an export to gs:// spent 7% of its CPU in
 # the collector with the thresholds alone (`perf`), and its exit took 0.6 s, 0.3 s frozen.
 _freeze_imports = False
+
+
+def _thaw() -> None:
+  global _freeze_imports  # pylint: disable=global-statement
+  _freeze_imports = False
+
+
+process_state.declare(f"{__name__}:_freeze_imports", process_state.SETTING, lambda: _freeze_imports, _thaw)
 
 _COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
     "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext",
@@ -128,8 +137,9 @@ def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
   code = _run(argv)
   from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
   runtime.finish()
-  if fresh:  # an in-process run (tests): it has ended, the watchdog must not end the process later
-    stop.run_ended()
+  if fresh:  # an in-process run (tests, the Python API): it has ended, the watchdog must not end the process later,
+    stop.run_ended()  # and the next command starts with the defaults and no cached bytes
+    process_state.end_command()
   return code
 
 

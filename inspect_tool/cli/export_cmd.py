@@ -92,7 +92,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     raise errors.InputError(f"--scale-fmt {scale_fmt} applies to the Hugging Face layouts; accepted: --layout "
                             "deepseek-fp8 --scale-fmt ue8m0, or no --scale-fmt with --layout orbax")
   if layout != "orbax":
-    from inspect_tool.fp8_export import hf_layouts  # pylint: disable=import-outside-toplevel
+    from inspect_tool.hf import layouts as hf_layouts  # pylint: disable=import-outside-toplevel
     hf_layouts.resolve(layout, scale_fmt)
   cli_options.check_output_files(output_file)
   several = distributed.check_flags(coordinator, num_processes, process_id, timeout)

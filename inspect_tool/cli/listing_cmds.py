@@ -141,7 +141,7 @@ def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter
   from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   if keys:
-    from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+    from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
     options.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))) + "\n")
     return 0
   options.check_output_files(output_file, html_file)

@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.distributed import job
 from inspect_tool.output import stop
@@ -92,6 +93,9 @@ def cluster_variable(environ=os.environ) -> str | None:
 
 
 _planned: list[tuple] = []  # the job the flags name, until this process joins it: (host, port, count, index, timeout)
+process_state.declare(f"{__name__}:_planned,_started,_job,_exchanges", process_state.RUN,
+                      lambda: {k: v for k, v in (("planned", list(_planned)), ("joined", _started), ("job", _job))
+                               if v})
 
 
 def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,

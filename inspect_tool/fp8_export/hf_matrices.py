@@ -18,9 +18,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read as read_lib

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16_LINEAR, F32, F32_LINEAR
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf.names import BF16_LINEAR, F32, F32_LINEAR
 from inspect_tool.streaming import read_plan
 
 

@@ -25,7 +25,7 @@ from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
 from inspect_tool.coverage import plan as plan_lib
 from inspect_tool.distributed import runtime as distributed
-from inspect_tool.fp8_export import hf_layouts
+from inspect_tool.hf import layouts as hf_layouts
 from inspect_tool.fp8_export import quantize
 from inspect_tool.fp8_export import report as report_lib
 from inspect_tool.fp8_export import validate as validate_lib

@@ -21,7 +21,7 @@ from typing import Any
 from inspect_tool import model as model_lib
 from inspect_tool import progress
 from inspect_tool.checkpoint import load_export
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.fp8_export import layout_numerics
 from inspect_tool.run import runner as running
 from quant import metrics

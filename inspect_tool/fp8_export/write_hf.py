@@ -9,7 +9,7 @@ tensor(s), quantizes the Linear weights to float8_e4m3fn with one float32 `weigh
 plain softmax top-k without bias (deepseek2*) as `DeepseekV2ForCausalLM`; other routings are refused.
 
 Names (MTP depth k as layer `L + k - 1`, the MTP layers' copies of embedding and head, rope columns in HF's
-interleaved layout) come from `inspect_tool.checkpoint.hf_names`, which the reader (`hf_restore`) uses too.
+interleaved layout) come from `inspect_tool.hf.names`, which the reader (`hf_restore`) uses too.
 
 Choices (they follow DeepSeek-V3's official FP8 checkpoint):
 * FP8 + `_scale_inv`: every attention projection, dense MLP, shared-expert and routed-expert weight, MTP
@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import BLOCK, EXPERTS_FP8, FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.output import atomic

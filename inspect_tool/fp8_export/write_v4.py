@@ -2,7 +2,7 @@
 `expert_dtype`) and transformers 5.24 (`DeepseekV4ForCausalLM`) load.
 
 `write_deepseek_v4(arrays, cfg, dst_dir)` maps every MaxText `deepseek4` leaf to its release tensor(s)
-(`checkpoint.hf_names_v4`, MaxText 0.2.5's V4 mapping, which the reader uses too) and writes:
+(`hf.names_v4`, MaxText 0.2.5's V4 mapping, which the reader uses too) and writes:
 * FP4 routed experts (`expert_dtype: fp4`): each expert's (out, in) weight as int8 bytes of two e2m1 values (low
   nibble first) with one float8_e8m0fnu scale per 32 values of a row (`<x>.scale`), `quant.microscaling`;
 * FP8: every other Linear the release quantizes (wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b, the shared
@@ -27,9 +27,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import EXPERTS_FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import EXPERTS_FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.fp8_export import write_hf

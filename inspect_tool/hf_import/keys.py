@@ -1,10 +1,10 @@
 """Import stage 1, the keys: the MaxText keys of a Hugging Face DeepSeek directory, with the user's on top.
 
-The directory determines every key that changes shapes or the computation (`checkpoint.hf_config.derive_keys`:
+The directory determines every key that changes shapes or the computation (`hf.config.derive_keys`:
 config.json and the stored tensors). The user may add keys that change neither what is read nor how the model
 computes (`scan_layers`, `param_scan_axis`, `weight_dtype`, fewer MTP layers than stored, ...) and may restate
 derived ones; a key that contradicts the directory is refused naming its config.json value
-(`checkpoint.hf_config.check_keys`).
+(`hf.config.check_keys`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import config as hf_config
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf import safetensors_header
 from inspect_tool.configuration import config as config_lib
 
 MTP_REASON = ("MaxText's deepseek4 decoder has no MTP layers (\"DeepSeek4 decoder block currently does not support "

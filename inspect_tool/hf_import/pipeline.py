@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from inspect_tool import progress
-from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_names_v4
+from inspect_tool.hf import config as hf_config
+from inspect_tool.hf import names_v4 as hf_names_v4
 from inspect_tool.distributed import runtime as distributed
 from inspect_tool.hf_import import inputs
 from inspect_tool.hf_import import keys as keys_lib

@@ -2,8 +2,8 @@
 
 `HfSource` is an array source as the export's are (`streaming.source.ArraySource`), so the export's writer cuts,
 reads and writes every MaxText array by slices within `--max-memory`. A MaxText leaf is assembled from the
-release's tensors through the one name mapping (`checkpoint.hf_names.leaf_plan`, read backwards by
-`checkpoint.hf_restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
+release's tensors through the one name mapping (`hf.names.leaf_plan`, read backwards by
+`hf.restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
 experts), each read when a slice needs it. The "chunk" a slice is aligned to is what one read holds: one layer
 (and one expert) of a stack; a band of rows of the embedding and the output head, which are read row range by row
 range from the shard. FP8 weights are dequantized exactly: value × the `weight_scale_inv` of its 128×128 block.
@@ -17,9 +17,9 @@ import math
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths

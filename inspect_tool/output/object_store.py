@@ -34,6 +34,7 @@ import re
 import secrets
 from typing import Iterator, Sequence
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.output import hooks
 from inspect_tool.output import ours
@@ -60,6 +61,7 @@ _OURS = re.compile(r"""(?x)
   | (?:quantization_report|import_report|export_manifest|model\.safetensors\.index|config)\.json
   | commit_success\.txt""")
 _held: dict[str, tuple[remote_lock.Lock, bool]] = {}  # DST -> (its lock, overwrite) while claimed
+process_state.declare(f"{__name__}:_held", process_state.RUN, lambda: sorted(_held))
 
 
 def staging_prefix(dst: str) -> str:

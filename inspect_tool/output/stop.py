@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from inspect_tool import process_state
 from inspect_tool import errors
 
 NAMES = ("SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT")
@@ -41,6 +42,10 @@ _runs = [0]  # bumped when a run ends (`clear`, `run_ended`): a watchdog countin
 _stopped_run = [0]  # the value of `_runs` when the stop in `_received` arrived
 _wakeups: list[int] = []  # the read end of the signals' wakeup pipe
 _wakeup_lock = threading.Lock()  # the watchdog reads a signal's byte and records it as one step; `_drain` waits
+# A run's stop and its cleanups; the watchdog, the run counter and the wakeup pipe are the process's own.
+process_state.declare(f"{__name__}:_received,_cleanups,_reported,_watchdog,_runs,_stopped_run,_wakeups",
+                      process_state.RUN, lambda: {k: v for k, v in (("received", list(_received)),
+                                                                    ("cleanups", len(_cleanups))) if v})
 
 
 def _received_now(signum: int) -> None:

@@ -21,7 +21,7 @@ from inspect_tool import model as model_lib
 from inspect_tool import progress
 from inspect_tool.checkpoint import exports
 from inspect_tool.checkpoint import load_export
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.checkpoint import restore
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation

@@ -13,7 +13,7 @@ import os
 from inspect_tool import errors
 from inspect_tool.checkpoint import exports
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.checkpoint import locate
 from inspect_tool.storage import paths
 

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.storage import paths
 from inspect_tool.storage import web_http
@@ -32,6 +33,16 @@ _whole_files: dict[str, tuple[int | None, bytes | None]] = {}  # path -> (size, 
 _probes: dict[str, tuple[int | None, bytes]] = {}  # path -> (size, its first bytes); (None, b""): no such file
 _redirects: dict[str, tuple[str, float]] = {}  # path -> (where its URL redirected to, when)
 _kept: dict[tuple[str, int, int], bytes] = {}  # (path, start, length) -> bytes: the ranges read with `keep`
+
+
+def _forget() -> None:
+  with _lock:
+    for cache in (_whole_files, _probes, _redirects, _kept):
+      cache.clear()
+
+
+process_state.declare(f"{__name__}:_whole_files,_probes,_redirects,_kept", process_state.CACHE,
+                      lambda: len(_whole_files) + len(_probes) + len(_redirects) + len(_kept), _forget)
 
 
 def _get(path: str, **kwargs) -> web_http.Answer:

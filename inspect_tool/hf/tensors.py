@@ -30,8 +30,8 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import safetensors_header
 from inspect_tool.host import memory as host_memory
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote

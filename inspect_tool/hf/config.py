@@ -31,9 +31,9 @@ from typing import Any
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_config_v4
-from inspect_tool.checkpoint import hf_tensors
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import config_v4 as hf_config_v4
+from inspect_tool.hf import tensors as hf_tensors
+from inspect_tool.hf import safetensors_header
 from inspect_tool.configuration import config as config_lib
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
