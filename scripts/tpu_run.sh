@@ -11,7 +11,8 @@
 #   gmm       bench/bench_gmm.py forward, then --grad (MaxText's kernel from MAXTEXT_MEGABLOX when set)
 #   export    the same export on the chip and on the host's CPU: wall times, tensors that differ
 #   lane      make test-tpu's tests: tests/test_tpu_commands.py, then tests/tpu_lane.txt in one process
-#   lane-commands, lane-chip   tests/test_tpu_commands.py, tests/test_tpu_chip.py alone
+#   lane-commands, lane-files, lane-chip   tests/test_tpu_commands.py (about 230 s on a v5e), the files of
+#             tests/tpu_lane.txt (about 400 s), tests/test_tpu_chip.py alone: a call's 600 s holds one lane step
 # Usage: scripts/tpu_run.sh STEP...   (each step has a time limit: STEP_LIMIT seconds, default 400)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,12 +125,15 @@ lane-chip() {
     --junitxml="$OUT/lane-chip.xml"
 }
 
-lane() {
-  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short tests/test_tpu_commands.py \
-    --junitxml="$OUT/lane-commands.xml"
+lane-files() {
   # shellcheck disable=SC2046
   "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short $(cat tests/tpu_lane.txt) \
     --junitxml="$OUT/lane.xml"
+}
+
+lane() {
+  lane-commands
+  lane-files
 }
 
 for step in "$@"; do

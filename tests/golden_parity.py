@@ -48,7 +48,7 @@ def rel(x, y) -> float:
 def assert_unquantized_reproduces(logits, golden, head: str) -> None:
   """Unquantized logits: bit for bit on a CPU, within the bound measured on a TPU chip there."""
   if ON_TPU:
-    assert rel(logits, golden) <= TPU_BOUND[("unquantized", head)]
+    assert (got := rel(logits, golden)) <= TPU_BOUND[("unquantized", head)], f"{head}: relative error {got:.5f}"
   else:
     np.testing.assert_array_equal(np.asarray(logits), golden)
 
@@ -56,7 +56,7 @@ def assert_unquantized_reproduces(logits, golden, head: str) -> None:
 def assert_top1(top1, golden_top1, kind: str, head: str) -> None:
   """Top-1 tokens (kind "unquantized" or "fp8"): all of them on a CPU, as many as measured on a TPU chip."""
   if ON_TPU:
-    assert int(np.sum(np.asarray(top1) == golden_top1)) >= TPU_TOP1[(kind, head)]
+    assert (got := int(np.sum(np.asarray(top1) == golden_top1))) >= TPU_TOP1[(kind, head)], f"{head}: top-1 {got}"
   else:
     np.testing.assert_array_equal(np.asarray(top1), golden_top1)
 
@@ -65,7 +65,7 @@ def assert_fp8_reproduces(logits, golden, head: str, *, exact: bool = False) -> 
   """fp8 logits: bit for bit on MaxText's stack (on both stacks with `exact`), within the error measured on the older
   stack elsewhere, and on a TPU chip within the bound measured there."""
   if ON_TPU:
-    assert rel(logits, golden) <= TPU_BOUND[("fp8", head)]
+    assert (got := rel(logits, golden)) <= TPU_BOUND[("fp8", head)], f"{head}: relative error {got:.5f}"
   elif GOLDEN_STACK or exact:
     np.testing.assert_array_equal(np.asarray(logits), golden)
   else:
@@ -95,8 +95,8 @@ def assert_same_cost(row: dict, want) -> None:
   assert row["head"] == want.head and row["positions"] == want.positions and row["rel_error"] >= AWAY
   if ON_TPU:
     positions = row["positions"]
-    assert abs(row["top1_agreement"] - want.top1_agreement) * positions <= TPU_COST["top1_positions"] + 1e-9
-    assert abs(row["cosine"] - want.cosine) <= TPU_COST["cosine"]
+    assert abs(row["top1_agreement"] - want.top1_agreement) * positions <= TPU_COST["top1_positions"] + 1e-9, row
+    assert abs(row["cosine"] - want.cosine) <= TPU_COST["cosine"], row
     for field in ("kl", "rel_error"):
       assert row[field] == pytest.approx(getattr(want, field), rel=TPU_COST[field], abs=0), field
     return

@@ -207,7 +207,7 @@ def test_report_records_rules_coverage_weights_validation_and_provenance(exports
       # whose division rounds as the TPU does (the export's bytes are the CPU's): measured 0.0949 / 0.1150, KL 0.0044 /
       # 0.0066 on a TPU v5e (docs/benchmarks.md), as far as any two fp8 results on the chip (`TPU_BOUND`)
       assert row["kl"] <= validation["max_kl"] and row["rel_error"] <= golden_parity.TPU_BOUND[
-          ("fp8", "main" if row["head"] == "main" else "mtp")]
+          ("fp8", "main" if row["head"] == "main" else "mtp")], row
       continue
     assert row["top1_agreement"] == 1.0 and row["rel_error"] == 0.0 and row["kl"] == 0.0
   # The cost of quantizing, as MaxText's own goldens show it (measured rel_error 0.1107 main, 0.1249 MTP).

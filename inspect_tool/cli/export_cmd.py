@@ -110,26 +110,30 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
-  used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+  used = weights.resolve(cfg, source)  # the checkpoint found (or named in one line) before joining, once
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
-  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
-              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes,
-              batch_options=[*(["--tokens", tokens_file] if tokens_file else []),
-                             *(["--targets", targets_file] if targets_file else [])])
+  batch_options = [*(["--tokens", tokens_file] if tokens_file else []),
+                   *(["--targets", targets_file] if targets_file else [])]
   if layout != "orbax":
     if distributed.process_count() > 1:  # a job JAX's cluster detection found
       raise errors.InputError(f"--layout {layout} is written by one process; this job has "
                               f"{distributed.process_count()}; accepted: --layout orbax")
-    result = pipeline.export_deepseek_fp8(overrides, dst, layout=layout, scale_fmt=scale_fmt, **args)
+    result = pipeline.export_deepseek_fp8(overrides, dst, cfg=cfg, source=used, overwrite=overwrite, data=data,
+                                          tokens_file=tokens_file, max_kl=max_kl, run_validation=validate,
+                                          command=cli_options.command_line(), max_memory=max_bytes,
+                                          batch_options=batch_options, layout=layout, scale_fmt=scale_fmt)
   else:
-    result = pipeline.export(overrides, dst, **args)
+    result = pipeline.export(overrides, dst, cfg=cfg, source=used, overwrite=overwrite, data=data,
+                             tokens_file=tokens_file, max_kl=max_kl, run_validation=validate,
+                             command=cli_options.command_line(), max_memory=max_bytes, batch_options=batch_options)
   if distributed.process_index() != 0:
     return 0  # process 0 reports
   if fmt == "json":
     text = json.dumps(result.report, indent=1) + "\n"
   else:
     formatter = report.format_text if layout == "orbax" else report.format_hf_text
-    text = f"weights: {used}\n" + formatter(result)
+    text = f"weights: {used.label}\n" + formatter(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
 
@@ -157,10 +161,3 @@ def _compile_only(overrides, topology, fmt, output_file) -> int:
   cli_options.emit_text(text, output_file)
   return 0 if verdict.fits else 1
 
-
-def _weights_text(overrides, source) -> str:
-  """`run.weights.describe` of the export's source."""
-  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
-
-  return weights.describe(config.resolve_config(overrides), source)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import restore
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
@@ -40,6 +41,7 @@ from inspect_tool.output import destination
 from inspect_tool.paramtree import params
 from inspect_tool.run import batch as batch_lib
 from inspect_tool.run import limits
+from inspect_tool.run import weights as weights_lib
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
@@ -64,16 +66,18 @@ class ExportResult:
     return self.validation is None or self.validation.passed
 
 
-def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False, data=None,
-           tokens_file: str | None = None, max_kl: float = validate_lib.DEFAULT_MAX_KL,
-           run_validation: bool = True, mesh=None, command: str | None = None,
-           max_memory: int | None = None, batch_options: Sequence[str] = ()) -> ExportResult:
+def export(tokens: Sequence[str], dst: str, *, source: str | weights_lib.Weights | None = None,
+           overwrite: bool = False, data=None, tokens_file: str | None = None,
+           max_kl: float = validate_lib.DEFAULT_MAX_KL, run_validation: bool = True, mesh=None,
+           command: str | None = None, max_memory: int | None = None, batch_options: Sequence[str] = (),
+           cfg: config_lib.ModelConfig | None = None) -> ExportResult:
   """Exports the quantization-applied model of `tokens` (key=value) from `source` (None: seeded init) to `dst`.
 
   Args:
     tokens: MaxText key=value overrides (with a quantization, e.g. quantization=fp8_full).
     dst: output directory; appears only when complete.
-    source: Orbax checkpoint of the float model (step dir, items dir or steps dir); None: random init.
+    source: Orbax checkpoint of the float model (step dir, items dir or steps dir), or the `weights.Weights` the
+      caller resolved it to; None: random init.
     overwrite: replace an existing `dst` (which survives any failure).
     data: `batch.Batch` for validation (default: the fixed 2x16 batch).
     tokens_file: where `data` came from (recorded in the report).
@@ -84,21 +88,37 @@ def export(tokens: Sequence[str], dst: str, *, source: str | None = None, overwr
     max_memory: the peak resident memory to stay under, in bytes (default `budget.default_max_memory()`).
     batch_options: the --tokens/--targets options `data` came from (repeated in the command that validates
       elsewhere when validation cannot run here).
+    cfg: `tokens` as the caller resolved them (None: resolved here); either way once for the whole export.
 
   Under `jax.distributed` with several processes, every process calls this with the same arguments: process 0
   claims DST, each process writes the slices it owns, process 0 completes the checkpoint, validates and reports.
   """
   tokens = list(tokens)
-  cfg = config_lib.resolve_config(tokens)
-  _check_source(cfg, source)
+  cfg = cfg if cfg is not None else config_lib.resolve_config(tokens)
+  _check_source(cfg, weights_lib.given(source))
+  weights = weights_lib.resolve(cfg, source)
+  source = weights.given
   max_memory = job_plan.agree_on_inputs(tokens, source, dst, overwrite, budget.resolve_max_memory(max_memory))
-  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
+  args = dict(source=weights, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
               run_validation=run_validation, mesh=mesh, command=command, max_memory=max_memory,
               batch_options=batch_options)
   if distributed.process_index() != 0:
     return _export(cfg, tokens, dst, **args)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     return _export(cfg, tokens, claimed.path, **args)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportMemory(job_runner.Memory):
+  """The export's `memory` section: the runner's figures, then how its arrays were read (two passes, ahead,
+  streamed), the allocator's kept blocks and what reading decoded (`report.decoding`)."""
+  two_pass_arrays: int
+  read_ahead_arrays: int
+  boxes_read_ahead: int
+  streamed_arrays: int
+  absmax_ahead_arrays: int
+  kept_freed_bytes: int
+  decoding: dict
 
 
 def _check_source(cfg, source: str | None) -> None:
@@ -127,15 +147,26 @@ def _validation_memory(leaves) -> int:
   return validate_lib.memory_needed(sum(read.nbytes(leaf) for leaf in leaves)) + budget.current_rss()
 
 
+def _source_path(weights: weights_lib.Weights):
+  """Where an export reads its arrays: the Orbax pytree its command resolved, None for the random init; an export or
+  a Hugging Face directory is refused (one line)."""
+  if weights.kind in (weights_lib.RANDOM, weights_lib.ORBAX):
+    return weights.resolved
+  read.check_source(weights.given)  # an export: exported from already
+  return locate.resolve_orbax_path(weights.given)  # not an Orbax checkpoint: says so
+
+
 def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, run_validation, mesh, command,
             max_memory, batch_options) -> ExportResult:
-  """`export` once DST is claimed (checked against the inputs and locked) by process 0."""
+  """`export` once DST is claimed (checked against the inputs and locked) by process 0; `source` resolved
+  (`weights.Weights`)."""
+  weights, source = source, source.given
   plan = plan_lib.plan_export(cfg)
   leaves = params.model_leaves(cfg)
   mesh = mesh if mesh is not None else restore.default_mesh()
   max_memory = int(max_memory)
   kept = budget.streaming_allocations(max_memory)
-  src = read.open_source(cfg, source, leaves)
+  src = read.open_source(cfg, _source_path(weights), leaves)
   jobs = job_runner.plan(plan, src, max_memory, kept)
   source_bytes = sum(read.nbytes(job.leaf) for job in jobs)
   skipped = None
@@ -171,19 +202,17 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     validation = None
     if not skipped:
       budget.hand_back_freed()  # what the streaming kept: validation plans beside the resident size
-      validation = validate_lib.validate(cfg, source, paths.join(tmp, str(report_lib.STEP)), data, max_kl=max_kl,
+      validation = validate_lib.validate(cfg, weights, paths.join(tmp, str(report_lib.STEP)), data, max_kl=max_kl,
                                          mesh=mesh, tokens=tokens_file or "fixed")
     validated.append(validation)
     atomic.test_point("validated")
-    memory = {"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
-              "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
-              "processes": distributed.process_count(), "two_pass_arrays": sum(job.two_pass for job in jobs),
-              "read_ahead_arrays": sum(job.ahead for job in jobs), "boxes_read_ahead": written.boxes_read_ahead,
-              "streamed_arrays": sum(job.streamed for job in jobs),
-              "absmax_ahead_arrays": sum(bool(job.ahead_box) for job in jobs),
-              "kept_freed_bytes": kept,
-              "decoding": report_lib.decoding(src.decoded(),
-                                              {job.leaf.key: read.nbytes(job.leaf) for job in jobs})}
+    memory = ExportMemory.of(jobs, max_memory, two_pass_arrays=sum(job.two_pass for job in jobs),
+                             read_ahead_arrays=sum(job.ahead for job in jobs),
+                             boxes_read_ahead=written.boxes_read_ahead,
+                             streamed_arrays=sum(job.streamed for job in jobs),
+                             absmax_ahead_arrays=sum(bool(job.ahead_box) for job in jobs), kept_freed_bytes=kept,
+                             decoding=report_lib.decoding(src.decoded(),
+                                                          {job.leaf.key: read.nbytes(job.leaf) for job in jobs}))
     document = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                        source_bytes=source_bytes, written_bytes=written.written_bytes,
                                        mesh_devices=int(mesh.size), validation=validation,
@@ -230,7 +259,8 @@ def _write_manifest(tmp: str, catalogue: dict, digests: digests_lib.Digests, des
   return manifest_lib.summary(doc)
 
 
-def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None = None, overwrite: bool = False,
+def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | weights_lib.Weights | None = None,
+                        overwrite: bool = False, cfg: config_lib.ModelConfig | None = None,
                         mesh=None, max_memory: int | None = None, data=None, tokens_file: str | None = None,
                         max_kl: float = validate_lib.DEFAULT_MAX_KL, run_validation: bool = True,
                         command: str | None = None, fp8: bool = True,
@@ -245,22 +275,24 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
   unit of work at a time (one expert, one layer's matrix, a block of rows), sized by `max_memory`
   (`budget.resolve_max_memory`; `write_hf.plan_memory` refuses a budget the largest unit does not fit), and
   the output directory appears only when complete. Its quantization is the release's, not the config's rules.
-  Validation takes `export`'s arguments: the export is read back through the HF reader (dequantized) and run
+  `source` and `cfg` as `export` takes them. Validation takes `export`'s arguments: the export is read back through the HF reader (dequantized) and run
   beside the source under the layout's own numerics (`validate.validate_hf`), when the models fit;
   `quantization_report.json` is written in DST either way.
   """
   tokens = list(tokens)
   chosen = hf_layouts.resolve(layout or ("deepseek-fp8" if fp8 else "deepseek-bf16"), scale_fmt)
-  cfg = config_lib.resolve_config(tokens)
+  cfg = cfg if cfg is not None else config_lib.resolve_config(tokens)
   hf_layouts.check_quantization(chosen, cfg.quantization)
-  _check_source(cfg, source)
+  _check_source(cfg, weights_lib.given(source))
+  weights = weights_lib.resolve(cfg, source)
+  source = weights.given
   if chosen.v4:
     write_v4.check_supported(cfg)
   max_memory = budget.resolve_max_memory(max_memory)
   kept = budget.streaming_allocations(max_memory)
   with destination.claim(dst, sources=[source], overwrite=overwrite) as claimed:
     leaves = params.model_leaves(cfg)
-    arrays = read.open_source(cfg, source, leaves)  # tensorstore views: read when indexed
+    arrays = read.open_source(cfg, _source_path(weights), leaves)  # tensorstore views: read when indexed
     keyed = source_lib.Keyed(arrays)  # each array opened once here
     work_bytes = write_hf.plan_memory(arrays.keys(), cfg, max_memory, v4=chosen.v4,
                                       held=budget.current_rss() + kept + budget.reserve_bytes(chosen.fp8)
@@ -315,7 +347,7 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | None =
       validation = None
       if not skipped:
         budget.hand_back_freed()
-        validation = validate_lib.validate_hf(cfg, source, tmp, data, layout=chosen, max_kl=max_kl,
+        validation = validate_lib.validate_hf(cfg, weights, tmp, data, layout=chosen, max_kl=max_kl,
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
       validated.append(validation)

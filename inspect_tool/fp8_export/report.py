@@ -42,7 +42,7 @@ def _coverage_summary(report) -> dict:
 
 def build_report(plan, *, tokens: Sequence[str], source: str | None, command: str | None,
                  copied: Sequence[tree.Leaf], source_bytes: int, written_bytes: int, mesh_devices: int,
-                 validation, validation_skipped: str | None = None, memory: dict | None = None,
+                 validation, validation_skipped: str | None = None, memory=None,
                  dst: str | None = None, rerun: str = "") -> dict:
   """`quantization_report.json`: what was exported, how, from what, and what validation found (or why not)."""
   cfg = plan.cfg
@@ -63,7 +63,7 @@ def build_report(plan, *, tokens: Sequence[str], source: str | None, command: st
       "copied": [{"key": "/".join(l.key), "shape": list(l.shape), "dtype": l.dtype} for l in copied],
       "bytes": {"source": source_bytes, "written": written_bytes},
       "mesh": {"devices": mesh_devices},
-      "memory": memory or {},
+      "memory": memory.to_dict() if memory is not None else {},
       "validation": _validation_record(validation, validation_skipped, rerun),
   }
 

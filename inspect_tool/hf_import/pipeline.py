@@ -96,9 +96,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
     def report(tmp, written, merged):  # pylint: disable=unused-argument
       return _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused,
                      copies=mtp_copies(src, cfg), differences=differences,
-                     memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
-                             "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
-                             "processes": distributed.process_count()})
+                     memory=job_runner.Memory.of(jobs, max_memory))
 
     document = job_runner.run(dst, overwrite, REPORT_NAME, write, report)
   finally:
@@ -141,7 +139,8 @@ def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
           "count": len(names), "first": names[0] if names else None}
 
 
-def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences, memory) -> dict:
+def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences,
+            memory: job_runner.Memory) -> dict:
   arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
                                     "source": _sources(src, job.leaf.key)} for job in jobs}
   return {
@@ -162,7 +161,7 @@ def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, dif
       "unused_tensors": unused,
       "mtp_not_imported": _mtp_not_imported(cfg, src),
       "not_computed_by_maxtext": differences,
-      "memory": memory,
+      "memory": memory.to_dict(),
   }
 
 

@@ -14,6 +14,7 @@ The sequence is the runner's alone:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable
 
@@ -23,6 +24,26 @@ from inspect_tool.output import stop
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
 from inspect_tool.streaming import write_orbax
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """How a run held its memory, the report's `memory` section: the budget, the slices it cut, the largest, and how
+  many processes wrote."""
+  max_memory: int
+  slices: int
+  largest_slice_bytes: int
+  processes: int
+
+  @classmethod
+  def of(cls, jobs, max_memory: int, **more) -> "Memory":
+    """The figures of `jobs` (and `more`, the fields of a subclass)."""
+    return cls(max_memory=max_memory, slices=sum(job.slicing.count for job in jobs),
+               largest_slice_bytes=max((job.slice_bytes for job in jobs), default=0),
+               processes=distributed.process_count(), **more)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 def plan(arrays_plan, source, max_memory: int, kept: int) -> list[write_orbax.ArrayJob]:

@@ -25,6 +25,7 @@ import tensorstore as ts
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.checkpoint import restore
 from inspect_tool.paramtree import params
@@ -65,7 +66,7 @@ class CheckpointSource(source_lib.ArraySource):
 
   cached_reads = True
 
-  def __init__(self, path: str, leaves, context=None):
+  def __init__(self, path: str | locate.ResolvedPath, leaves, context=None):
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
@@ -435,9 +436,11 @@ def check_source(source: str) -> None:
                             "checkpoint")
 
 
-def open_source(cfg, source: str | None, leaves) -> Any:
-  """`CheckpointSource` of `source`, or `InitSource` of the config's seeded init when `source` is None."""
+def open_source(cfg, source: str | locate.ResolvedPath | None, leaves) -> Any:
+  """`CheckpointSource` of `source` (a path, or where its caller resolved it to), or `InitSource` of the config's
+  seeded init when `source` is None."""
   if source is None:
     return InitSource(cfg, leaves)
-  check_source(source)
+  if not isinstance(source, locate.ResolvedPath):
+    check_source(source)
   return CheckpointSource(source, leaves)
