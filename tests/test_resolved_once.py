@@ -1,8 +1,10 @@
 """The CLI resolves a command's model configuration and its checkpoint once and hands the resolved objects down
-(`run.weights.Weights`): `export` and `forward` neither parse the keys again nor look the checkpoint up again, so a
-step written into a directory of steps while a command runs is not taken halfway through it."""
+(`run.weights.Weights`, `hf_import.inputs.Inputs`): `export`, `forward` and `import` neither parse the keys again
+nor look the checkpoint up again, so a step written into a directory of steps while a command runs is not taken
+halfway through it."""
 
 import collections
+import json
 import os
 import shutil
 
@@ -10,6 +12,7 @@ import pytest
 
 from inspect_tool.checkpoint import locate
 from inspect_tool.configuration import config as config_lib
+from inspect_tool.hf import config as hf_config
 from inspect_tool.streaming import read
 
 from conftest import DATA
@@ -55,6 +58,24 @@ def test_export_resolves_its_keys_and_its_source_once(counted, capsys, tmp_path)
   assert counted[("config", tuple(keys))] == 1  # measured before: 3
   assert looked_up.pop(os.path.abspath(CKPT)) == 1  # measured before: 3 (the words, the reads, the validation)
   assert list(looked_up.values()) == [1]  # the export itself, read back by the validation (in its temporary place)
+
+
+def test_import_reads_the_directory_s_keys_and_resolves_its_config_once(counted, capsys, tmp_path, monkeypatch):
+  derived = collections.Counter()
+  derive_keys = hf_config.derive_keys
+
+  def derive_once(path):
+    derived[path] += 1
+    return derive_keys(path)
+
+  monkeypatch.setattr(hf_config, "derive_keys", derive_once)
+  source, dst = os.path.join(DATA, "import", "hf_small"), tmp_path / "imported"
+  code, _, err = run_cli(capsys, "import", "--path", source, "--output", dst, "--quiet", "weight_dtype=bfloat16")
+  assert code == 0, err
+  keys = json.loads((dst / "import_report.json").read_text())["maxtext_keys"]
+  assert "weight_dtype=bfloat16" in keys  # the user's key: the import's keys are not config.json's own
+  assert derived == {os.path.abspath(source): 1}  # measured before: 4
+  assert counted[("config", tuple(keys))] == 1  # measured before: 4 (config.json's own keys, compared, apart)
 
 
 def test_a_step_written_while_the_export_runs_is_not_read(tmp_path, capsys, monkeypatch):

@@ -39,11 +39,11 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
-  inputs.check_inputs(path, overrides, max_bytes)  # before joining (a bad input ends no other process), still light
+  resolved = inputs.check_inputs(path, overrides, max_bytes)  # before joining (a bad input ends none), still light
   from inspect_tool.hf_import import pipeline  # pylint: disable=import-outside-toplevel
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   result = pipeline.import_checkpoint(path, dst, overrides, overwrite=overwrite, max_memory=max_bytes,
-                                      command=cli_options.command_line())
+                                      command=cli_options.command_line(), resolved=resolved)
   if distributed.process_index() != 0:
     return 0
   text = json.dumps(result.report, indent=1) + "\n" if fmt == "json" else pipeline.format_text(result)

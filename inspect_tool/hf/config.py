@@ -401,10 +401,11 @@ def _conflicts_v4(cfg, want, keys: dict[str, Any], path: str) -> list[tuple[str,
   return found
 
 
-def check_keys(cfg, path: str) -> None:
-  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
-  the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
-  keys = derive_keys(path)
+def check_keys(cfg, path: str, derived: dict[str, Any] | None = None) -> None:
+  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`; `derived`:
+  its `derive_keys`, when the caller has them), naming the config.json value; fewer MTP layers than stored is
+  allowed (the rest is unused)."""
+  keys = derive_keys(path) if derived is None else derived
   found = [(key, text) for key, text in conflicts(cfg, keys, path)
            if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
   if found:

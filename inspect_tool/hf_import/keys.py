@@ -21,19 +21,20 @@ MTP_REASON = ("MaxText's deepseek4 decoder has no MTP layers (\"DeepSeek4 decode
               "MTP layers\")")
 
 
-def maxtext_keys(path: str, tokens: Sequence[str]) -> list[str]:
-  """The MaxText `key=value` list the import builds its model from: the derived keys, the user's replacing or
-  following them. Raises `errors.ConfigError` for a contradiction, `errors.CheckpointError` for a directory whose
-  config.json cannot be read or expressed."""
-  merged = dict(config_lib.parse_overrides(hf_config.tokens(hf_config.derive_keys(path))))
+def maxtext_keys(path: str, tokens: Sequence[str]) -> tuple[list[str], config_lib.ModelConfig]:
+  """The MaxText `key=value` list the import builds its model from (the derived keys, the user's replacing or
+  following them) and the config they resolve to, the directory read once. Raises `errors.ConfigError` for a
+  contradiction, `errors.CheckpointError` for a directory whose config.json cannot be read or expressed."""
+  derived = hf_config.derive_keys(path)
+  merged = dict(config_lib.parse_overrides(hf_config.tokens(derived)))
   given = config_lib.parse_overrides(tokens)
   merged.update(given)
   keys = [f"{key}={value}" for key, value in merged.items()]
   cfg = config_lib.resolve_config(keys)
-  hf_config.check_keys(cfg, path)
+  hf_config.check_keys(cfg, path, derived)
   if cfg.decoder_block == "deepseek4" and "mtp_num_layers" not in given:
     refuse_v4_mtp(path)
-  return keys
+  return keys, cfg
 
 
 def refuse_v4_mtp(path: str) -> None:

@@ -51,15 +51,19 @@ class _NoQuantization:
 
 
 def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwrite: bool = False,
-                      max_memory: int | None = None, command: str | None = None) -> ImportResult:
+                      max_memory: int | None = None, command: str | None = None,
+                      resolved: inputs.Inputs | None = None) -> ImportResult:
   """Imports the HF DeepSeek directory `path` into a MaxText Orbax checkpoint at `dst` (`dst/0/items`).
 
   `tokens` are MaxText key=value overrides on top of the keys the directory determines (`keys`: `scan_layers`,
   `weight_dtype`, `param_scan_axis` are free; keys contradicting config.json are refused). Under
   `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
+  `resolved`: the `inputs.Inputs` of `path`, `tokens` and `max_memory`, when the caller resolved them (the CLI,
+  before joining a job); otherwise resolved here, once.
   """
-  given, path = path, paths.absolute(path)
-  keys, cfg, max_memory = inputs.resolve_inputs(path, tokens, max_memory)
+  given = path
+  resolved = resolved if resolved is not None else inputs.resolve_inputs(path, tokens, max_memory)
+  path, keys, cfg, max_memory = resolved.path, resolved.keys, resolved.cfg, resolved.max_memory
   max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
