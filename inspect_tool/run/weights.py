@@ -57,11 +57,6 @@ def resolve(cfg, checkpoint: str | Weights | None) -> Weights:
   return Weights(checkpoint, ORBAX, f"Orbax checkpoint {paths.absolute(resolved.items_dir)}{step}", resolved)
 
 
-def describe(cfg, checkpoint: str | Weights | None) -> str:
-  """The weights of a run of `cfg` from `checkpoint` (None: the seeded random init), in words."""
-  return resolve(cfg, checkpoint).label
-
-
 def given(checkpoint: str | Weights | None) -> str | None:
   """The path the user gave (None: the random init), from a path or resolved `Weights`."""
   return checkpoint.given if isinstance(checkpoint, Weights) else checkpoint
