@@ -98,5 +98,7 @@ PROVIDER_CLASSES = {"qt": qwix.QtProvider, "nvidia_fp8": NvidiaFp8Provider, "nan
 
 
 def provider(quantization: str, rules):
-  """The Qwix provider MaxText uses for `quantization` (see `quant.rules.PROVIDERS`), over `rules`."""
+  """The Qwix provider MaxText uses for `quantization` (see `quant.rules.PROVIDERS`), over `rules`; Qwix's on-the-fly
+  quantization divides as a CPU does on every backend (`compat.exact_qwix_quantization`)."""
+  compat.exact_qwix_quantization()
   return PROVIDER_CLASSES[rules_lib.provider_name(quantization) or "qt"](list(rules))

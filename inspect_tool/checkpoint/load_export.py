@@ -39,6 +39,7 @@ def _ptq_template(cfg: config_lib.ModelConfig, rules):
   """The abstract model under Qwix PTQ: quantized dense kernels as WithAux(QArray) of abstract arrays."""
   def quantize(model):
     args, kwargs = model_lib.qwix_init_inputs(cfg)
+    compat.exact_qwix_quantization()  # the activations, quantized on the fly, as on a CPU
     quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), *args, **kwargs)
     nnx.pop(quantized, nnx.Intermediate)
     return quantized
