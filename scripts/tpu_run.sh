@@ -12,7 +12,8 @@
 #   export    the same export on the chip and on the host's CPU: wall times, tensors that differ
 #   lane      make test-tpu's tests: tests/test_tpu_commands.py, then tests/tpu_lane.txt in one process
 #   lane-commands, lane-files, lane-chip   tests/test_tpu_commands.py (about 230 s on a v5e), the files of
-#             tests/tpu_lane.txt (about 400 s), tests/test_tpu_chip.py alone: a call's 600 s holds one lane step
+#             tests/tpu_lane.txt (over 570 s), tests/test_tpu_chip.py alone
+#   lane-a, lane-b   the first four files of tests/tpu_lane.txt, and the rest: a call's 600 s holds one of them
 # Usage: scripts/tpu_run.sh STEP...   (each step has a time limit: STEP_LIMIT seconds, default 400)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,10 +126,24 @@ lane-chip() {
     --junitxml="$OUT/lane-chip.xml"
 }
 
+lane-part() {  # NAME FILE...: the lane's tests in these files, one process
+  local name=$1; shift
+  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short "$@" --junitxml="$OUT/$name.xml"
+}
+
 lane-files() {
   # shellcheck disable=SC2046
-  "$PY" -m pytest -v -p no:cacheprovider -p no:xdist -o addopts="" -rfE --tb=short $(cat tests/tpu_lane.txt) \
-    --junitxml="$OUT/lane.xml"
+  lane-part lane $(cat tests/tpu_lane.txt)
+}
+
+lane-a() {
+  # shellcheck disable=SC2046
+  lane-part lane-a $(head -n 4 tests/tpu_lane.txt)
+}
+
+lane-b() {
+  # shellcheck disable=SC2046
+  lane-part lane-b $(tail -n +5 tests/tpu_lane.txt)
 }
 
 lane() {
