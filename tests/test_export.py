@@ -164,6 +164,10 @@ def test_megablox_false_export_reproduces_maxtexts_megablox_false_forward(tmp_pa
   result = export.export(_tokens(True) + ["megablox=false"], str(tmp_path / "out"), source=CKPT)
   assert len(result.report["weights"]) == 33
   for row in result.validation.vs_quantized:
+    if golden_parity.ON_TPU:  # measured on a TPU v5e: main 0.0322 (top-1 31 of 32, KL 5.1e-4)
+      assert row.kl <= result.validation.max_kl and row.rel_error <= golden_parity.TPU_BOUND[
+          ("fp8", "main" if row.head == "main" else "mtp")], row
+      continue
     assert row.top1_agreement == 1.0 and row.rel_error == 0.0
   golden = golden_parity.load(golden_parity.MEGABLOX_FALSE)
   golden_parity.assert_fp8_reproduces(result.validation.result.logits, golden["logits"], "main", exact=True)

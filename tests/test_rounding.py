@@ -47,13 +47,14 @@ def test_the_emulated_quotients_are_xlas_cpu_division_bit_for_bit():
   by a unit in the last place, which the FP8 rounding that follows almost never sees.)"""
   rng = np.random.default_rng(2)
   x = rng.normal(size=(512, 64)).astype(np.float32) * 3
+  cpu = jax.devices("cpu")[0]  # the reference is a CPU's, wherever the test runs; the emulation runs on the default
   for dtype in (jnp.float32, jnp.bfloat16):
     xd = jnp.asarray(x, dtype)
     for scale in (rng.uniform(1e-3, 0.1, (1, 64)), rng.uniform(1e-3, 0.1, (512, 1)), rng.uniform(1e-3, 0.1, (512, 64))):
       s = jnp.asarray(scale, dtype)
-      want = jax.jit(lambda a, b: a / b)(xd, s)
+      want = jax.jit(lambda a, b: a / b)(jax.device_put(xd, cpu), jax.device_put(s, cpu))
       got = jax.jit(rounding.emulated_quotient)(xd, s)
       np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    want = jax.jit(lambda a: a / 448.0)(xd)
+    want = jax.jit(lambda a: a / 448.0)(jax.device_put(xd, cpu))
     got = jax.jit(lambda a: rounding.emulated_by_constant(a, 448.0))(xd)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
