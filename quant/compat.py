@@ -122,13 +122,13 @@ def ptq_weight(array, qtype, channelwise_axes):
 _EXACT_QWIX = []  # the originals, once the patch is in
 
 
-def exact_qwix_quantization() -> None:
-  """Makes Qwix's on-the-fly quantization divide as `quant.rounding` does (as XLA on a CPU, on every backend), so a
-  rule's weights and activations quantized inside a TPU forward get the codes an export wrote on any host (measured
-  on a TPU v5e: the export vs its source under the same rules 0.095 apart without it). Patches, once per process,
-  `qwix._src.core.qarray.compute_scale_zero_point` (the absmax scale: `rounding.by_constant`) and
-  `quantize_with_scale_zero_point` (the quotient: `rounding.quotient`); other calibrations, zero points, noise and
-  Qwix's reciprocal switch keep Qwix's own code. On a CPU both are the plain divisions they replace."""
+def exact_qwix_quantization(quotient, by_constant) -> None:
+  """Makes Qwix's on-the-fly quantization divide with `quotient(x, scale)` and `by_constant(x, c)` (callers pass
+  `quant.rounding`'s: as XLA divides on a CPU, on every backend), so a rule's weights and activations quantized
+  inside a TPU forward get the codes an export wrote on any host (measured on a TPU v5e: the export vs its source
+  under the same rules 0.095 apart without it). Patches, once per process, `qwix._src.core.qarray.
+  compute_scale_zero_point` (the absmax scale) and `quantize_with_scale_zero_point` (the quotient); other
+  calibrations, zero points, noise and Qwix's reciprocal switch keep Qwix's own code."""
   if _EXACT_QWIX:
     return
   qarray = private("qwix._src.core.qarray", package="qwix")
@@ -136,13 +136,13 @@ def exact_qwix_quantization() -> None:
   scale_fn = private("qwix._src.core.qarray", "compute_scale_zero_point", package="qwix")
   quantize_fn = private("qwix._src.core.qarray", "quantize_with_scale_zero_point", package="qwix")
   broadcast = private("qwix._src.core.qarray", "call_with_generic_broadcast", package="qwix")
-  from quant import rounding  # pylint: disable=import-outside-toplevel  # JAX: not at start-up
+  # lazy: JAX, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   def compute_scale_zero_point(calibration, qtype):
     if "absmax" not in calibration or "min" in calibration or qtype in ("mxfp8", "mxfp4", "nvfp4"):
       return scale_fn(calibration, qtype)
-    scale = rounding.by_constant(calibration["absmax"], float(numerics.get_symmetric_bound(qtype)))
+    scale = by_constant(calibration["absmax"], float(numerics.get_symmetric_bound(qtype)))
     tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
     return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale), None
 
@@ -151,7 +151,7 @@ def exact_qwix_quantization() -> None:
         or not numerics.should_quantize(array.dtype):
       return quantize_fn(array, qtype, scale, zero_point, noise_fn)
     scale = scale.astype(array.dtype)
-    qvalue = broadcast(rounding.quotient, array, scale)
+    qvalue = broadcast(quotient, array, scale)
     return qarray.QArray(numerics.convert_to(qvalue, qtype), scale, None, qtype)
 
   _EXACT_QWIX.extend((scale_fn, quantize_fn))

@@ -67,7 +67,7 @@ def test_qwix_quantizes_through_quant_rounding_with_qwix_s_own_codes(monkeypatch
 
   from quant import rounding
 
-  compat.exact_qwix_quantization()
+  compat.exact_qwix_quantization(rounding.quotient, rounding.by_constant)
   scale_fn, quantize_fn = compat._EXACT_QWIX  # pylint: disable=protected-access  # Qwix's originals
   rng = np.random.default_rng(0)
   x = (rng.normal(size=(64, 256)) * np.exp2(rng.integers(-8, 8, (64, 1)))).astype(np.float32)
@@ -92,7 +92,7 @@ def test_qwix_quantizes_through_quant_rounding_with_qwix_s_own_codes(monkeypatch
     want = quantized(array, qtype, axes, tiles)
     monkeypatch.undo()
     calls = []
-    for name in ("emulated_quotient", "emulated_by_constant"):
+    for name in ("emulated_quotient", "emulated_by_constant"):  # what rounding.quotient / by_constant call
       original = getattr(rounding, name)
       monkeypatch.setattr(rounding, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1])
     monkeypatch.setattr(rounding, "_on_cpu", lambda: False)

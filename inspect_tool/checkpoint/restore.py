@@ -125,8 +125,10 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
   items_dir = paths.absolute(listing.resolved.items_dir)
   args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   try:
-    if commit.own(items_dir):  # this run's own gs:// output before its commit: Orbax's handler reads it (its
-      handler = ocp.PyTreeCheckpointHandler()  # checkpointer refuses a step without Orbax's marker, written last)
+    own = listing.resolved.unpublished
+    if own or (own is None and commit.own(items_dir)):  # this run's own gs:// output before its commit: Orbax's
+      # handler reads it (its checkpointer refuses a step without Orbax's marker, written last)
+      handler = ocp.PyTreeCheckpointHandler()
       try:
         restored = handler.restore(epath.Path(items_dir), args=args)
       finally:

@@ -202,8 +202,10 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     validation = None
     if not skipped:
       budget.hand_back_freed()  # what the streaming kept: validation plans beside the resident size
-      validation = validate_lib.validate(cfg, weights, paths.join(tmp, str(report_lib.STEP)), data, max_kl=max_kl,
-                                         mesh=mesh, tokens=tokens_file or "fixed")
+      exported = locate.ResolvedPath(written.items_dir, report_lib.STEP,  # read back where it was written
+                                     unpublished=paths.is_remote(written.items_dir))
+      validation = validate_lib.validate(cfg, weights, exported, data, max_kl=max_kl, mesh=mesh,
+                                         tokens=tokens_file or "fixed")
     validated.append(validation)
     atomic.test_point("validated")
     memory = ExportMemory.of(jobs, max_memory, two_pass_arrays=sum(job.two_pass for job in jobs),

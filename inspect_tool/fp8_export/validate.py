@@ -62,10 +62,11 @@ class Validation:
             "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
 
 
-def validate(cfg, source, exported: str, data, *, max_kl: float = DEFAULT_MAX_KL, mesh=None,
+def validate(cfg, source, exported, data, *, max_kl: float = DEFAULT_MAX_KL, mesh=None,
              tokens: str = "fixed") -> Validation:
   """Runs source (QT and unquantized; a path, None for the random init, or the `weights.Weights` its command
-  resolved) and the exported Orbax checkpoint on `data` and compares them per head."""
+  resolved) and the exported Orbax checkpoint (its path, or the `locate.ResolvedPath` its writer wrote) on `data`
+  and compares them per head."""
   model = running.load_model(cfg, source, mesh=mesh)
   quantized = running.forward(running.quantize_for_training(model, cfg), data, f"validation 1/3: {SOURCE_QUANTIZED}")
   plain = running.forward(model, data, f"validation 2/3: {SOURCE_PLAIN}")

@@ -131,9 +131,11 @@ def check_replace(dst: str, overwrite: bool) -> list[str]:
 @contextlib.contextmanager
 def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[ours.Claim]:
   """`destination.claim` for a gs:// DST: checked, locked and cleaned up after dead runs (module docstring)."""
-  path = check_clear_of_inputs(dst, sources)
+  place = paths.place(dst)  # resolved once: the checks, the lock and the writers read it
+  lock_url = commit.lock_url(place.path)
+  path = check_clear_of_inputs(place.path, sources)
   try:  # locked first: a run killed while publishing is completed (`reclaim`) before DST is judged
-    lock = remote_lock.acquire(path, f"{os.getpid()}-{secrets.token_hex(4)}")
+    lock = remote_lock.acquire(path, f"{os.getpid()}-{secrets.token_hex(4)}", url=lock_url)
   except (OSError, ValueError, RuntimeError) as e:
     raise _failure(path, e) from None
   try:

@@ -50,14 +50,16 @@ def ts_context():
                      "file_io_concurrency": {"limit": 16}, "gcs_request_retries": remote.REQUEST_RETRIES})
 
 
-def _ocdbt(path: str, mapped: bool = False, writing: bool = False) -> dict:
-  """The OCDBT database at the directory `path` (local or gs://); `mapped`: a local one's files read by mapping them
-  where allowed (`storage.mapped_reads`); `writing` on gs://: data files of `REMOTE_DATA_FILE_BYTES`."""
-  base = paths.kvstore_spec(path)
-  if mapped and not paths.is_remote(path):
-    base = mapped_reads.kvstore_spec(base, path)
+def _under(kvstore: dict, name: str) -> dict:
+  """The kvstore spec of the directory `name` under the directory of `kvstore`."""
+  return dict(kvstore, path=f"{kvstore['path']}{name}/")
+
+
+def _ocdbt(base: dict, writing: bool = False) -> dict:
+  """The OCDBT database on the kvstore `base` (a directory, local or gs://); `writing` on gs://: data files of
+  `REMOTE_DATA_FILE_BYTES`."""
   spec = {"driver": "ocdbt", "base": base}
-  if writing and paths.is_remote(path):
+  if writing and base.get("driver") == "gcs":
     spec["target_data_file_size"] = REMOTE_DATA_FILE_BYTES
   return spec
 
@@ -65,8 +67,9 @@ def _ocdbt(path: str, mapped: bool = False, writing: bool = False) -> dict:
 class OrbaxArrayWriter:
   """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
 
-  def __init__(self, items_dir: str, *, process_index: int = 0, context=None, digests=None):
-    self.items_dir = paths.absolute(items_dir)
+  def __init__(self, items_dir: str | paths.Place, *, process_index: int = 0, context=None, digests=None):
+    self.place = items_dir if isinstance(items_dir, paths.Place) else paths.place(items_dir)
+    self.items_dir = self.place.path
     self.process_index = process_index
     self._context = context or ts_context()
     self._digests = digests  # `manifest.digests.Digests`: what it tracks is hashed as it is written
@@ -95,7 +98,7 @@ class OrbaxArrayWriter:
       shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
       self._entries[key] = tuple(chunk)
       self._specs[key] = (tuple(shape), np.dtype(dtype).name, tuple(chunk))
-      kvstore = dict(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(self.process_index)), writing=True),
+      kvstore = dict(_ocdbt(_under(self.place.kvstore, PROCESS_DIR.format(self.process_index)), writing=True),
                      path=".".join(key) + "/")
       metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
                   "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
@@ -226,31 +229,46 @@ class OrbaxArrayWriter:
     """
 
     self.wait()
-    verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
+    verify.check_databases(self.place.kvstore, self.items_dir, PROCESS_DIR, process_count, self._context)
     try:
       self._merge(process_count)
-      merged = ts.KvStore.open(_ocdbt(self.items_dir, mapped=True), context=self._context).result()
+      merged = ts.KvStore.open(_ocdbt(self.place.read_kvstore), context=self._context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
     verify.check_merged(merged, self._specs, self._context, complete=complete)
     try:
-      _write_json(paths.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
+      self._write_json(self.items_dir, 0, "_METADATA", tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
-      _write_json(paths.join(self.items_dir, "_sharding"), _default_shardings(arrays))
+      self._write_json(self.items_dir, 0, "_sharding", _default_shardings(arrays))
       now = time.time_ns()
-      _write_json(paths.join(step_dir, "_CHECKPOINT_METADATA"),
-                  {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
-                   "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+      self._write_json(step_dir, 1, "_CHECKPOINT_METADATA",
+                       {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+                        "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
+
+  def _write_json(self, directory: str, up: int, name: str, doc: dict) -> None:
+    """`doc` as the file `name` in `directory`, the items' directory or (`up` 1) the step's above it: on gs:// one
+    object written whole through that directory's kvstore, locally a temporary file renamed into place."""
+    data = json.dumps(doc)
+    if self.place.remote:
+      prefix = self.place.kvstore["path"]
+      for _ in range(up):
+        prefix = prefix[:prefix.rstrip("/").rfind("/") + 1]
+      store = ts.KvStore.open(dict(self.place.kvstore, path=prefix), context=self._context).result()
+      store.write(name, data.encode()).result()
+      return
+    with open(f"{directory}/{name}.tmp", "w", encoding="utf-8") as f:
+      f.write(data)
+    os.replace(f"{directory}/{name}.tmp", f"{directory}/{name}")
 
   def _merge(self, process_count: int) -> None:
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does): the root's
     B-tree refers to the processes' data files, which stay where they are."""
-    parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
+    parent = ts.KvStore.open(_ocdbt(self.place.kvstore), context=self._context).result()
     txn = ts.Transaction(atomic=True)
     for index in range(process_count):
-      store = ts.KvStore.open(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(index))),
+      store = ts.KvStore.open(_ocdbt(_under(self.place.kvstore, PROCESS_DIR.format(index))),
                               context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
@@ -294,16 +312,6 @@ def _default_shardings(entries) -> dict:
   """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
   device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})
   return {base64.urlsafe_b64encode(".".join(key).encode()).decode(): device for key in sorted(entries)}
-
-
-def _write_json(path: str, doc: dict) -> None:
-  if paths.is_remote(path):  # one object, written whole
-    objects.write(path, json.dumps(doc).encode())
-    return
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(doc, f)
-  os.replace(tmp, path)
 
 
 def remove_share(tmp: str, items_dir: str, index: int) -> None:

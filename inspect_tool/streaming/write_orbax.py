@@ -59,6 +59,7 @@ class Written:
   source_bytes: int
   written_bytes: int
   boxes_read_ahead: int = 0  # boxes whose read started while an earlier one was processed (`box_reads`)
+  items_dir: str = ""  # where the arrays went: the items' directory, absolute (or a normalized gs:// URL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +313,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     ahead.close()
     quantizers.close()
     source.close_stream()
-  return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
+  return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0,
+                         writer.items_dir)
 
 
 def _write_room(job: ArrayJob, reads: box_reads.BoxReads) -> int:
@@ -421,9 +423,10 @@ def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, la
   bar named `label`; `quantizers`, `tally` and `digests` as `write_arrays` takes them. A write error names `dst`,
   not `tmp`."""
   index, count = distributed.process_index(), distributed.process_count()
-  step_dir = paths.join(tmp, str(STEP))
-  items_dir = paths.join(step_dir, ITEM)
-  if not paths.is_remote(items_dir):  # a gs:// prefix needs no directories
+  place = paths.place(tmp)
+  step_dir = f"{place.path}/{STEP}"
+  items_dir = f"{step_dir}/{ITEM}"
+  if not place.remote:  # a gs:// prefix needs no directories
     os.makedirs(items_dir, exist_ok=True)
   total = sum(math.prod(job.leaf.shape) * np.dtype(job.leaf.dtype).itemsize for job in jobs)
   try:
