@@ -162,7 +162,7 @@ def test_megablox_false_export_reproduces_maxtexts_megablox_false_forward(tmp_pa
   """The export run through Qwix's quantized ragged_dot equals its source under the same rules (measured 0) and
   MaxText's own megablox=false forward (golden d, measured bit for bit)."""
   result = export.export(_tokens(True) + ["megablox=false"], str(tmp_path / "out"), source=CKPT)
-  assert len(result.report["weights"]) == 33
+  assert len(result.report.weights) == 33
   for row in result.validation.vs_quantized:
     if golden_parity.ON_TPU:  # measured on a TPU v5e: main 0.0322 (top-1 31 of 32, KL 5.1e-4)
       assert row.kl <= result.validation.max_kl and row.rel_error <= golden_parity.TPU_BOUND[
@@ -377,7 +377,7 @@ import jax
 from inspect_tool.fp8_export import pipeline
 assert jax.device_count() == 4, jax.devices()
 result = pipeline.export(sys.argv[2:], sys.argv[1], source=%r, run_validation=False)
-print(json.dumps(result.report["mesh"]))
+print(json.dumps(result.report.to_dict()["mesh"]))
 """ % CKPT
 
 
@@ -388,7 +388,7 @@ def test_export_sharded_over_four_devices_writes_the_same_bytes(exports, tmp_pat
                        env=env, cwd=REPO, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {"devices": 4}
-  assert exports[False].report["mesh"] == {"devices": 1}
+  assert exports[False].report.to_dict()["mesh"] == {"devices": 1}
   one, four = _leaves(exports[False].dst), _leaves(str(dst))
   assert one == four
   for name, leaf in one.items():

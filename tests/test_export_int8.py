@@ -51,7 +51,7 @@ def qwix_ptq():
 def test_the_export_stores_what_qwix_ptq_makes_of_the_same_weights_bit_for_bit(exported, qwix_ptq):
   """The same 17 weights (attention, dense MLP, router, shared experts; no routed expert, no MTP weight), every
   int8 value and bfloat16 scale equal to Qwix PTQ's (measured: bit for bit)."""
-  quantized = {w["key"].replace("/", ".") for w in exported.report["weights"]}
+  quantized = {w.to_dict()["key"].replace("/", ".") for w in exported.report.weights}
   assert quantized == set(qwix_ptq) and len(quantized) == 17
   assert not any("MoeBlock_0.wi_" in k or "MoeBlock_0.wo" in k or "mtp_block" in k for k in quantized)
   for key, (qvalue, scale) in qwix_ptq.items():
@@ -78,7 +78,7 @@ def test_the_manifest_records_int8_and_the_error_of_qwixs_values(exported, qwix_
     assert entry["error"]["elements"] == error.size
     assert entry["error"]["max_abs"] == pytest.approx(float(error.max()), rel=1e-6)
     assert entry["error"]["mean_abs"] == pytest.approx(float(error.mean(dtype=np.float64)), rel=1e-6)
-  assert exported.report["manifest"]["quantized"] == 17
+  assert exported.report.manifest["quantized"] == 17
 
 
 def test_the_export_runs_as_maxtexts_own_int8_forward(exported, capsys, tmp_path):
@@ -118,7 +118,7 @@ def test_validation_is_gated_on_kl_and_costs_what_int8_costs_in_maxtext(exported
   """Against the source under the same rules (Qwix QT): KL 0, exact; against the unquantized source: the figures of
   MaxText's own int8 golden against its unquantized one (cosine, top-1, KL, relative error)."""
   validation = exported.validation
-  assert validation.passed and exported.report["validation"]["passed"]
+  assert validation.passed and exported.report.to_dict()["validation"]["passed"]
   for row in validation.vs_quantized:
     assert row.kl == 0.0 and row.rel_error == 0.0 and row.top1_agreement == 1.0
   plain, golden = golden_parity.load(golden_parity.UNQUANTIZED), golden_parity.load(INT8_GOLDEN)

@@ -130,7 +130,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   if distributed.process_index() != 0:
     return 0  # process 0 reports
   if fmt == "json":
-    text = json.dumps(result.report, indent=1) + "\n"
+    text = json.dumps(result.report.to_dict(), indent=1) + "\n"
   else:
     formatter = report.format_text if layout == "orbax" else report.format_hf_text
     text = f"weights: {used.label}\n" + formatter(result)

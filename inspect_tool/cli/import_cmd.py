@@ -46,6 +46,6 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
                                       command=cli_options.command_line(), resolved=resolved)
   if distributed.process_index() != 0:
     return 0
-  text = json.dumps(result.report, indent=1) + "\n" if fmt == "json" else pipeline.format_text(result)
+  text = json.dumps(result.report.to_dict(), indent=1) + "\n" if fmt == "json" else pipeline.format_text(result)
   cli_options.emit_text(text, output_file)
   return 0

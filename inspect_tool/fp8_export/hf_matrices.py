@@ -178,13 +178,13 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   layer_axis = entry.layer_axis
   expert_axis = _expert_axis(entry)
   cuttable = read_axes(entry)
-  stream = getattr(value, "stream_overhead", None)
+  stream = value.stream_overhead
   most = 2 * MAX_READ_BYTES
   if stream is None:  # source chunks over `MAX_READ_BYTES`: two whole ones where `spare` holds them (read ahead)
     smallest = read_plan.minimal_box(entry.shape, chunk, cuttable)
     most = max(most, 2 * (4 * math.prod(smallest) + int(overhead(smallest))))
   box, ahead, cached, streamed = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, most), cuttable, overhead,
-                                                      cached=hasattr(value, "cached"), stream=stream)
+                                                      cached=value.cached_reads, stream=stream)
   reads = (1 + ahead) * (4 * math.prod(box) + int(stream if streamed else overhead(box)))
   workers = CONVERTERS if reads + budget.SLICE_FACTOR * unit_bytes(entry) <= spare else 1
   cut = budget.Slicing(tuple(entry.shape), box)

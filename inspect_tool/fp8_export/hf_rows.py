@@ -103,8 +103,7 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, block_bytes: int, chun
   axis, cached, streamed = read_axis(entry), False, False
   if axis is not None:
     box, _, cached, streamed = read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead,
-                                                    cached=hasattr(value, "cached"),
-                                                    stream=getattr(value, "stream_overhead", None))
+                                                    cached=value.cached_reads, stream=value.stream_overhead)
   else:
     box = shape
   regions = None

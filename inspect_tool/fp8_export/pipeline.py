@@ -58,7 +58,7 @@ KILL_POINTS = ("start", "arrays", "written", "validated", "report", "swap", "swa
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
   dst: str
-  report: dict
+  report: Any  # report.ExportReport or report.HfExportReport (None on the processes but 0)
   validation: Any  # validate.Validation or None (skipped)
 
   @property
@@ -218,13 +218,13 @@ def _export(cfg, tokens, dst, *, source, overwrite, data, tokens_file, max_kl, r
     document = report_lib.build_report(plan, tokens=tokens, source=source, command=command, copied=written.copied,
                                        source_bytes=source_bytes, written_bytes=written.written_bytes,
                                        mesh_devices=int(mesh.size), validation=validation,
-                                       validation_skipped=skipped, memory=memory, dst=dst, rerun=rerun)
-    document["manifest"] = summary
+                                       validation_skipped=skipped, memory=memory, rerun=rerun)
+    document.manifest = summary
     return document
 
   document = job_runner.run(dst, overwrite, exports.REPORT_NAME, write, report, merged=manifest)
   if document is None:
-    return ExportResult(paths.absolute(dst), {}, None)
+    return ExportResult(paths.absolute(dst), None, None)
   return ExportResult(paths.absolute(dst), document, validated[0])
 
 
@@ -336,16 +336,16 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | weight
                                      {key: read.nbytes(arrays.leaf(key)) for key in arrays.keys()})
       arrays = None  # the source views are done with (validation reads the source again)
       keyed.clear()
-      return dict(summary, dst=claimed.path, max_memory=max_memory, decoding=decoding), digests
+      return (summary, decoding), digests
 
     def manifest(tmp, written):
-      summary, digests = written
-      return _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.pop("weight_map"), digests),
-                             digests, manifest_lib.hf_described(summary.pop("origins"), v4=chosen.v4), tally,
+      (summary, _), digests = written
+      return _write_manifest(tmp, manifest_lib.safetensors_catalogue(summary.weight_map, digests),
+                             digests, manifest_lib.hf_described(summary.origins, v4=chosen.v4), tally,
                              chosen.label, max_memory)
 
     def report(tmp, written, summary_of_manifest):
-      summary = written[0]
+      summary, decoding = written[0]
       validation = None
       if not skipped:
         budget.hand_back_freed()
@@ -353,12 +353,9 @@ def export_deepseek_fp8(tokens: Sequence[str], dst: str, *, source: str | weight
                                               mesh=mesh if mesh is not None else restore.default_mesh(),
                                               tokens=tokens_file or "fixed")
       validated.append(validation)
-      summary.pop("config", None)
-      document = report_lib.build_hf_report(cfg, summary, tokens=tokens, source=source, command=command,
-                                            validation=validation, validation_skipped=skipped, layout=chosen,
-                                            rerun=rerun)
-      document["manifest"] = summary_of_manifest
-      return document
+      return report_lib.HfExportReport(report_lib.origin(cfg, source, command), tuple(tokens), cfg, chosen, summary,
+                                       claimed.path, max_memory, decoding,
+                                       report_lib.Validated(validation, skipped, rerun), summary_of_manifest)
 
     document = job_runner.run(claimed.path, overwrite, exports.REPORT_NAME, write, report, merged=manifest)
   return ExportResult(claimed.path, document, validated[0])

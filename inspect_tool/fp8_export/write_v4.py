@@ -35,6 +35,7 @@ from inspect_tool.fp8_export import hf_rows
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import safetensors_writer
+from inspect_tool.streaming import source as source_lib
 
 FP8_CODEC = hf_matrices.Codec("fp8", power_of_two=True, e8m0=True, v4_names=True)
 FP4_CODEC = hf_matrices.Codec("fp4", v4_names=True)
@@ -136,9 +137,8 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
   """Writes `arrays` (every leaf of `cfg`'s deepseek4 model, MaxText key -> float array, lazy ones indexed by
   layers, experts and rows) in DeepSeek-V4's release layout in `dst_dir` (an existing empty directory).
 
-  Returns the summary `write_hf.write_deepseek_fp8` returns ("files", "num_tensors", "num_fp8" (FP8 matrices),
-  "num_fp4" (FP4 expert matrices), "total_size", "config", "origins", "weight_map"); `tally` and `digests` as it
-  takes them.
+  Returns `write_hf.HfWritten` as `write_hf.write_deepseek_fp8` does, with `num_fp4` (FP4 expert matrices) beside
+  `num_fp8`; `tally` and `digests` as it takes them.
   """
   check_supported(cfg)
   plan = hf_names_v4.leaf_plan(cfg)
@@ -149,12 +149,11 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
-      value, entry = arrays[key], plan[target]
+      value, entry = source_lib.as_view(arrays[key]), plan[target]
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
-      dtype = getattr(value, "dtype", None)
-      writer.origin = (key, tuple(value.shape), None if dtype is None else np.dtype(dtype).name)
+      writer.origin = (key, tuple(value.shape), np.dtype(value.dtype).name)
       kind = entry.rule.kind
       if kind in hf_names_v4.MHC_KINDS or kind == hf_names_v4.ONES:
         name = target[-2] if target[-1] == "scale" and target[-2] == "mhc_norm" else target[-1]
@@ -175,7 +174,7 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
         continue
       if kind not in _ROWS:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)}: no DeepSeek-V4 writer for its kind {kind}")
-      stream = getattr(value, "stream_overhead", None) or 0
+      stream = value.stream_overhead or 0
       row_bytes = max(1, min(write_hf.MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
                          work_bytes - budget.SLICE_FACTOR * max(row_bytes, hf_matrices.unit_bytes(entry)), overhead)
@@ -189,6 +188,5 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
   write_hf.write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   experts = {name for name in weight_map if ".ffn.experts." in name and name.endswith(".scale")}
   scales = {name for name in weight_map if name.endswith(".scale")}
-  return {"files": sorted(set(weight_map.values())), "num_tensors": len(weight_map),
-          "num_fp8": len(scales - experts), "num_fp4": len(experts), "total_size": writer.total_size,
-          "config": config, "origins": writer.origins, "weight_map": weight_map}
+  return write_hf.HfWritten(sorted(set(weight_map.values())), len(weight_map), len(scales - experts),
+                            writer.total_size, config, writer.origins, weight_map, num_fp4=len(experts))

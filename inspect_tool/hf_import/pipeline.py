@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,10 +37,42 @@ FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
+class ImportReport:
+  """What an import wrote, from what, by which command (`to_dict()`: its `import_report.json`)."""
+
+  producer: dict
+  created: str
+  command: str | None
+  source: str
+  keys: tuple  # the MaxText keys that load DST
+  cfg: Any  # their `ModelConfig`
+  arrays: dict  # MaxText key (dotted) -> {"shape", "dtype", "source": the release tensors it came from}
+  num_parameters: int
+  bytes_written: int
+  mtp_shared_copies: list  # the MTP block's copies of the embedding and head, checked (`mtp_copies`)
+  unused_tensors: list
+  mtp_not_imported: dict | None
+  not_computed_by_maxtext: list
+  memory: Any  # `job_runner.Memory`
+
+  def to_dict(self) -> dict:
+    return {
+        "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
+        "producer": self.producer, "created": self.created, "command": self.command, "source": self.source,
+        "maxtext_keys": list(self.keys), "model_name": self.cfg.model_name, "weight_dtype": self.cfg.weight_dtype,
+        "scan_layers": self.cfg.scan_layers, "arrays": self.arrays, "num_arrays": len(self.arrays),
+        "num_parameters": self.num_parameters, "bytes_written": self.bytes_written,
+        "mtp_shared_copies": self.mtp_shared_copies, "unused_tensors": self.unused_tensors,
+        "mtp_not_imported": self.mtp_not_imported, "not_computed_by_maxtext": self.not_computed_by_maxtext,
+        "memory": self.memory.to_dict(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class ImportResult:
   source: str  # as given
   dst: str
-  report: dict
+  report: ImportReport | None  # None on the processes but 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +111,8 @@ def _leaves(cfg) -> list[tree.Leaf]:
   return [leaf for leaf in params.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
 
 
-def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
-  """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
+def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportReport | None:
+  """`import_checkpoint` once DST is claimed by process 0; the report (None on the other processes)."""
   kept = budget.streaming_allocations(max_memory)
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
   try:
@@ -105,7 +137,7 @@ def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
     document = job_runner.run(dst, overwrite, REPORT_NAME, write, report)
   finally:
     src.close()
-  return document or {}
+  return document
 
 
 def mtp_copies(src: source_lib.HfSource, cfg) -> list[dict]:
@@ -144,29 +176,13 @@ def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
 
 
 def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences,
-            memory: job_runner.Memory) -> dict:
+            memory: job_runner.Memory) -> ImportReport:
   arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
                                     "source": _sources(src, job.leaf.key)} for job in jobs}
-  return {
-      "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
-      "producer": ours.producer(),
-      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": command,
-      "source": path,
-      "maxtext_keys": list(keys),
-      "model_name": cfg.model_name,
-      "weight_dtype": cfg.weight_dtype,
-      "scan_layers": cfg.scan_layers,
-      "arrays": arrays,
-      "num_arrays": len(arrays),
-      "num_parameters": int(sum(int(np.prod(job.leaf.shape)) for job in jobs)),
-      "bytes_written": written.written_bytes,
-      "mtp_shared_copies": copies,
-      "unused_tensors": unused,
-      "mtp_not_imported": _mtp_not_imported(cfg, src),
-      "not_computed_by_maxtext": differences,
-      "memory": memory.to_dict(),
-  }
+  return ImportReport(ours.producer(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      command, path, tuple(keys), cfg, arrays,
+                      int(sum(int(np.prod(job.leaf.shape)) for job in jobs)), written.written_bytes, copies,
+                      unused, _mtp_not_imported(cfg, src), differences, memory)
 
 
 def _mtp_not_imported(cfg, src: source_lib.HfSource) -> dict | None:
@@ -178,9 +194,9 @@ def _mtp_not_imported(cfg, src: source_lib.HfSource) -> dict | None:
 def format_text(result: ImportResult) -> str:
   """The command's summary, ending with the keys to use with DST."""
   report = result.report
-  keys = " ".join(report["maxtext_keys"])
-  lines = [f"imported {result.source}: {report['num_arrays']} arrays, {report['num_parameters']:,} parameters "
-           f"({report['weight_dtype']}, {'scanned' if report['scan_layers'] else 'unscanned'}) into {result.dst}",
+  keys = " ".join(report.keys)
+  lines = [f"imported {result.source}: {len(report.arrays)} arrays, {report.num_parameters:,} parameters "
+           f"({report.cfg.weight_dtype}, {'scanned' if report.cfg.scan_layers else 'unscanned'}) into {result.dst}",
            f"MaxText keys: {keys}",
            f"use with: inspect_checkpoint forward {keys} --checkpoint {result.dst}"]
   return "\n".join(lines) + "\n"

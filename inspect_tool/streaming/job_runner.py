@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from inspect_tool.distributed import runtime as distributed
 from inspect_tool.output import atomic
@@ -57,8 +57,15 @@ def plan(arrays_plan, source, max_memory: int, kept: int) -> list[write_orbax.Ar
   return jobs
 
 
+class Report(Protocol):
+  """A run's report: a typed record whose `to_dict()` is the JSON file written beside the data."""
+
+  def to_dict(self) -> dict:
+    ...
+
+
 def run(dst: str, overwrite: bool, report_name: str, write: Callable[[str], Any],
-        report: Callable[[str, Any, Any], dict], merged: Callable[[str, Any], Any] | None = None) -> dict | None:
+        report: Callable[[str, Any, Any], Report], merged: Callable[[str, Any], Any] | None = None) -> Report | None:
   """Writes DST: `write(tmp)` on every process (returns what it wrote), `merged(tmp, written)` on every process
   once process 0 has merged the writes, then on process 0 `report(tmp, written, merged's result)`, written as
   `report_name` before the commit. Returns the report on process 0, None on the others."""
@@ -73,7 +80,7 @@ def run(dst: str, overwrite: bool, report_name: str, write: Callable[[str], Any]
     stop.check()
     atomic.test_point("written")
     document = report(tmp, written, after)
-    atomic.write_inside(tmp, report_name, json.dumps(document, indent=1) + "\n")
+    atomic.write_inside(tmp, report_name, json.dumps(document.to_dict(), indent=1) + "\n")
     atomic.test_point("report")
     stop.check()
   distributed.barrier("committed")

@@ -264,9 +264,11 @@ class CheckpointSource(source_lib.ArraySource):
     return key in self._pairs
 
 
-class ArrayView:
+class ArrayView(source_lib.View):
   """A source array, or the box `origin` of it (indices relative to the box; reads not counted: `cached_box`),
   that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
+
+  cached_reads = True
 
   def __init__(self, source: CheckpointSource, store, origin: tuple[slice, ...] | None = None):
     self._source, self._store, self._origin = source, store, origin

@@ -12,7 +12,48 @@ from __future__ import annotations
 import abc
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from inspect_tool.paramtree import tree
+
+
+class View:
+  """An array as the safetensors writers index it: `shape`, `dtype`, `view[index]`. What only a lazy view of a
+  stored array can do has its default here, so no writer asks what a view is: `cached_reads` (a chunk-aligned box
+  through a chunk cache of its own: `cached(index)`) and `stream_overhead` (None: not streamed; else the bytes a
+  streamed read holds beside its box: `stream(index)`)."""
+
+  shape: tuple[int, ...]
+  dtype: Any
+  cached_reads = False
+  stream_overhead: int | None = None
+
+  def __getitem__(self, index):
+    raise NotImplementedError
+
+  def cached(self, index: tuple[slice, ...]):
+    raise NotImplementedError(f"{type(self).__name__} has no cached reads")
+
+  def stream(self, index: tuple[slice, ...]):
+    raise NotImplementedError(f"{type(self).__name__} has no streamed reads")
+
+
+class InMemory(View):
+  """An array in memory (anything with `shape`, `dtype` and indexing) as a `View`."""
+
+  def __init__(self, array):
+    self.array, self.shape, self.dtype = array, tuple(int(d) for d in array.shape), array.dtype
+
+  def __getitem__(self, index):
+    return self.array[index]
+
+  def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
+    return np.asarray(self.array, dtype)
+
+
+def as_view(value) -> View:
+  """`value` as a `View`: a source's view as it is, an array in memory wrapped."""
+  return value if isinstance(value, View) else InMemory(value)
 
 
 class ArraySource(abc.ABC):
@@ -81,9 +122,9 @@ class ArraySource(abc.ABC):
     """A stream of its own over `key`'s one stored chunk (only where `stream_overhead` is)."""
     raise NotImplementedError(f"{type(self).__name__} has no streamed reads")
 
-  def view(self, key: tuple[str, ...]):
-    """`key`'s array as the safetensors writers index it (a lazy view, or the array)."""
-    return self.open(key)
+  def view(self, key: tuple[str, ...]) -> View:
+    """`key`'s array as the safetensors writers index it (a lazy view, or the array wrapped)."""
+    return as_view(self.open(key))
 
   def decoded(self) -> dict[tuple[str, ...], list[int]]:
     """Chunks and bytes decoded so far, per model leaf key ({}: nothing is decoded)."""
