@@ -23,7 +23,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
