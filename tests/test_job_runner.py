@@ -4,6 +4,7 @@ order of its steps on one process, a stop before the commit, and no pipeline wit
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,16 @@ from inspect_tool.output import stop
 from inspect_tool.streaming import job_runner
 
 from conftest import REPO
+
+
+@dataclasses.dataclass
+class _Report:
+  """A run's report, as the pipelines' typed records give it (`job_runner.Report`)."""
+
+  doc: dict
+
+  def to_dict(self) -> dict:
+    return self.doc
 
 
 def _recorded(monkeypatch) -> list[str]:
@@ -37,11 +48,11 @@ def test_the_steps_run_in_order_and_the_report_is_committed_with_the_writes(tmp_
 
   def report(tmp, written, after):
     steps.append(f"report {written} {after}")
-    return {"ok": True}
+    return _Report({"ok": True})
 
   dst = tmp_path / "dst"
   document = job_runner.run(str(dst), False, "report.json", write, report, merged=merged)
-  assert document == {"ok": True}
+  assert document.to_dict() == {"ok": True}
   assert steps == ["point start", "write", "merged written", "point written", "report written manifest",
                    "point report", "point swap"]  # swap: the commit
   assert sorted(os.listdir(dst)) == ["data.bin", "report.json"]
@@ -54,7 +65,7 @@ def test_a_stop_while_the_report_is_made_commits_nothing(tmp_path, monkeypatch):
 
   def report(tmp, written, after):  # pylint: disable=unused-argument
     stop._received.append(15)  # pylint: disable=protected-access  # as the handler records a SIGTERM
-    return {}
+    return _Report({})
 
   try:
     with pytest.raises(errors.Interrupted):

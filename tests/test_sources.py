@@ -62,7 +62,10 @@ def test_a_source_without_capabilities_gets_their_defaults():
   handle = src.open(("a",))
   assert (src.stored_layout(handle), src.stream_overhead(handle), src.cached_reads, src.decoded()) == \
       (None, None, False, {})
-  assert src.view(("a",)) is src.arrays[("a",)] and len(src) == 2 and ("b",) in src and list(src) == src.keys()
+  view = src.view(("a",))  # the array in memory, wrapped: a view with the defaults of one
+  assert isinstance(view, source_lib.View) and view.array is src.arrays[("a",)] and view.shape == (4, 3)
+  assert (view.cached_reads, view.stream_overhead) == (False, None) and np.asarray(view).tolist() == view[:].tolist()
+  assert len(src) == 2 and ("b",) in src and list(src) == src.keys()
   for call in (lambda: src.cached_box(("a",), (slice(0, 1),)), lambda: src.cached_overhead(handle, (1, 3)),
                lambda: src.read_streamed_async(("a",), (slice(0, 1),)), lambda: src.new_stream(("a",)),
                lambda: src.read_stored_async(handle, [])):
