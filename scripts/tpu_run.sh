@@ -14,7 +14,8 @@
 #   lane-commands, lane-files, lane-chip   tests/test_tpu_commands.py (about 230 s on a v5e), the files of
 #             tests/tpu_lane.txt (over 570 s), tests/test_tpu_chip.py alone
 #   lane-a, lane-b   the first four files of tests/tpu_lane.txt, and the rest: a call's 600 s holds one of them
-# Usage: scripts/tpu_run.sh STEP...   (each step has a time limit: STEP_LIMIT seconds, default 400)
+# Usage: scripts/tpu_run.sh STEP...   (each step has a time limit: STEP_LIMIT seconds, default 400); exit 1 when
+# any step failed
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACK=${OUT:-}
@@ -151,13 +152,17 @@ lane() {
   lane-files
 }
 
+failed=0
 for step in "$@"; do
   fn=$step; [ "$step" = export ] && fn=export_step
   echo "### $step $(date +%T)" | tee -a "$OUT/steps.log"
   timeout -k 10 "$LIMIT" bash -c "$(declare -f); $(declare -p L4 CKPT OUT PY VENV); $fn" > "$OUT/$step.log" 2>&1
-  echo "### $step: exit $? $(date +%T)" | tee -a "$OUT/steps.log"
+  status=$?
+  [ "$status" -ne 0 ] && failed=1
+  echo "### $step: exit $status $(date +%T)" | tee -a "$OUT/steps.log"
   tail -n 40 "$OUT/$step.log"
   if [ -n "$PACK" ]; then  # after every step: what ran comes back even if a later step outlasts the call
     tar czf "$PACK/tpu-run.tgz" -C "$OUT" .
   fi
 done
+exit $failed  # 1 when any step failed (each step's own status is in steps.log)
