@@ -124,9 +124,9 @@ _EXACT_QWIX = []  # the originals, once the patch is in
 
 def exact_qwix_quantization(quotient, by_constant) -> None:
   """Makes Qwix's on-the-fly quantization divide with `quotient(x, scale)` and `by_constant(x, c)` (callers pass
-  `quant.rounding`'s: as XLA divides on a CPU, on every backend), so a rule's weights and activations quantized
-  inside a TPU forward get the codes an export wrote on any host (measured on a TPU v5e: the export vs its source
-  under the same rules 0.095 apart without it). Patches, once per process, `qwix._src.core.qarray.
+  `quant.rounding`'s: as XLA divides on a CPU, on every backend), so that the same inputs get the same codes on a
+  TPU as on a CPU (on a TPU v5e the emulated quotients are a CPU's bit for bit: `tests/test_rounding.py`; without
+  this, Qwix's own division rounds as the TPU does). Patches, once per process, `qwix._src.core.qarray.
   compute_scale_zero_point` (the absmax scale) and `quantize_with_scale_zero_point` (the quotient); other
   calibrations, zero points, noise and Qwix's reciprocal switch keep Qwix's own code."""
   if _EXACT_QWIX:

@@ -66,8 +66,8 @@ def _ocdbt(base: dict, writing: bool = False) -> dict:
 class OrbaxArrayWriter:
   """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
 
-  def __init__(self, items_dir: str | paths.Place, *, process_index: int = 0, context=None, digests=None):
-    self.place = items_dir if isinstance(items_dir, paths.Place) else paths.place(items_dir)
+  def __init__(self, items_dir: str, *, process_index: int = 0, context=None, digests=None):
+    self.place = paths.place(items_dir)
     self.items_dir = self.place.path
     self.process_index = process_index
     self._context = context or ts_context()
@@ -236,30 +236,25 @@ class OrbaxArrayWriter:
       raise _write_error(self.items_dir, e) from None
     verify.check_merged(merged, self._specs, self._context, complete=complete)
     try:
-      self._write_json(self.items_dir, 0, "_METADATA", tree_metadata(self._entries, self._scalars))
+      self._write_json(f"{self.items_dir}/_METADATA", tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
-      self._write_json(self.items_dir, 0, "_sharding", _default_shardings(arrays))
+      self._write_json(f"{self.items_dir}/_sharding", _default_shardings(arrays))
       now = time.time_ns()
-      self._write_json(step_dir, 1, "_CHECKPOINT_METADATA",
+      self._write_json(f"{step_dir}/_CHECKPOINT_METADATA",
                        {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
                         "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
 
-  def _write_json(self, directory: str, up: int, name: str, doc: dict) -> None:
-    """`doc` as the file `name` in `directory`, the items' directory or (`up` 1) the step's above it: on gs:// one
-    object written whole through that directory's kvstore, locally a temporary file renamed into place."""
+  def _write_json(self, path: str, doc: dict) -> None:
+    """`doc` as the file `path`: on gs:// one object written whole, locally a temporary file renamed into place."""
     data = json.dumps(doc)
     if self.place.remote:
-      prefix = self.place.kvstore["path"]
-      for _ in range(up):
-        prefix = prefix[:prefix.rstrip("/").rfind("/") + 1]
-      store = ts.KvStore.open(dict(self.place.kvstore, path=prefix), context=self._context).result()
-      store.write(name, data.encode()).result()
+      objects.write(path, data.encode())
       return
-    with open(f"{directory}/{name}.tmp", "w", encoding="utf-8") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
       f.write(data)
-    os.replace(f"{directory}/{name}.tmp", f"{directory}/{name}")
+    os.replace(path + ".tmp", path)
 
   def _merge(self, process_count: int) -> None:
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does): the root's
