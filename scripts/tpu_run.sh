@@ -8,7 +8,8 @@
 #   commands  every command of the tool once on the chip, exit status and last lines
 #   numerics  scripts/tpu_numerics.py as is, and with XLA's excess precision off
 #   sweep     bench/bench_gmm.py --sweep (our kernel's tilings)
-#   gmm       bench/bench_gmm.py forward, then --grad (MaxText's kernel from MAXTEXT_MEGABLOX when set)
+#   gmm       bench/bench_gmm.py forward, then --grad (MaxText's kernel from MAXTEXT_MEGABLOX when set; GMM_ARGS
+#             added, e.g. --masked)
 #   export    the same export on the chip and on the host's CPU: wall times, tensors that differ
 #   lane      make test-tpu's tests: tests/test_tpu_commands.py, then tests/tpu_lane.txt in one process
 #   lane-commands, lane-files, lane-chip   tests/test_tpu_commands.py (about 230 s on a v5e), the files of
@@ -100,8 +101,10 @@ sweep() {
 }
 
 gmm() {
-  "$PY" bench/bench_gmm.py --workers 12
-  "$PY" bench/bench_gmm.py --workers 12 --grad
+  # shellcheck disable=SC2086
+  "$PY" bench/bench_gmm.py --workers 12 ${GMM_ARGS:-}
+  # shellcheck disable=SC2086
+  "$PY" bench/bench_gmm.py --workers 12 --grad ${GMM_ARGS:-}
 }
 
 export_step() {

@@ -116,6 +116,27 @@ def test_pallas_kernels_with_ragged_k_and_n_tiles_on_fp8_values(module):
     assert _max_rel(got, want) <= FP8_NOISE
 
 
+@pytest.mark.parametrize("groups", [[5, 0, 21, 12, 0], [16, 16, 0, 0, 0], [0, 0, 0, 0, 0], [10, 10, 10, 10, 8]],
+                         ids=["tail-inside-a-tile", "tail-whole-tiles", "no-rows", "no-tail"])
+@_interpreted
+def test_pallas_kernel_stores_zeros_past_the_groups_over_what_was_there(groups):
+  """`kernel.gmm(zero_tail=True)`: the rows past the groups come back 0 (the output buffer starts as garbage: rows of
+  a tile shared with the last group keep that group's products), both ways of the weight, 48 rows in tiles of 16."""
+  lhs, rhs, _ = _data(2, m=48, k=40, n=24)
+  groups = np.array(groups, np.int32)
+  total = int(groups.sum())
+  l64, r64 = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+  for transpose in (False, True):
+    weight = np.swapaxes(rhs, 1, 2).copy() if transpose else rhs
+    out = np.asarray(gmm_kernel.gmm(jnp.asarray(lhs), jnp.asarray(weight), jnp.asarray(groups), tiling=gmm_kernel.Tiling(16, 16, 16),
+                                    transpose_rhs=transpose, interpret=True, zero_tail=True), np.float64)
+    want = np.zeros((48, 24))
+    for g, rows in _segments(groups):
+      want[rows] = l64[rows] @ r64[g]
+    assert np.all(out[total:] == 0), transpose
+    assert _max_rel(out[:total], want[:total]) <= FP8_NOISE if total else True
+
+
 def test_pallas_forward_of_the_fp8_model_matches_maxtexts_golden_as_the_reference_does():
   """`forward ... quantization=fp8_full quantize_mtp=true gmm_backend=pallas` on MaxText's checkpoint.
 

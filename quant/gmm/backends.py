@@ -13,7 +13,8 @@
 MaxText's `use_tokamax_backend=true` selects tokamax (then gmm_backend must be auto or tokamax). `matmul` and
 `outer` take the operands as they are (fp8 values, unscaled) and their scales; they return the float32 products
 times the scales (row scale first, then column scale), rounded once to the output dtype: inside the pallas kernel,
-after the kernel elsewhere. `quant.gmm.fp8` quantizes and masks rows past the groups, the same way for all.
+after the kernel elsewhere. `quant.gmm.fp8` quantizes, the same way for all, and masks the rows past the groups where
+the kernel has not stored their zeros (`ZERO_TAIL`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from quant.gmm import tiled as gmm_tiled
 
 BACKENDS = settings.GMM_BACKENDS
 KERNELS = BACKENDS[1:]
+ZERO_TAIL = frozenset({"pallas"})  # `matmul` gives zeros past the groups: no masking pass over the output
 
 
 def check_name(name: str) -> str:
@@ -108,7 +110,8 @@ def matmul(backend: str, lhs, rhs, group_sizes, *, tile_rows: int, strategy: str
   (by the Pallas kernel itself: no float32 copy of the output). `tile_rows` and `strategy` tile the reference,
   `tiling` the Pallas kernels.
 
-  Rows past sum(group_sizes) are undefined: the caller masks them.
+  Rows past sum(group_sizes) are zeros on the backends of `ZERO_TAIL` (the Pallas kernel stores them), undefined on
+  the others: the caller masks them there.
   """
   if backend == "pallas":
     return gmm_pallas.matmul(lhs, rhs, group_sizes, tiling=tiling, transpose_rhs=transpose_rhs,

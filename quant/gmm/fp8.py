@@ -190,6 +190,13 @@ def _matmul(spec: _Spec, lhs, rhs, group_sizes, *, tiling, transpose_rhs=False, 
                              out_dtype=out_dtype)
 
 
+def _masked(spec: _Spec, out, group_sizes):
+  """`out` with zeros in the rows past the groups (already there from a kernel of `gmm_backends.ZERO_TAIL`)."""
+  if spec.backend in gmm_backends.ZERO_TAIL:
+    return out
+  return jnp.where(_rows_in_groups(group_sizes, out.shape[0]), out, jnp.zeros((), out.dtype))
+
+
 def _fwd(lhs, rhs, group_sizes, spec: _Spec):
   cfg, rhs_scale = spec.config, None
   if cfg is not None and cfg.weight_qtype is not None:
@@ -209,8 +216,7 @@ def _fwd_with_rhs(lhs, rhs, rhs_scale, group_sizes, spec: _Spec):
   # dtype: inside the Pallas kernel (no float32 [M, N] in memory), after the other kernels.
   out = _matmul(spec, lhs, rhs, group_sizes, tiling=spec.tiles.fwd, row_scale=lhs_scale, col_scale=rhs_scale,
                 out_dtype=spec.out_dtype)
-  out = jnp.where(_rows_in_groups(group_sizes, out.shape[0]), out, jnp.zeros((), out.dtype))
-  return out, lhs, lhs_scale
+  return _masked(spec, out, group_sizes), lhs, lhs_scale
 
 
 def _bwd(spec: _Spec, residuals, grad):
@@ -227,7 +233,7 @@ def _bwd(spec: _Spec, residuals, grad):
     dlhs_dout, dlhs_scale = _quantize(dlhs_dout, bwd_qtype, 0, cfg.bwd_calibration, cfg.channelwise)
   dlhs = _matmul(spec, dlhs_dout, rhs, group_sizes, tiling=spec.tiles.dlhs, transpose_rhs=True, row_scale=dlhs_scale,
                  out_dtype=spec.lhs_dtype)
-  dlhs = jnp.where(in_groups, dlhs, jnp.zeros((), dlhs.dtype))
+  dlhs = _masked(spec, dlhs, group_sizes)
 
   # drhs[g] = lhs[rows of g]^T @ (g * lhs_scale), the gradient quantized per output column.
   drhs_dout = grad if lhs_scale is None else jnp.where(in_groups, grad * lhs_scale.astype(grad.dtype), 0)

@@ -89,6 +89,26 @@ def visits(group_sizes, m_tiles: int, tm: int, *, visit_empty: bool):
   return (offsets, group_of, tile_of), jnp.sum(counts)
 
 
+def tail_visits(meta, count, m_tiles: int, tm: int):
+  """`visits`' arrays and count for gmm with a visit after the groups' for every row tile that holds rows past them
+  (that tile's last group visit comes just before, so a tile shared with the last group keeps that visit's rows):
+  (offsets, group of each visit, row tile of each visit, tail), count. `tail` is 0 for a group's visit and, for a
+  tail visit, 1 + the row tile the last group visit read: a tail visit reads nothing new (its blocks are that visit's
+  last ones) and only stores zeros. The arrays have room for m_tiles more visits."""
+  offsets, group_of, tile_of = meta
+  total = offsets[-1]
+  first = jnp.minimum(total // tm, m_tiles)  # the first tile holding a row past the groups (m_tiles: none)
+  tails = m_tiles - first
+  size = group_of.shape[0] + m_tiles
+  index = jnp.arange(size, dtype=jnp.int32)
+  is_tail = (index >= count) & (index < count + tails)
+  last = jnp.maximum(count - 1, 0)
+  group_of = jnp.where(is_tail, group_of[last], jnp.pad(group_of, (0, m_tiles)))
+  tail = jnp.where(is_tail, tile_of[last] + 1, 0).astype(jnp.int32)
+  tile_of = jnp.where(is_tail, jnp.clip(first + index - count, 0, m_tiles - 1), jnp.pad(tile_of, (0, m_tiles)))
+  return (offsets, group_of, tile_of, tail), count + tails
+
+
 def widen(x, dtype):
   """`x` as `dtype` (the matrix unit's type) inside the kernel; unchanged when it already is."""
   return x if x.dtype == dtype else x.astype(dtype)
@@ -130,12 +150,14 @@ def _vmem_limit(*tiles: tuple[tuple[int, ...], object]) -> int:
   return int(min(VMEM_CAP, target.vmem_bytes(), max(32 * 2**20, need * 3 // 2 + 8 * 2**20)))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "transpose_rhs", "sub_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "transpose_rhs", "sub_rows", "interpret",
+                                             "zero_tail"))
 def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.float32, tiling=Tiling(),
-        transpose_rhs: bool = False, sub_rows: int = SUB_ROWS, interpret: bool = False):
+        transpose_rhs: bool = False, sub_rows: int = SUB_ROWS, interpret: bool = False, zero_tail: bool = False):
   """`lhs[r] @ rhs[g(r)]` ([M, K] x [G, K, N] -> [M, N]; rhs [G, N, K] with transpose_rhs), times `row_scale[r]` and
   `col_scale[n]` when given, rounded once to `out_dtype`. M must be a multiple of `tiling.tm` (pad the rows); rows
-  past sum(group_sizes) are undefined."""
+  past sum(group_sizes) are zeros with `zero_tail` (the kernel stores them: no pass of the caller's over the
+  output), else undefined."""
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
@@ -145,9 +167,10 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
   mxu = mxu_dtype(lhs.dtype, rhs.dtype)
   tiles_k, k_rem = -(-k // tk), k % tk
   meta, count = visits(group_sizes, m // tm, tm, visit_empty=False)
+  meta, count = tail_visits(meta, count, m // tm, tm) if zero_tail else (meta + (jnp.zeros_like(meta[1]),), count)
   scaled = (row_scale is not None, col_scale is not None)
 
-  def kernel(offsets, group_of, tile_of, lhs_ref, rhs_ref, *rest):
+  def kernel(offsets, group_of, tile_of, tail, lhs_ref, rhs_ref, *rest):
     rest = list(rest)
     row_scale_ref = rest.pop(0) if scaled[0] else None
     col_scale_ref = rest.pop(0) if scaled[1] else None
@@ -157,7 +180,13 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
     start, end = offsets[group], offsets[group + 1]
     row0 = tile_of[visit] * tm
     last_k = k_i == tiles_k - 1
-    full = (start <= row0) & (end >= row0 + tm)
+    is_tail = tail[visit] > 0
+    full = (start <= row0) & (end >= row0 + tm) & jnp.logical_not(is_tail)
+
+    @pl.when(is_tail & last_k)
+    def _zeros_past_the_groups():  # this tile's rows of groups (a visit just before) kept, the rest zero
+      rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      out_ref[...] = jnp.where(rows < offsets[offsets.shape[0] - 1], out_ref[...], jnp.zeros((), out_ref.dtype))
 
     @pl.when(k_i == 0)
     def _zero():
@@ -172,14 +201,14 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
     def _whole_tile():
       accumulate(0, tm)
 
-    @pl.when(jnp.logical_not(full))
+    @pl.when(jnp.logical_not(full) & jnp.logical_not(is_tail))
     def _group_s_blocks():
       for lo in _row_blocks(tm, sub):
         @pl.when((row0 + lo < end) & (row0 + lo + sub > start))
         def _block(lo=lo):
           accumulate(lo, min(sub, tm))
 
-    @pl.when(last_k)
+    @pl.when(last_k & jnp.logical_not(is_tail))
     def _store():
       acc = acc_ref[...].astype(jnp.float32)
       if row_scale_ref is not None:
@@ -197,19 +226,27 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
         mine = (rows >= start) & (rows < end)
         out_ref[...] = jnp.where(mine, acc, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
-  in_specs = [pl.BlockSpec((tm, tk), lambda n_i, v, k_i, offsets, group_of, tile_of: (tile_of[v], k_i))]
+  def read_tile(v, tile_of, tail):  # a tail visit reads the blocks the visit before it read: no copy
+    return jnp.where(tail[v] > 0, tail[v] - 1, tile_of[v])
+
+  def read_k(v, k_i, tail):
+    return jnp.where(tail[v] > 0, tiles_k - 1, k_i)
+
+  in_specs = [pl.BlockSpec((tm, tk), lambda n_i, v, k_i, offsets, group_of, tile_of, tail:
+                           (read_tile(v, tile_of, tail), read_k(v, k_i, tail)))]
   if transpose_rhs:
-    in_specs.append(pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, offsets, group_of, tile_of:
-                                 (group_of[v], n_i, k_i)))
+    in_specs.append(pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, offsets, group_of, tile_of, tail:
+                                 (group_of[v], n_i, read_k(v, k_i, tail))))
   else:
-    in_specs.append(pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, offsets, group_of, tile_of:
-                                 (group_of[v], k_i, n_i)))
+    in_specs.append(pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, offsets, group_of, tile_of, tail:
+                                 (group_of[v], read_k(v, k_i, tail), n_i)))
   operands = [lhs, rhs]
   if scaled[0]:
-    in_specs.append(pl.BlockSpec((tm, 1), lambda n_i, v, k_i, offsets, group_of, tile_of: (tile_of[v], 0)))
+    in_specs.append(pl.BlockSpec((tm, 1), lambda n_i, v, k_i, offsets, group_of, tile_of, tail:
+                                 (read_tile(v, tile_of, tail), 0)))
     operands.append(row_scale.astype(jnp.float32).reshape(m, 1))
   if scaled[1]:
-    in_specs.append(pl.BlockSpec((1, tn), lambda n_i, v, k_i, offsets, group_of, tile_of: (0, n_i)))
+    in_specs.append(pl.BlockSpec((1, tn), lambda n_i, v, k_i, offsets, group_of, tile_of, tail: (0, n_i)))
     operands.append(col_scale.astype(jnp.float32).reshape(1, n))
   acc_dtype = jnp.int32 if mxu == jnp.int8 else jnp.float32
   out_dtype = jnp.dtype(out_dtype)
@@ -217,8 +254,8 @@ def gmm(lhs, rhs, group_sizes, row_scale=None, col_scale=None, *, out_dtype=jnp.
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(-(-n // tn), count, tiles_k), in_specs=in_specs,
-          out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, offsets, group_of, tile_of: (tile_of[v], n_i)),
+          num_scalar_prefetch=4, grid=(-(-n // tn), count, tiles_k), in_specs=in_specs,
+          out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, offsets, group_of, tile_of, tail: (tile_of[v], n_i)),
           scratch_shapes=[pltpu.VMEM((tm, tn), acc_dtype)]),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),

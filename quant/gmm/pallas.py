@@ -38,7 +38,7 @@ def _fitted(tiling: kernel.Tiling | None, m: int, k: int, n: int, *dtypes) -> tu
 def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs: bool = False, row_scale=None,
            col_scale=None, out_dtype=jnp.float32):
   """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs) times `row_scale[r]` and `col_scale[n]`, rounded once to
-  `out_dtype` by the kernel; rows past the groups are undefined (mask them)."""
+  `out_dtype` by the kernel, which also stores the zeros of the rows past the groups (`kernel.gmm`'s `zero_tail`)."""
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   fitted, rows = _fitted(tiling, m, k, n, lhs.dtype, rhs.dtype)
@@ -48,7 +48,8 @@ def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs
   if col_scale is not None:
     col_scale = jnp.broadcast_to(jnp.reshape(col_scale, (1, -1)), (1, n))
   out = kernel.gmm(_pad_rows(lhs, rows), rhs, group_sizes.astype(jnp.int32), row_scale, col_scale,
-                   out_dtype=jnp.dtype(out_dtype), tiling=fitted, transpose_rhs=transpose_rhs, interpret=interpret())
+                   out_dtype=jnp.dtype(out_dtype), tiling=fitted, transpose_rhs=transpose_rhs, interpret=interpret(),
+                   zero_tail=True)
   return out[:m]
 
 
