@@ -17,7 +17,9 @@ Cases per shape:
 * ragged_dot: `jax.lax.ragged_dot` (bf16; its transpose rule with --grad);
 * ours bf16, ours fp8_full: `quant.gmm.fp8.quantized_gmm` as the model runs it (`gmm_backend` auto: our Pallas kernel
   on TPU), fp8_full with MaxText's rule (e4m3 weights per column and activations per row, quantized on the fly,
-  e5m2 gradients), the quantization included in the time.
+  e5m2 gradients), the quantization included in the time;
+* with `--parts`, ours fp8_full's quantization alone (the operands', and with --grad the gradients'), without the
+  matmuls: its TFLOP/s and ratio columns count the FLOPs it does not do; its milliseconds are its share of the time.
 
 `--sweep` times our kernel alone (bf16 and fp8 operands; forward, dlhs and drhs kernels) at a set of tilings and row
 blocks, the measurements behind `quant.gmm.tiles.auto`. Off TPU the Pallas kernels run in interpret mode: `--tiny` is a
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import qwix
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from quant import fp8  # noqa: E402  pylint: disable=wrong-import-position
 from quant.gmm import backends as gmm_backends  # noqa: E402  pylint: disable=wrong-import-position
 from quant.gmm import fp8 as gmm_fp8  # noqa: E402  pylint: disable=wrong-import-position
 from quant.gmm import kernel  # noqa: E402  pylint: disable=wrong-import-position
@@ -158,6 +161,27 @@ def _ours_masked(rule, grad: bool):
   return _with_vjp(op, grad)
 
 
+def _quantization_only(rule, grad: bool):
+  """The quantizations of ours fp8_full alone (`--parts`), as `quant.gmm.fp8` does them: the weight per column and
+  the rows per row in the forward; with `grad` also the two gradients' (per row for dlhs, per column for drhs). The
+  matmuls left out, this is the time the quantization adds to the kernel's."""
+  def forward(lhs, rhs):
+    w, w_scale = fp8.quantize(rhs, rule.weight_qtype, [2], scale_dtype=jnp.float32)
+    a, a_scale = fp8.quantize(lhs, rule.act_qtype, [0], scale_dtype=jnp.float32)
+    return w, w_scale, a, a_scale
+
+  if not grad:
+    return lambda lhs, rhs, groups: forward(lhs, rhs)
+
+  def fwd_bwd(lhs, rhs, groups, cot):
+    w, w_scale, a, a_scale = forward(lhs, rhs)
+    cot = jnp.where((jnp.arange(cot.shape[0]) < jnp.sum(groups))[:, None], cot, jnp.zeros((), cot.dtype))
+    dl = fp8.quantize(cot * w_scale.astype(cot.dtype).reshape(1, -1), rule.bwd_qtype, [0], scale_dtype=jnp.float32)
+    dr = fp8.quantize(cot * a_scale.astype(cot.dtype), rule.bwd_qtype, [1], scale_dtype=jnp.float32)
+    return w, w_scale, a, a_scale, dl, dr
+  return fwd_bwd
+
+
 def _ragged(grad: bool):
   return _with_vjp(lambda lhs, rhs, groups: jax.lax.ragged_dot(lhs, rhs, groups, preferred_element_type=jnp.bfloat16),
                    grad)
@@ -197,6 +221,9 @@ def compare(args, shapes, maxtext) -> None:
       if args.masked:
         cases.append(Case(f"{label}, masked as before", _ours_masked(rule, args.grad),
                           (lhs, rhs, groups, cot) if args.grad else (lhs, rhs, groups), flops))
+    if args.parts:
+      cases.append(Case("ours fp8_full, quantization alone", _quantization_only(FP8_RULE, args.grad),
+                        (lhs, rhs, groups, cot) if args.grad else (lhs, rhs, groups), flops))
     _compile_all(cases, args.workers)
     print(f"\ntokens {tokens} {name}: M {rows}, K {k}, N {n}, {args.experts} experts, "
           f"{'forward + backward' if args.grad else 'forward'}", flush=True)
@@ -267,6 +294,8 @@ def main(argv=None) -> None:
   parser.add_argument("--grad", action="store_true", help="forward + backward (3 matmuls)")
   parser.add_argument("--masked", action="store_true",
                       help="also ours with a masking pass over the output, as the op ran before zero_tail")
+  parser.add_argument("--parts", action="store_true",
+                      help="also the quantization of ours fp8_full alone, without its matmuls (its share of the time)")
   parser.add_argument("--sweep", action="store_true", help="our kernel alone at each tiling (tiles.auto)")
   parser.add_argument("--kinds", nargs="+", choices=("fwd", "dlhs", "drhs"), default=["fwd", "dlhs", "drhs"],
                       help="--sweep: the kernels to time")
