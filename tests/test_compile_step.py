@@ -3,6 +3,10 @@ NumPy: its learning-rate schedule (linear warm-up, then a cosine to `learning_ra
 (`opt_type=adam_pax`: bias-corrected decays), AdamW's decay mask (`xla_compile/optimizers.py`); the main loss's
 cross-entropy against one-hot targets and its gradient, softmax - targets (`xla_compile/loss.py`)."""
 
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +123,61 @@ def test_the_z_loss_adds_its_term_and_its_factor_to_the_gradient():
   softmax = np.exp(logits - log_z[..., None])
   np.testing.assert_allclose(np.asarray(grad), (1 + 2 * 0.5 * log_z[..., None]) * softmax - one_hot, rtol=1e-5,
                              atol=1e-6)
+
+
+REMAT_KEYS = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=3",
+              "first_num_dense_layers=1", "vocab_size=256", "remat_policy=custom", "out_proj=device", "mla_kv=device",
+              "moe_mlpwi_1=device"]
+# What MaxText 0.2.5's `get_remat_policy` keeps per policy (nnx_decoders.py), for deepseek3-tiny's two MoE layers at
+# batch 1 x 16 (H 4, qk 192, v 128, E 64, expert-sorted rows 16 x 8 = 128, shared expert width 64, kv_lora 16):
+# the scan's stacked residuals besides the layer input [2, 1, 16, 64].
+QKV = [(2, 1, 16, 4, 192), (2, 1, 16, 4, 192), (2, 1, 16, 4, 128)]
+TOKENS = (2, 1, 16, 64)
+KEPT = {
+    "full": [],
+    "save_out_proj": [TOKENS],
+    "save_qkv_proj": QKV,
+    # q, k, v; out_proj; the shared expert's mlpwi_0 and mlpwi_1 (its mlpwo, added to the residual, is no
+    # residual of any step of the backward); the routed mlpwi_0 and mlpwo (not its wi_1: MaxText names that one
+    # moe_mlpwi_1 only)
+    "minimal": QKV + [TOKENS] * 3 + [(2, 128, 64)] * 2,
+    "custom": [TOKENS, (2, 1, 16, 16), (2, 128, 64)],  # out_proj, mla_kv, moe_mlpwi_1 on the device
+}
+
+
+def _scan_residuals(policy):
+  """The stacked residuals the scanned MoE layers keep for the backward pass under `policy`, as (shape, memory)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.model import decoder  # pylint: disable=import-outside-toplevel
+  cfg = config.resolve_config(REMAT_KEYS)
+  graphdef, state = nnx.split(model_lib.build_model(cfg, abstract=False, seed=0).decoder.moe_layers)
+  positions = jnp.broadcast_to(jnp.arange(16), (1, 16))
+
+  def run(x, state):
+    stack = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    y, _ = decoder.apply_stack(stack, cfg.param_scan_axis, x, None, positions, remat_policy=policy, cfg=cfg)
+    return jnp.sum(y.astype(jnp.float32))
+
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(run, jnp.ones((1, 16, 64), jnp.bfloat16), state)
+  out = []
+  for line in printed.getvalue().splitlines():
+    found = re.match(r"(\w+)(<host>)?\[([\d,]*)\] output of scan", line)
+    if found:
+      out.append((tuple(int(d) for d in found.group(3).split(",")), "host" if found.group(2) else "device"))
+  return out
+
+
+@pytest.mark.parametrize("policy", sorted(KEPT))
+def test_each_remat_policy_keeps_the_activations_maxtext_names(policy):
+  kept = [shape for shape, _ in _scan_residuals(policy)]
+  kept.remove(TOKENS)  # the layer input, under every policy
+  assert sorted(kept) == sorted(KEPT[policy])
+
+
+def test_offloading_policies_keep_their_activations_in_host_memory():
+  kept = _scan_residuals("qkv_proj_offloaded")
+  assert sorted(shape for shape, where in kept if where == "host") == sorted(QKV)
+  assert [shape for shape, where in kept if where == "device"] == [TOKENS]

@@ -167,9 +167,10 @@ def saved_names(cfg, policy: str) -> frozenset[str]:
 def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float:
   """Bytes the scanned layers save for the backward pass under `policy` (stacked over the layers): each layer's
   input, and the named activations the policy keeps (MaxText's names, `model.remat`): the q, k, v projections
-  T·H·(dq|dv), out_proj T·E, splash attention's `context` residuals, the MLPs' `mlpwi_0` / `mlpwi_1` / `mlpwo`
-  outputs (a dense layer's of width mlp_dim; a MoE layer's shared experts', and its routed `mlpwi_0` R·M and
-  `mlpwo` R·E in expert-sorted rows), and `custom`'s MLA latents."""
+  T·H·(dq|dv), out_proj T·E, splash attention's `context` residuals, the MLPs' `mlpwi_0` / `mlpwi_1` outputs (a
+  dense layer's of width mlp_dim, a MoE layer's shared experts'), the routed experts' `mlpwi_0` R·M and `mlpwo` R·E
+  in expert-sorted rows, and `custom`'s MLA latents. A value no step of the backward needs is not kept, named or not
+  (an MLP's output, which goes into the residual sum)."""
   a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
   b, e, h = max(1, round(batch)), cfg.emb_dim, cfg.num_query_heads
   dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -190,8 +191,8 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
     total += size((n, b, seq, cfg.kv_lora_rank + cfg.qk_rope_head_dim), a) * has("kv_wa_proj")
     total += size((n, b, seq, cfg.kv_lora_rank), a) * has("mla_kv")
     width = shared if moe else cfg.mlp_dim
-    if width:
-      total += size((n, b, seq, width), a) * has("mlpwi_0", "mlpwi_1") + size((n, b, seq, e), a) * has("mlpwo")
+    if width:  # an MLP's output (`mlpwo`) goes into the residual sum: no step of the backward keeps it
+      total += size((n, b, seq, width), a) * has("mlpwi_0", "mlpwi_1")
     if moe:
       total += size((n, rows, m), a) * (bool(has("mlpwi_0", "moe_mlpwi_0")) + has("moe_mlpwi_1"))
       total += size((n, rows, e), a) * bool(has("mlpwo", "moe_mlpwo"))
