@@ -173,7 +173,7 @@ class Decoder(nnx.Module):
       logits = self.logits_dense(y)
     if self.cast_logits_to_fp32:
       logits = logits.astype(jnp.float32)
-    return partitioning.constrain(logits, LOGITS)
+    return logits  # unconstrained, as MaxText leaves its main logits (the MTP block pins its own: `mtp`)
 
   def __call__(self, embedder, tokens, positions, segment_ids=None):
     """Returns (logits, hidden state before `decoder_norm`)."""

@@ -103,7 +103,8 @@ class MultiTokenPredictionBlock(nnx.Module):
       layer = getattr(self, f"mtp_layer_{k}")
       hidden = layer(hidden, embedding, positions, segment_ids)
       normed = partitioning.constrain(layer.part("final_norm")(hidden), NORMED)
-      logits = self.decoder.apply_output_head(embedder, normed, normalize=False)
+      logits = partitioning.constrain(self.decoder.apply_output_head(embedder, normed, normalize=False),
+                                      decoder_lib.LOGITS)
       xent = partitioning.constrain(cross_entropy(logits, tgt), PER_TOKEN)
       losses.append(jnp.sum(xent * msk))
       weights.append(jnp.sum(msk).astype(jnp.float32))

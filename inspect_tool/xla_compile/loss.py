@@ -47,8 +47,10 @@ cross_entropy.defvjp(_forward, _backward)
 
 
 def main_loss(logits, targets, mask, vocab_size: int, z_loss: float = 0.0):
-  """MaxText's normalised main loss of `logits` [B, S, V] for integer `targets` [B, S] where `mask` [B, S] != 0."""
+  """(MaxText's normalised main loss, Σ xent, Σ mask) of `logits` [B, S, V] for integer `targets` [B, S] where
+  `mask` [B, S] != 0."""
   xent, _ = cross_entropy(logits, jax.nn.one_hot(targets, vocab_size), z_loss)
-  xent = partitioning.constrain(xent, mtp.PER_TOKEN)
   keep = mask != 0
-  return jnp.sum(xent * keep) / (jnp.sum(keep) + EPS)
+  xent_sum = jnp.sum(partitioning.constrain(xent, mtp.PER_TOKEN) * keep)
+  weights = jnp.sum(keep)
+  return xent_sum / (weights + EPS), xent_sum, weights

@@ -33,8 +33,9 @@ def _l2norm(tree):
 
 
 def train_step(graphdef, tx, cfg):
-  """step(params, opt_state, rest, batch) → (params, opt_state, metrics): the loss and, as MaxText's step reports
-  them, the norms of the clipped and raw gradients and of the updated parameters."""
+  """step(params, opt_state, rest, batch) → (params, opt_state, metrics): MaxText's step metrics (the loss, the main
+  loss and its perplexity, Σ xent and the token count, the MTP and load-balance losses, the norms of the clipped and
+  raw gradients and of the updated parameters)."""
   scale = float(cfg.mtp_loss_scaling_factor)
   clip = float(cfg.gradient_clipping_threshold)
 
@@ -43,17 +44,23 @@ def train_step(graphdef, tx, cfg):
 
   def loss_fn(params, rest, batch):
     out = _outputs(graphdef, params, rest, batch, scale)
-    loss = 0.0
+    weights = jnp.sum(batch["targets_segmentation"] != 0)
+    loss, xent_sum = 0.0, 0.0
     if not warmup:  # the indexer's dense warm-up: MaxText leaves the main loss out
-      loss = loss_lib.main_loss(out["logits"], batch["targets"], batch["targets_segmentation"], vocab, z_loss)
-    return loss + out.get("mtp_loss", 0.0) + out.get("moe_lb_loss", 0.0)
+      loss, xent_sum, weights = loss_lib.main_loss(out["logits"], batch["targets"], batch["targets_segmentation"],
+                                                   vocab, z_loss)
+    aux = {"xent_sum": xent_sum, "total_weights": weights, "mtp_loss": out.get("mtp_loss", 0.0),
+           "moe_lb_loss": out.get("moe_lb_loss", 0.0)}
+    return loss + aux["mtp_loss"] + aux["moe_lb_loss"], aux
 
   def step(params, opt_state, rest, batch):
-    loss, raw = jax.value_and_grad(loss_fn)(params, rest, batch)
+    (loss, aux), raw = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
     grads = optax.clip_by_global_norm(clip).update(raw, optax.EmptyState())[0] if clip > 0 else raw
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, "grad_norm": _l2norm(grads), "raw_grad_norm": _l2norm(raw), "param_norm": _l2norm(params)}
+    lm_loss = aux["xent_sum"] / (aux["total_weights"] + loss_lib.EPS)
+    metrics = {"loss": loss, "lm_loss": lm_loss, "perplexity": jnp.exp(lm_loss), **aux, "grad_norm": _l2norm(grads),
+               "raw_grad_norm": _l2norm(raw), "param_norm": _l2norm(params)}
     return params, opt_state, metrics
 
   return step
