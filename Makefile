@@ -19,7 +19,7 @@ SHELL := /bin/bash
 IC := $(BIN)/python -m inspect_tool
 M671 := model_name=deepseek3-671b mtp_num_layers=1
 
-.PHONY: help demo test test-stress test-fast durations bench clean stack
+.PHONY: help demo test test-stress test-fast test-tpu durations bench clean stack
 
 $(BIN)/.installed: setup.cfg pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,11 @@ stack: $(BIN)/.installed ## create the virtual environment if needed and print t
 	print('stack: Python', sys.version.split()[0], *(p + ' ' + m.version(p) for p in \
 	('jax', 'flax', 'qwix', 'orbax-checkpoint', 'numpy')), '($(VENV))')"
 
-demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage, fit on a v5p-512 slice (no accelerator)
+demo: stack ## DeepSeek-V3 671B: parameters by group, FP8 rule coverage and its speed on v5p, fit on a v5p-512 slice
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) --summary   # (the 58-line listing left out)'
 	@$(IC) maxtext $(M671) --summary | sed -n '/^Total Parameters/,$$p'
-	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true   # (the verdict)'
-	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true \
+	@echo; echo '$$ inspect_checkpoint rules $(M671) quantization=fp8_full quantize_mtp=true --topology v5p-512   # (the verdict)'
+	@$(IC) rules $(M671) quantization=fp8_full quantize_mtp=true --topology v5p-512 \
 	  | sed -n '/^At a glance/,/^$$/p'
 	@echo; echo '$$ inspect_checkpoint maxtext $(M671) ici_fsdp_parallelism=32 ici_expert_parallelism=8 \'
 	@echo '    per_device_batch_size=1 --topology v5p-512 --summary --train adamw   # (per-device totals)'
@@ -57,6 +57,10 @@ test-stress: stack ## the stress tests (`slow`: memory cgroups, kills, signals, 
 
 test-fast: stack ## the inner loop (under 3 min): every test but the slow and the heavy ones (tests/durations.json)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not heavy"
+
+test-tpu: stack ## on a TPU host: the chip's tests (`tpu`) and the golden, export and gmm tests (no -n: one holds the chip)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -p no:xdist tests/test_tpu_commands.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -p no:xdist $$(cat tests/tpu_lane.txt)
 
 durations: stack ## measure the whole suite again and rewrite tests/durations.json (what test-fast leaves out)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --junitxml=build/durations.xml

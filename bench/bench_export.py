@@ -25,8 +25,12 @@ case past `--case-timeout` (default 8x Orbax's first time, at least 120 s) is ki
 line per source extrapolates a 671B export (2.68 TB float32) from the bounded export's throughput: one host like
 this one, and 16; a summary table ends the run.
 
-  .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding] [--chunks single,400MiB]
-                                                [--repeat 3] [--keep]
+`--baseline TREE` (a checkout of an earlier commit, e.g. `git worktree add /tmp/base e3eace2`) adds that tree's
+export, unbounded and at the same --max-memory, run from it (its directory first on the path) in the same rounds,
+and prints ours over it: the ratio of the medians and each round's (`export / export at TREE`).
+
+  .venv-py3.12/bin/python bench/bench_export.py [--dir /tmp] [--only scanned|embedding|wide] [--chunks single,400MiB]
+                                                [--repeat 3] [--keep] [--baseline TREE]
 
 `--tiny` (a smoke run, seconds): the 5.6 MB 4-layer deepseek3-tiny source, `single` and 256 KiB chunks, one round.
 """
@@ -34,8 +38,6 @@ this one, and 16; a summary table ends the run.
 from __future__ import annotations
 
 import argparse
-import collections
-import itertools
 import json
 import math
 import os
@@ -48,9 +50,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import _measure  # noqa: E402  pylint: disable=wrong-import-position
+from _work_floor import read_floor, stored_arrays, write_floor  # noqa: E402  pylint: disable=wrong-import-position
 
 # scanned: 2.20 GB, routed experts (64, 3, 512, 1280) 503 MB each (two 252 MB chunks in the 400MiB re-save);
-# embedding: 1.58 GB with a 1.26 GB (tied) embedding, 16 MB chunks.
+# embedding: 1.58 GB with a 1.26 GB (tied) embedding, 16 MB chunks; wide: 6.10 GB, 1.53 B parameters, routed
+# experts (160, 3, 1024, 1024) 2.01 GB each (eight 252 MB chunks in the 400MiB re-save), the export-at-scale source.
 VARIANTS = {
     "scanned": (["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_emb_dim=512",
                  "base_moe_mlp_dim=1280", "base_mlp_dim=1024", "num_experts=64", "vocab_size=32768",
@@ -58,6 +62,9 @@ VARIANTS = {
     "embedding": (["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=512",
                    "vocab_size=614400", "logits_via_embedding=true", "base_moe_mlp_dim=256", "base_mlp_dim=1024",
                    "num_experts=64", "base_num_decoder_layers=4", "first_num_dense_layers=1"], ("16MB",)),
+    "wide": (["model_name=deepseek3-tiny", "override_model_config=true", "mtp_num_layers=0", "base_emb_dim=1024",
+              "base_moe_mlp_dim=1024", "num_experts=160", "vocab_size=1024", "base_num_decoder_layers=4",
+              "first_num_dense_layers=1"], ("single", "400MiB")),
 }
 TINY = (["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
          "first_num_dense_layers=1", "vocab_size=1024"], ("single", "256KiB"))
@@ -66,7 +73,6 @@ CHUNKINGS = {"single": ("orbax", 0), "400MiB": ("orbax", 400 << 20), "256KiB": (
 QUANT = ["quantization=fp8_full"]
 FLOOR_FACTOR = 1.5  # the bounded cases' --max-memory, in floors
 LIMIT_FACTOR, LIMIT_MIN = 8, 120  # default --case-timeout: 8x Orbax's first time, at least 120 s
-IN_FLIGHT = 2  # chunk reads or writes the floor cases keep in flight
 DECODE_KEYS = ("chunks_decoded", "bytes_decoded", "bytes_stored", "most_decoded_array")
 PARAMS_671B = 671e9
 
@@ -85,80 +91,11 @@ def _du(path: str) -> int:
   return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
 
 
-def _arrays(items: str, context=None) -> dict:
-  """name -> (opened zarr3 array, its zarr.json metadata) of every array of an Orbax OCDBT pytree directory."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-
-  base = {"driver": "file", "path": os.path.abspath(items) + "/"}
-  kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result()
-  keys = [k for k in kv.list().result() if k.endswith(b"/zarr.json")]
-  metas = [json.loads(kv.read(k).result().value) for k in keys]
-  names = [k.decode().rsplit("/zarr.json", 1)[0] for k in keys]
-  opened = [ts.open({"driver": "zarr3", "kvstore": dict(driver="ocdbt", base=base, path=n + "/")}, open=True,
-                    context=context) for n in names]
-  return {n: (f.result(), m) for n, f, m in zip(names, opened, metas)}
-
-
-def _blocks(shape, chunk):
-  """Index tuples of every chunk-aligned block of `shape`, in C order."""
-  ranges = [range(0, d, max(1, c)) for d, c in zip(shape, chunk)]
-  for starts in itertools.product(*ranges):
-    yield tuple(slice(s, min(s + max(1, c), d)) for s, c, d in zip(starts, chunk, shape))
-
-
-def _drain(pending: collections.deque, keep: int) -> int:
-  done = 0
-  while len(pending) > keep:
-    got = pending.popleft().result()
-    done += getattr(got, "nbytes", 0)
-  return done
-
-
-def read_floor(step_dir: str) -> None:
-  """Decode-only read: every chunk of the source once (whole read chunks, `IN_FLIGHT` at a time), discarded."""
-  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
-
-  start, cpu = time.perf_counter(), time.process_time()
-  pending, nbytes, chunks = collections.deque(), 0, 0
-  for store, _ in _arrays(os.path.join(step_dir, "items"), orbax_writer.ts_context()).values():
-    for index in _blocks(store.shape, store.chunk_layout.read_chunk.shape):
-      pending.append(store[index].read() if index else store.read())
-      chunks += 1
-      nbytes += _drain(pending, IN_FLIGHT - 1)
-  nbytes += _drain(pending, 0)
-  print(f"FLOOR {time.perf_counter() - start:.3f} {time.process_time() - cpu:.3f} {nbytes} {chunks}")
-
-
-def write_floor(export_step: str, dst_step: str) -> None:
-  """Encode-only write: the export's arrays (loaded first, untimed) written with their metadata (dtype, chunks,
-  codecs) into a new OCDBT database, chunk by chunk, `IN_FLIGHT` at a time."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-  from inspect_tool.streaming import orbax_writer  # pylint: disable=import-outside-toplevel
-
-  context = orbax_writer.ts_context()
-  arrays = [(n, m, s.read().result()) for n, (s, m) in sorted(_arrays(os.path.join(export_step, "items")).items())]
-  base = {"driver": "file", "path": os.path.join(os.path.abspath(dst_step), "items") + "/"}
-  start, cpu = time.perf_counter(), time.process_time()
-  specs = [{"driver": "zarr3", "kvstore": dict(driver="ocdbt", base=base, path=n + "/"),
-            "metadata": {k: v for k, v in m.items() if k not in ("attributes", "dimension_names")},
-            "store_data_equal_to_fill_value": True} for n, m, _ in arrays]
-  stores = [f.result() for f in [ts.open(spec, create=True, open=True, context=context) for spec in specs]]
-  pending, nbytes, chunks = collections.deque(), 0, 0
-  for store, (_, _, value) in zip(stores, arrays):
-    for index in _blocks(value.shape, store.chunk_layout.write_chunk.shape):
-      pending.append(store[index].write(value[index]) if index else store.write(value))
-      chunks += 1
-      nbytes += value[index].nbytes
-      _drain(pending, IN_FLIGHT - 1)
-  _drain(pending, 0)
-  print(f"FLOOR {time.perf_counter() - start:.3f} {time.process_time() - cpu:.3f} {nbytes} {chunks}")
-
-
 def _same_arrays(a: str, b: str) -> bool:
   """Every array of two Orbax exports equal byte for byte (read in 16-row blocks)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  x, y = _arrays(os.path.join(a, "0", "items")), _arrays(os.path.join(b, "0", "items"))
+  x, y = stored_arrays(os.path.join(a, "0", "items")), stored_arrays(os.path.join(b, "0", "items"))
   if sorted(x) != sorted(y):
     return False
   for name, (store, _) in x.items():
@@ -213,7 +150,7 @@ def _amplification_text(stats: dict) -> str:
 def _source_stats(step_dir: str) -> tuple[int, int, int, int]:
   """(bytes, arrays, chunks, largest chunk bytes) of a source, from its metadata."""
   nbytes = count = largest = 0
-  arrays = _arrays(os.path.join(step_dir, "items"))
+  arrays = stored_arrays(os.path.join(step_dir, "items"))
   for store, _ in arrays.values():
     chunk, itemsize = store.chunk_layout.read_chunk.shape, store.dtype.numpy_dtype.itemsize
     nbytes += math.prod(store.shape) * itemsize
@@ -240,13 +177,19 @@ def make_source(root: str, name: str, tokens: list[str], chunking: str, env) -> 
   return step, time.perf_counter() - start
 
 
-def _cases(root: str, tool: list[str], source: str, bound: dict, hf: bool) -> list[tuple[str, str, list[str]]]:
+def _cases(root: str, tool: list[str], source: str, bound: dict, hf: bool,
+           baseline: str | None = None) -> list[tuple[str, str, list[str]]]:
   """(label, destination name, command) of every case; "DST" in a command stands for its destination."""
   me = [sys.executable, os.path.abspath(__file__)]
   cases = [("orbax restore+save", "orbax", [sys.executable, "-c", _ORBAX, os.path.join(source, "items"), "DST", "0"]),
            ("export", "unbounded", tool + ["--output", "DST"]),
            (f"export --max-memory {bound['orbax']} (1.5x floor)", "bounded",
             tool + ["--output", "DST", "--max-memory", bound["orbax"]])]
+  if baseline:  # the same commands, run from the baseline's tree (its directory first on the path)
+    base, name = ["sh", "-c", 'cd "$0" && PYTHONPATH="$0" exec "$@"', baseline] + tool, _tree_name(baseline)
+    cases += [(f"export at {name}", "base_unbounded", base + ["--output", "DST"]),
+              (f"export at {name} --max-memory {bound['orbax']}", "base_bounded",
+               base + ["--output", "DST", "--max-memory", bound["orbax"]])]
   if hf:
     cases += [("export --layout deepseek-fp8", "hf", tool + ["--output", "DST", "--layout", "deepseek-fp8"]),
               (f"deepseek-fp8 --max-memory {bound['hf']} (1.5x floor)", "hf_bounded",
@@ -254,6 +197,23 @@ def _cases(root: str, tool: list[str], source: str, bound: dict, hf: bool) -> li
   unbounded = os.path.join(root, "unbounded", "0")
   return cases + [("decode-only read of the source", "read", me + ["--read-floor", source]),
                   ("encode-only write of the output", "write", me + ["--write-floor", unbounded, "DST"])]
+
+
+def _tree_name(tree: str) -> str:
+  """A baseline tree's name in the output: its commit (short hash), or its directory's name."""
+  done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        check=False)
+  return done.stdout.strip() if done.returncode == 0 else os.path.basename(os.path.normpath(tree))
+
+
+def _baseline_lines(tag: str, runs: dict, labels: dict) -> None:
+  """Ours over the baseline's export, unbounded and bounded: the ratio of the medians and each round's."""
+  for ours, theirs in (("unbounded", "base_unbounded"), ("bounded", "base_bounded")):
+    if labels.get(ours) in runs and labels.get(theirs) in runs:
+      a, b = runs[labels[ours]], runs[labels[theirs]]
+      rounds = ", ".join(f"{x / y:.2f}" for x, y in zip(a["wall_seconds_runs"], b["wall_seconds_runs"]))
+      print(f"[{tag}] {labels[ours]} / {labels[theirs]}: {a['wall_seconds'] / b['wall_seconds']:.2f} x (medians; "
+            f"rounds {rounds}; CPU {a['cpu_seconds'] / b['cpu_seconds']:.2f} x)")
 
 
 def _rounds(root: str, tag: str, cases, env, repeat: int, limit: float | None) -> dict[str, list]:
@@ -290,7 +250,7 @@ def _rounds(root: str, tag: str, cases, env, repeat: int, limit: float | None) -
 
 
 def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf: bool, repeat: int,
-                 limit: float | None, reference: str | None) -> dict:
+                 limit: float | None, reference: str | None, baseline: str | None = None) -> dict:
   """Measures Orbax, the exports and the floor of the work on one source, `repeat` interleaved rounds."""
   logical, n_arrays, n_chunks, largest = _source_stats(source)
   out: dict = {"source": {"bytes": logical, "on_disk_bytes": _du(source), "arrays": n_arrays, "chunks": n_chunks,
@@ -311,7 +271,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
   print(f"[{tag}] smallest --max-memory the tool accepts: " + ", ".join(
       f"{'deepseek-fp8' if k == 'hf' else 'export'} {v / 2**20:.0f} MiB" for k, v in floors.items())
         + f"; bounded cases at {FLOOR_FACTOR}x")
-  cases = _cases(root, tool, source, bound, hf)
+  cases = _cases(root, tool, source, bound, hf, baseline)
   runs = {label: _measure.summary(got) for label, got in _rounds(root, tag, cases, env, repeat, limit).items()}
   orbax_s = runs["orbax restore+save"]["wall_seconds"]
   for label, r in runs.items():
@@ -323,6 +283,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
           f"peak RSS {rss:6.0f} MB  {more}{r['time_ratio_to_orbax']:.2f} x Orbax's time  "
           f"{logical / r['wall_seconds'] / 1e6:5.0f} MB/s")
   labels = {dst_name: label for label, dst_name, _ in cases}
+  _baseline_lines(tag, runs, labels)
   if all(labels[k] in runs for k in ("read", "write")):
     out["floor_seconds"] = floor_s = sum(runs[labels[k]]["wall_seconds"] for k in ("read", "write"))
     ratios = ", ".join(f"{'Orbax' if k == 'orbax' else labels[k]} {runs[labels[k]]['wall_seconds'] / floor_s:.2f} x"
@@ -356,7 +317,7 @@ def bench_source(root: str, tag: str, tokens: list[str], source: str, env, *, hf
 
 
 def bench_variant(root: str, name: str, tokens: list[str], chunkings, env, *, hf: bool, repeat: int,
-                  limit: float | None) -> dict:
+                  limit: float | None, baseline: str | None = None) -> dict:
   """Every chunking of one model's source, one after the other (each source removed after its cases)."""
   out: dict = {"model": tokens + QUANT}
   reference = None
@@ -365,7 +326,7 @@ def bench_variant(root: str, name: str, tokens: list[str], chunkings, env, *, hf
     source, seconds = make_source(root, name, tokens, chunking, env)
     print(f"[{tag}] source written in {seconds:.1f} s")
     out[chunking] = bench_source(root, tag, tokens, source, env, hf=hf and i == 0, repeat=repeat, limit=limit,
-                                 reference=reference)
+                                 reference=reference, baseline=baseline)
     if i == 0 and len(chunkings) > 1:
       reference = os.path.join(root, f"{name}-reference-export")
       shutil.rmtree(reference, ignore_errors=True)
@@ -373,7 +334,8 @@ def bench_variant(root: str, name: str, tokens: list[str], chunkings, env, *, hf
         os.rename(os.path.join(root, "unbounded"), reference)
       else:
         reference = None
-    for d in ("orbax", "unbounded", "bounded", "hf", "hf_bounded", "read", "write", f"{name}-{chunking}"):
+    for d in ("orbax", "unbounded", "bounded", "hf", "hf_bounded", "read", "write", "base_unbounded", "base_bounded",
+              f"{name}-{chunking}"):
       shutil.rmtree(os.path.join(root, d), ignore_errors=True)
   for d in (f"{name}-base", f"{name}-reference-export"):
     shutil.rmtree(os.path.join(root, d), ignore_errors=True)
@@ -414,6 +376,7 @@ def main() -> int:
                       help="rounds of every case, interleaved (median reported; default 3, 1 with --tiny)")
   parser.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is killed")
   parser.add_argument("--tiny", action="store_true", help="smoke run: a 5.6 MB source, one round")
+  parser.add_argument("--baseline", help="a checkout of an earlier commit whose export runs beside ours")
   parser.add_argument("--read-floor", help=argparse.SUPPRESS)
   parser.add_argument("--write-floor", nargs=2, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -426,14 +389,15 @@ def main() -> int:
   chunks = tuple(args.chunks.split(",")) if args.chunks else None
   if chunks and not set(chunks) <= set(CHUNKINGS):
     parser.error(f"--chunks {args.chunks}: accepted: a comma-separated list of {', '.join(sorted(CHUNKINGS))}")
-  root = tempfile.mkdtemp(prefix="bench_export_", dir=args.dir)
+  root = os.path.abspath(tempfile.mkdtemp(prefix="bench_export_", dir=args.dir))
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   results = {"machine": f"{os.cpu_count()} CPUs"}
   models = {"tiny": TINY} if args.tiny else {args.only: VARIANTS[args.only]} if args.only else VARIANTS
   try:
     for i, (name, (tokens, own)) in enumerate(models.items()):
       results[name] = bench_variant(root, name, tokens, chunks or own, env, hf=i == 0 and not args.tiny,
-                                    repeat=args.repeat or (1 if args.tiny else 3), limit=args.case_timeout)
+                                    repeat=args.repeat or (1 if args.tiny else 3), limit=args.case_timeout,
+                                    baseline=args.baseline and os.path.abspath(args.baseline))
     print(json.dumps(results, indent=1))
     print_summary(results)
   finally:

@@ -50,7 +50,7 @@ conv.main()
 def release_size() -> tuple[int, int]:
   """(bytes, parameters) of DeepSeek-V3's FP8 release (671B with its MTP layer) from the release's tensor list:
   FP8 weights 1 byte plus a float32 scale per 128x128 block, bf16 elsewhere, float32 routing biases."""
-  from inspect_tool.checkpoint import hf_names  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import names as hf_names  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config(["model_name=deepseek3-671b", "mtp_num_layers=1"])

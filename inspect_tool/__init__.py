@@ -25,6 +25,7 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC)
 _accelerator.keep_cpu_host_on_cpu()  # before JAX starts: libtpu installed changes nothing on a CPU host
+_accelerator.quiet_tpu_vm_advice()
 
 
 def __getattr__(name: str):

@@ -9,6 +9,8 @@ import contextlib
 import sys
 import time
 
+from inspect_tool import process_state
+
 
 def enabled() -> bool:
   return not _QUIET and sys.stderr.isatty()
@@ -43,6 +45,9 @@ def set_quiet(quiet: bool) -> None:
   """`--quiet`: no progress output at all (steps and bars)."""
   global _QUIET  # pylint: disable=global-statement
   _QUIET = bool(quiet)
+
+
+process_state.declare(f"{__name__}:_QUIET", process_state.SETTING, lambda: _QUIET, lambda: set_quiet(False))
 
 
 PLAIN_AFTER_SECONDS = 10.0

@@ -25,6 +25,9 @@ Private names used, and why no public API does the job (Qwix 0.1.8, Orbax 0.12.8
 * numpy's `_core.multiarray._set_madvise_hugepage` (the switch numpy's release notes name; its only other control is
   an environment variable read at import): no transparent-huge-page advice for a streaming export's short-lived
   arrays. A numpy without it is left as it is (a speed setting; nothing depends on it).
+* `qwix._src.core.qarray.compute_scale_zero_point`, `quantize_with_scale_zero_point` (and `call_with_generic_broadcast`,
+  `numerics`): replaced by versions that divide as `quant.rounding` does (`exact_qwix_quantization`), so a TPU
+  quantizes on the fly as a CPU does; Qwix has no hook for its division.
 * Python's regular-expression parser (`re._parser`, `re._constants`): the only way to walk a pattern's syntax tree
   (`safe_regex` bounds the patterns a rule file may give).
 """
@@ -114,6 +117,46 @@ def ptq_weight(array, qtype, channelwise_axes):
   with_aux = private("qwix._src.providers.ptq", "WithAux", package="qwix")
   how = how_class(qtype=qtype, channelwise_axes=channelwise_axes, tiled_axes={}, calibration_method="absmax")
   return with_aux(array, how)
+
+
+_EXACT_QWIX = []  # the originals, once the patch is in
+
+
+def exact_qwix_quantization(quotient, by_constant) -> None:
+  """Makes Qwix's on-the-fly quantization divide with `quotient(x, scale)` and `by_constant(x, c)` (callers pass
+  `quant.rounding`'s: as XLA divides on a CPU, on every backend), so that the same inputs get the same codes on a
+  TPU as on a CPU (on a TPU v5e the emulated quotients are a CPU's bit for bit: `tests/test_rounding.py`; without
+  this, Qwix's own division rounds as the TPU does). Patches, once per process, `qwix._src.core.qarray.
+  compute_scale_zero_point` (the absmax scale) and `quantize_with_scale_zero_point` (the quotient); other
+  calibrations, zero points, noise and Qwix's reciprocal switch keep Qwix's own code."""
+  if _EXACT_QWIX:
+    return
+  qarray = private("qwix._src.core.qarray", package="qwix")
+  numerics = private("qwix._src.core.numerics", package="qwix")
+  scale_fn = private("qwix._src.core.qarray", "compute_scale_zero_point", package="qwix")
+  quantize_fn = private("qwix._src.core.qarray", "quantize_with_scale_zero_point", package="qwix")
+  broadcast = private("qwix._src.core.qarray", "call_with_generic_broadcast", package="qwix")
+  # lazy: JAX, ~0.6 s to import: `orbax --path`, `hf --path` load this module without it
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def compute_scale_zero_point(calibration, qtype):
+    if "absmax" not in calibration or "min" in calibration or qtype in ("mxfp8", "mxfp4", "nvfp4"):
+      return scale_fn(calibration, qtype)
+    scale = by_constant(calibration["absmax"], float(numerics.get_symmetric_bound(qtype)))
+    tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
+    return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale), None
+
+  def quantize_with_scale_zero_point(array, qtype, scale, zero_point, noise_fn=None):
+    if zero_point is not None or noise_fn is not None or getattr(qarray, "USE_RECIPROCAL_FOR_QUANTIZATION", False) \
+        or not numerics.should_quantize(array.dtype):
+      return quantize_fn(array, qtype, scale, zero_point, noise_fn)
+    scale = scale.astype(array.dtype)
+    qvalue = broadcast(quotient, array, scale)
+    return qarray.QArray(numerics.convert_to(qvalue, qtype), scale, None, qtype)
+
+  _EXACT_QWIX.extend((scale_fn, quantize_fn))
+  qarray.compute_scale_zero_point = compute_scale_zero_point
+  qarray.quantize_with_scale_zero_point = quantize_with_scale_zero_point
 
 
 # JAX -------------------------------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
-"""FP8 quantization numerics: calibration, scales, saturating casts and DeepSeek-style block scales.
+"""FP8 (and int8) quantization numerics: calibration, scales, saturating casts and DeepSeek-style block scales.
 
 `quantize` follows Qwix 0.1.8's dynamic-range quantization step for step (same dtype of every intermediate),
-so scales and fp8 values are bit-identical to `qwix.quantize_api`:
+so scales and fp8 or int8 values are bit-identical to `qwix.quantize_api`:
 
 * calibration reduces every axis that is not channelwise (`absmax[,f]`, `rms,f`, `fixed,<hi>` or
   `fixed,<lo>,<hi>` with lo == -hi; `fixed` is always per-tensor), computed in the input's dtype;
-* `scale = absmax / finfo(qtype).max` (448 for e4m3fn, 57344 for e5m2); scales below sqrt(finfo.tiny) — all-zero
-  channels — become 1;
-* `qvalue = clip(x / scale, finfo.min, finfo.max).astype(qtype)`: values beyond the range saturate, NaN stays
-  NaN (an inf input makes its channel's scale inf, hence NaN after dequantization, as in Qwix).
+* `scale = absmax / bound`: finfo(qtype).max for fp8 (448 for e4m3fn, 57344 for e5m2), iinfo.max + 0.5 for int8
+  (127.5: Qwix's symmetric bound, so that the top bucket is as wide as the others); scales below
+  sqrt(finfo.tiny) — all-zero channels — become 1;
+* fp8: `qvalue = clip(x / scale, finfo.min, finfo.max).astype(qtype)`: values beyond the range saturate, NaN stays
+  NaN (an inf input makes its channel's scale inf, hence NaN after dequantization, as in Qwix);
+* int8: `qvalue = round(x / scale).astype(int8)` (half to even; the cast saturates at ±127 where x / scale rounds
+  to 128, NaN becomes 0), as Qwix does.
 
 Asymmetric calibrations (`minmax`, `fixed,<lo>,<hi>` with lo != -hi) need integer qtypes and are rejected.
 """
@@ -20,6 +23,7 @@ import numpy as np
 
 from quant import calibration as calibration_lib
 from quant import errors
+from quant import rounding
 from quant import microscaling_quantize
 
 _QTYPES = {
@@ -31,21 +35,41 @@ _QTYPES = {
     "e5m2": jnp.float8_e5m2,
     "fp8_e5m2": jnp.float8_e5m2,
 }
+_INT_QTYPES = {"int8": jnp.int8}
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
-def resolve_qtype(qtype) -> np.dtype:
-  """Returns the numpy dtype of an fp8 qtype given as a dtype or a name (e.g. 'e4m3', 'float8_e5m2')."""
+def resolve_qtype(qtype, *, integers: bool = False) -> np.dtype:
+  """Returns the numpy dtype of an fp8 qtype given as a dtype or a name (e.g. 'e4m3', 'float8_e5m2'); with
+  `integers`, int8 too (the channelwise quantizers take it; DeepSeek's block layouts do not)."""
+  names = {**_QTYPES, **(_INT_QTYPES if integers else {})}
   if isinstance(qtype, str):
-    resolved = _QTYPES.get(qtype.strip().lower())
+    resolved = names.get(qtype.strip().lower())
   else:
     try:
       resolved = np.dtype(qtype)
     except TypeError:
       resolved = None
-  if resolved is None or np.dtype(resolved) not in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
-    raise errors.QuantError(f"unsupported quantization type {qtype!r}; accepted: float8_e4m3fn, float8_e5m2")
+  if resolved is None or np.dtype(resolved) not in {np.dtype(d) for d in names.values()}:
+    accepted = "float8_e4m3fn, float8_e5m2" + (", int8" if integers else "")
+    raise errors.QuantError(f"unsupported quantization type {_name(qtype)!r}; accepted: {accepted}")
   return np.dtype(resolved)
+
+
+def _name(qtype):
+  """`int4` for jnp.int4 (a dtype's name where it has one), else the value as given."""
+  try:
+    return qtype if isinstance(qtype, str) else np.dtype(qtype).name
+  except TypeError:
+    return qtype
+
+
+def bound(qtype) -> float:
+  """The largest magnitude a scale maps absmax to: finfo.max for fp8, iinfo.max + 0.5 for int8 (Qwix's)."""
+  qtype = resolve_qtype(qtype, integers=True)
+  if qtype.kind == "i":
+    return float(np.iinfo(qtype).max) + 0.5
+  return float(jnp.finfo(qtype).max)
 
 
 def _check_float(x) -> None:
@@ -66,16 +90,16 @@ def compute_scale(x, qtype, channelwise_axes=(), calibration: str = "absmax"):
   """Returns the quantization scale of `x` (dtype of `x`, rank of `x`, 1 on reduced axes)."""
   x = jnp.asarray(x)
   _check_float(x)
-  qtype = resolve_qtype(qtype)
+  qtype = resolve_qtype(qtype, integers=True)
   method, args = calibration_lib.parse_calibration(calibration)
   if method == "absmax":
     return scale_from_absmax(absmax(x, channelwise_axes), qtype, calibration)
   reduce_axes = _reduce_axes(channelwise_axes, x.ndim)
   if method == "rms":
-    bound = jnp.sqrt(jnp.mean(jnp.square(x), axis=reduce_axes, keepdims=True)) * args[0]
+    limit = jnp.sqrt(jnp.mean(jnp.square(x), axis=reduce_axes, keepdims=True)) * args[0]
   else:  # fixed: per-tensor
-    bound = jnp.full((1,) * x.ndim, args[1], x.dtype)
-  return _scale_from_bound(bound, qtype)
+    limit = jnp.full((1,) * x.ndim, args[1], x.dtype)
+  return _scale_from_bound(limit, qtype)
 
 
 def absmax(x, channelwise_axes=()):
@@ -93,10 +117,10 @@ def scale_from_absmax(amax, qtype, calibration: str = "absmax"):
   if method != "absmax":
     raise errors.QuantError(f"calibration {calibration!r} is not an absmax calibration; accepted: absmax, "
                             "absmax,<factor>")
-  bound = jnp.asarray(amax)
+  limit = jnp.asarray(amax)
   if args:
-    bound = bound * args[0]
-  return _scale_from_bound(bound, resolve_qtype(qtype))
+    limit = rounding.rounded(limit * args[0], limit.dtype)
+  return _scale_from_bound(limit, resolve_qtype(qtype, integers=True))
 
 
 def _reduce_axes(channelwise_axes, ndim: int) -> tuple[int, ...]:
@@ -104,27 +128,31 @@ def _reduce_axes(channelwise_axes, ndim: int) -> tuple[int, ...]:
   return tuple(a for a in range(ndim) if a not in keep)
 
 
-def _scale_from_bound(bound, qtype):
-  scale = bound / float(jnp.finfo(qtype).max)
+def _scale_from_bound(value, qtype):
+  value = jnp.asarray(value)
+  scale = rounding.by_constant(value, bound(qtype))
   tiny_sqrt = jnp.sqrt(jnp.finfo(scale.dtype).tiny)
   return jnp.where(scale < tiny_sqrt, jnp.ones_like(scale), scale)
 
 
 def quantize_with_scale(x, qtype, scale):
-  """Returns `clip(x / scale, finfo.min, finfo.max)` cast to `qtype` (division in the dtype of `x`)."""
+  """Returns `clip(x / scale, finfo.min, finfo.max)` cast to an fp8 `qtype`, or `round(x / scale)` cast to int8
+  (division in the dtype of `x`)."""
   x = jnp.asarray(x)
-  qtype = resolve_qtype(qtype)
+  qtype = resolve_qtype(qtype, integers=True)
+  q = rounding.quotient(x, scale)  # as XLA computes it on a CPU, on every backend
+  if qtype.kind == "i":
+    return jnp.round(q).astype(qtype)
   info = jnp.finfo(qtype)
-  q = x / jnp.asarray(scale).astype(x.dtype)
   return jnp.clip(q, info.min.astype(x.dtype), info.max.astype(x.dtype)).astype(qtype)
 
 
 def quantize(x, qtype, channelwise_axes=(), calibration: str = "absmax", scale_dtype=None):
-  """Quantizes `x` to fp8 with one scale per index of `channelwise_axes` (none: per-tensor).
+  """Quantizes `x` to fp8 or int8 with one scale per index of `channelwise_axes` (none: per-tensor).
 
   Args:
     x: floating array (bf16, f16, f32, f64).
-    qtype: float8_e4m3fn or float8_e5m2 (dtype or name).
+    qtype: float8_e4m3fn, float8_e5m2 or int8 (dtype or name).
     channelwise_axes: axes that keep their own scales; all other axes are reduced.
     calibration: one of `calibration_lib.CALIBRATIONS`.
     scale_dtype: dtype of the returned scale (default: dtype of `x`; computed in the dtype of `x` regardless).

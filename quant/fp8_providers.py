@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import qwix
 
 from quant import compat
+from quant import rounding
 from quant import rules as rules_lib
 
 AMAX_HISTORY_LENGTH = 1024  # Flax's default, as MaxText uses it
@@ -98,5 +99,7 @@ PROVIDER_CLASSES = {"qt": qwix.QtProvider, "nvidia_fp8": NvidiaFp8Provider, "nan
 
 
 def provider(quantization: str, rules):
-  """The Qwix provider MaxText uses for `quantization` (see `quant.rules.PROVIDERS`), over `rules`."""
+  """The Qwix provider MaxText uses for `quantization` (see `quant.rules.PROVIDERS`), over `rules`; Qwix's on-the-fly
+  quantization divides as a CPU does on every backend (`compat.exact_qwix_quantization`)."""
+  compat.exact_qwix_quantization(rounding.quotient, rounding.by_constant)
   return PROVIDER_CLASSES[rules_lib.provider_name(quantization) or "qt"](list(rules))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quant import calibration as calibration_lib
+from quant import dequant_error
 from quant import errors
 from quant import fp8
 
@@ -166,6 +167,18 @@ def _quantize_with_absmax(x, amax, *, qtype: str, calibration: str, compute_dtyp
   return fp8.quantize_with_scale(x.astype(compute_dtype), qtype, scale), scale
 
 
+@functools.partial(jax.jit, static_argnames=("qtype", "axes", "calibration", "compute_dtype"))
+def _quantize_measured(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute_dtype: str):
+  qvalue, scale = _quantize(x, qtype=qtype, axes=axes, calibration=calibration, compute_dtype=compute_dtype)
+  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
+def _quantize_with_absmax_measured(x, amax, *, qtype: str, calibration: str, compute_dtype: str):
+  qvalue, scale = _quantize_with_absmax(x, amax, qtype=qtype, calibration=calibration, compute_dtype=compute_dtype)
+  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
+
+
 def gathers_absmax(wq: WeightQuant) -> bool:
   """Whether `wq`'s scales come from an absmax, so that a weight can be quantized in two passes over blocks that
   also cut the shared axes: the maximum of the blocks' absmaxes is the weight's (`compiled_quantizers`)."""
@@ -173,27 +186,31 @@ def gathers_absmax(wq: WeightQuant) -> bool:
 
 
 def _statics(wq: WeightQuant) -> dict:
-  return dict(qtype=fp8.resolve_qtype(wq.qtype).name, calibration=wq.calibration,
+  return dict(qtype=fp8.resolve_qtype(wq.qtype, integers=True).name, calibration=wq.calibration,
               compute_dtype=jnp.dtype(wq.compute_dtype).name)
 
 
-def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, sharding=None) -> tuple:
+def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, sharding=None,
+                        measured: bool = False) -> tuple:
   """The quantizer of blocks of `shape` and `dtype` of the weight `wq`, compiled ahead of time (the executables
   the jitted calls would build, so bit for bit the same values): `(quantize,)`, x -> (qvalue, scale), as
   `quantize_weight` without chunks; or, `two_pass`, `(absmax, quantize_block)`: x -> absmax and
-  (x, whole absmax) -> (qvalue, scale). `sharding`: where the blocks will be (default: the default device)."""
+  (x, whole absmax) -> (qvalue, scale). `sharding`: where the blocks will be (default: the default device).
+  `measured`: the quantizers also return the block's dequantization error per channel, computed in the same step
+  (`quant.dequant_error.channel_figures`: (largest, sum), each of the scale's shape)."""
   spec = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
   statics, axes = _statics(wq), tuple(wq.channel_axes)
   if not two_pass:
-    return (_quantize.lower(spec, axes=axes, **statics).compile(),)
+    return ((_quantize_measured if measured else _quantize).lower(spec, axes=axes, **statics).compile(),)
   amax_shape = tuple(d if i in axes else 1 for i, d in enumerate(shape))
   amax = jax.ShapeDtypeStruct(amax_shape, jnp.dtype(wq.compute_dtype), sharding=sharding)
+  second = _quantize_with_absmax_measured if measured else _quantize_with_absmax
   return (_absmax.lower(spec, axes=axes, compute_dtype=statics["compute_dtype"]).compile(),
-          _quantize_with_absmax.lower(spec, amax, **statics).compile())
+          second.lower(spec, amax, **statics).compile())
 
 
 def quantize_weight(x, wq: WeightQuant, *, chunk_bytes: int = QUANTIZE_CHUNK_BYTES):
-  """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 channelwise.
+  """(qvalue, scale) of the stored weight `x` as `wq` says: cast to the compute dtype, then fp8 or int8 channelwise.
 
   Works on sharded `jax.Array`s; bit-identical however `x` is sharded (absmax and the elementwise steps do not
   depend on the order of reduction). A weight larger than `chunk_bytes` is quantized in slices along its

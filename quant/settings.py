@@ -11,7 +11,7 @@ from typing import Any
 from quant import errors
 
 # `gmm_backend` values (`quant.gmm.backends` runs them; kept here so that config parsing needs no JAX).
-GMM_BACKENDS = ("auto", "reference", "pallas", "xla", "tokamax")
+GMM_BACKENDS = ("auto", "reference", "pallas", "megablox", "xla", "tokamax")
 
 # MaxText's `quantization` values whose Qwix rules `quant.rules` builds ("" = off).
 QUANTIZATION_MODES = ("", "int4", "int8", "fp4", "fp4_e2m1", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_gpu", "fp8_nanoo",
@@ -58,7 +58,7 @@ class QuantSettings:
   weight_sparsity_start_step: int = 50
   weight_sparsity_update_step: int = 10
   # The grouped matmul of the routed experts (with megablox=true): which kernel runs it (`quant.gmm.backends`).
-  gmm_backend: str = _Checked("auto", GMM_BACKENDS)  # auto: Pallas Megablox on TPU, ragged_dot on GPU, tiled on CPU
+  gmm_backend: str = _Checked("auto", GMM_BACKENDS)  # auto: our Pallas kernel on TPU, ragged_dot on GPU, tiled on CPU
   use_tokamax_backend: bool = False  # MaxText's key: Tokamax's kernel (gmm_backend must then be auto or tokamax)
 
   @classmethod

@@ -1,7 +1,7 @@
 """Suite-wide settings: one JAX persistent compilation cache for the whole run (the test processes and every command
 they start), in a temporary directory, never the user's ~/.cache; the tests that took longest when last measured
 (`tests/durations.json`, `make durations`) are marked `heavy` (`make test-fast` leaves them out), and the files run
-longest first, those that mostly wait spread among the others (`_file_order`)."""
+longest first, those that mostly wait spread among the others (`_file_order`). Shared by the tests: `REPO`, `DATA` and `run_cli` (`from conftest import ...`)."""
 
 import json
 import os
@@ -13,6 +13,18 @@ import pytest
 
 from inspect_tool.run import compile_cache
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the suite runs in
+DATA = os.path.join(REPO, "tests", "data")  # every test's data, copied from ../shared/reference (tests/README.md)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+  """The in-process command `inspect_checkpoint ARGV...` (each argument as a string): exit code, stdout, stderr."""
+  from inspect_tool import cli  # pylint: disable=import-outside-toplevel
+
+  code = cli.main([str(a) for a in argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
 
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 HEAVY_SECONDS = 1.0  # a test measured at this or more (setup included) is `heavy`
@@ -20,9 +32,24 @@ UNMEASURED_SECONDS = 0.1  # a test under the measured threshold (scripts/test_du
 _SAVED_CACHE_ENV = pytest.StashKey[str | None]()
 
 
+def _on_tpu() -> bool:
+  """Whether JAX runs on a TPU chip here (a TPU host whose JAX_PLATFORMS does not keep JAX off it)."""
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+
+  platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+  if platforms and "tpu" not in platforms.split(","):
+    return False
+  return accelerator.tpu_chips_present()
+
+
 def pytest_collection_modifyitems(config, items):
-  """Marks the heavy tests (a test not measured yet counts as quick) and orders the files for `-n 2 --dist
-  loadfile` (`_file_order`)."""
+  """Marks the heavy tests (a test not measured yet counts as quick), skips the `tpu` tests off a TPU host, and
+  orders the files for `-n 2 --dist loadfile` (`_file_order`)."""
+  if not _on_tpu():
+    no_chip = pytest.mark.skip(reason="needs a TPU chip (none here): `make test-tpu` runs it on a TPU host")
+    for item in items:
+      if "tpu" in item.keywords:
+        item.add_marker(no_chip)
   durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
   for item in items:
     if durations.get(item.nodeid, 0.0) >= HEAVY_SECONDS:
@@ -64,9 +91,12 @@ def _waits(tests) -> bool:
 
 
 def pytest_configure(config):
-  """One compilation cache for the whole run, never the user's ~/.cache: a temporary directory made by the main
+  """On a TPU host the tests' own JAX rounds as the value commands do there (`accelerator.round_like_a_cpu`).
+  One compilation cache for the whole run, never the user's ~/.cache: a temporary directory made by the main
   process (`make test`'s xdist controller, or the only process) and inherited by the workers and by every command the
   tests start; the test processes use it too, so a program compiled anywhere in the run is compiled once."""
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+  accelerator.round_like_a_cpu(["forward"])
   if not hasattr(config, "workerinput"):  # the main process: a directory of its own for the run
     config.stash[_SAVED_CACHE_ENV] = os.environ.get(compile_cache.JAX_ENV)
     os.environ[compile_cache.JAX_ENV] = tempfile.mkdtemp(prefix="inspect-checkpoint-tests-jax-cache-")

@@ -7,7 +7,7 @@ import sys
 
 from inspect_tool import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 REF_CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 # The reference checkpoint's model (MaxText's deepseek3-tiny with 4 layers, 1 dense, vocab 1024, one MTP layer).
 TINY_CKPT_MODEL = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true",

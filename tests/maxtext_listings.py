@@ -3,8 +3,9 @@ the MaxText command that wrote each file (its line 1)."""
 
 import pathlib
 import re
+from conftest import DATA
 
-LISTINGS = pathlib.Path(__file__).parent / "data" / "listings"
+LISTINGS = pathlib.Path(DATA) / "listings"
 LINE = re.compile(r"key: (\S+) \| shape: \(([\d, ]*)\) \| dtype: (\w+)")
 
 

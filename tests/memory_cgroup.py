@@ -11,7 +11,7 @@ import sys
 import uuid
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 
 def available() -> bool:

@@ -56,3 +56,21 @@ def write_source(step_dir: str, tokens: list[str], *, chunk_byte_size: int | Non
                                                     "path": name + "/"}}, open=True).result()
     chunks[name] = tuple(int(d) for d in store.chunk_layout.read_chunk.shape)
   return chunks
+
+
+def restore_numpy(items_dir) -> dict:
+  """Every array of an Orbax item directory as numpy, on any host: Orbax restores a checkpoint saved on one platform
+  onto another (a CPU-written checkpoint on a TPU host) only with a target, here numpy for every leaf."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  items_dir = os.path.abspath(str(items_dir))
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    tree_metadata = handler.metadata(epath.Path(items_dir)).tree
+  finally:
+    handler.close()
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree_metadata)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    return checkpointer.restore(items_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))

@@ -117,7 +117,7 @@ def test_the_grouped_matmul_quantizes_its_rows_in_tiles_under_an_act_tile_rule()
 def test_the_layout_rules_reach_exactly_the_linears_stored_in_fp8():
   """Traced with Qwix over the whole model (MTP included): an op matches a rule exactly when its weight is one the
   deepseek-fp8 layout writes as float8_e4m3fn (`hf_names`); the router, eh_proj, head and norms are left alone."""
-  from inspect_tool.checkpoint import hf_names  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import names as hf_names  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.coverage import trace  # pylint: disable=import-outside-toplevel
   from inspect_tool.fp8_export import layout_numerics  # pylint: disable=import-outside-toplevel

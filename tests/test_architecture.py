@@ -11,7 +11,8 @@ import pytest
 
 import maxtext_listings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO
+ROOT = pathlib.Path(REPO)
 PACKAGES = ("inspect_tool", "quant")
 MAX_LINES = 450
 
@@ -19,6 +20,7 @@ MAX_LINES = 450
 # the floors below, never a room beside it or above it. A room is a package of inspect_tool (or a module at its top),
 # `quant` or `quant.gmm`; `inspect_tool` itself (its lazy public API and `__main__`) is the roof.
 FLOORS = (
+    ("inspect_tool.process_state",),
     ("inspect_tool.errors", "inspect_tool.progress", "inspect_tool.host", "quant"),
     ("inspect_tool.configuration", "inspect_tool.storage", "quant.gmm"),
     ("inspect_tool.model", "inspect_tool.output"),
@@ -27,7 +29,8 @@ FLOORS = (
     ("inspect_tool.report",),
     ("inspect_tool.coverage",),
     ("inspect_tool.checkpoint",),
-    ("inspect_tool.run", "inspect_tool.streaming", "inspect_tool.listings"),
+    ("inspect_tool.hf",),
+    ("inspect_tool.run", "inspect_tool.streaming", "inspect_tool.listings", "inspect_tool.fitting"),
     ("inspect_tool.manifest", "inspect_tool.xla_compile"),
     ("inspect_tool.fp8_export", "inspect_tool.hf_import"),
     ("inspect_tool.cli",),
@@ -127,8 +130,8 @@ def test_the_floor_check_sees_an_import_that_runs_up_or_across(tmp_path):
   for name in ("inspect_tool.cli.options", "inspect_tool.streaming.read", "inspect_tool.errors"):
     modules[name].write_text("")
   assert upward_imports(modules) == [
-      "inspect_tool.run.runner (floor 8) -> inspect_tool.streaming.read (floor 8)",
-      "inspect_tool.storage.paths (floor 1) -> inspect_tool.cli.options (floor 11)"]
+      "inspect_tool.run.runner (floor 10) -> inspect_tool.streaming.read (floor 10)",
+      "inspect_tool.storage.paths (floor 2) -> inspect_tool.cli.options (floor 13)"]
 
 
 def test_below_the_cli_own_modules_and_the_standard_library_are_imported_at_module_top():

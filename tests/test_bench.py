@@ -15,7 +15,7 @@ import pytest
 # The bench scripts run where benchmarks are measured: once, on the primary stack (.ci/run).
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 NUMBER = r"\d+(?:\.\d+)?"
 
 # script -> lines its tiny run must print (regular expressions, one per line, multiline mode)
@@ -23,7 +23,9 @@ RATIO_LINES = {
     "bench_cli.py": [rf"^tiny unscanned / tiny scanned: {NUMBER}x wall, {NUMBER}x CPU$"],
     "bench_sharding.py": [rf"^tiny scanned\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+≤2\s+{NUMBER}$"],
     "bench_forward.py": [rf"^tiny L4 V1024\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"],
-    "bench_gmm.py": [rf"^xla\s+16 wi\s.*\s{NUMBER}x$", rf"^xla\s+16 wo\s.*\s{NUMBER}x$"],
+    "bench_gmm.py": [rf"^tokens 256 wi: M 2048, K 224, N 64, 4 experts, forward$",
+                     rf"^\s+ours bf16\s+{NUMBER} ms\s+{NUMBER} TFLOP/s\s+n/a$",
+                     rf"^\s+ours fp8_full\s+{NUMBER} ms\s+{NUMBER} TFLOP/s\s+n/a$"],
     "bench_checkpoint.py": [rf"ratio restore/cat = {NUMBER}$", r"^\(a\) inspect_checkpoint orbax --path: median of 1"],
     "bench_import.py": [rf"^\[tiny\] import throughput: {NUMBER} MB/s of float16 source, {NUMBER} M parameters/s$",
                         rf"^import \(float32\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$",
@@ -57,6 +59,9 @@ RATIO_LINES = {
     "bench_xla_compile.py": [rf"^tiny v5p-8\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(?:{NUMBER}|n/a)\s+{NUMBER}\s+"
                              rf"{NUMBER}x\s+(?:{NUMBER}x|n/a)\s+{NUMBER}x$",
                              rf"^second run \(compilation cache\): {NUMBER} s, {NUMBER} MB: {NUMBER}x"],
+    "bench_header.py": [rf"^refused at tensor 0\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                        rf"^valid, read whole\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x$",
+                        rf"^refused at tensor 0 in {NUMBER} s wall \(goal: under 5 s\): (within|OVER)"],
     "bench_web.py": [rf"^hf --summary\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
                      rf"^hf --keys\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x\s+[\d,]+\s+{NUMBER}%$",
                      r"^  of which safetensors headers: ([\d,]+) bytes \(the headers are \1\); \d+ requests$"],
@@ -80,6 +85,20 @@ RATIO_LINES = {
 def test_every_bench_script_has_a_tiny_case():  # `_name.py`: a module the scripts share, not a script
   scripts = [f for f in os.listdir(os.path.join(REPO, "bench")) if f.endswith(".py") and not f.startswith("_")]
   assert sorted(scripts) == sorted(RATIO_LINES)
+
+
+def test_bench_export_runs_beside_a_baseline_tree():
+  """`bench_export.py --baseline TREE` (here this tree itself) runs that tree's export in the same rounds and prints
+  ours over it."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  out = subprocess.run([sys.executable, os.path.join("bench", "bench_export.py"), "--tiny", "--baseline", REPO],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=900, check=False)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  for chunks in ("single", "256KiB"):
+    for case in ("export", r"export --max-memory \d+MiB \(1\.5x floor\)"):
+      assert re.search(rf"^\[tiny/{chunks}\] {case} / export at \S+( --max-memory \d+MiB)?: {NUMBER} x \(medians; "
+                       rf"rounds {NUMBER}; CPU {NUMBER} x\)$", out.stdout, re.MULTILINE), (case, out.stdout[-3000:])
 
 
 @pytest.mark.parametrize("script", sorted(RATIO_LINES))

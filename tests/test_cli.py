@@ -13,8 +13,8 @@ import pytest
 from inspect_tool import cli
 from inspect_tool.cli import options
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data")
+from conftest import REPO
+from conftest import DATA
 CKPT_ITEMS = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024", "0", "items")
 
 

@@ -18,8 +18,8 @@ import maxtext_listings
 from inspect_tool import cli
 from inspect_tool.sharding import mesh
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data")
+from conftest import REPO
+from conftest import DATA
 
 
 def run(capsys, *argv):

@@ -8,7 +8,8 @@ import pytest
 
 from quant import compat, errors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO
+ROOT = pathlib.Path(REPO)
 
 
 def test_no_module_but_compat_names_a_private_module_of_a_dependency():
@@ -53,3 +54,50 @@ def test_numpy_huge_page_advice_is_set_through_numpys_switch():
     assert switch(False) is True
   finally:
     switch(before)
+
+
+def test_qwix_quantizes_through_quant_rounding_with_qwix_s_own_codes(monkeypatch):
+  """Where a TPU would run it (the emulation forced on this CPU), Qwix's quantization takes its scale and quotient from
+  `quant.rounding` (calls counted) and gives the codes and scales Qwix's own code gives on a CPU, bit for bit."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from quant import rounding
+
+  compat.exact_qwix_quantization(rounding.quotient, rounding.by_constant)
+  scale_fn, quantize_fn = compat._EXACT_QWIX  # pylint: disable=protected-access  # Qwix's originals
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=(64, 256)) * np.exp2(rng.integers(-8, 8, (64, 1)))).astype(np.float32)
+  qarray = compat.private("qwix._src.core.qarray", package="qwix")
+  cases = [(dtype, qtype, axes, tiles) for dtype in (jnp.float32, jnp.bfloat16)
+           for qtype in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+           for axes, tiles in (((0,), None), ((), None), ((0,), {1: 64}))]
+
+  @functools.partial(jax.jit, static_argnums=(1, 2, 3))  # traced, as the tool runs it (eager divisions round otherwise)
+  def quantize(array, qtype, axes, tiles):
+    got = qarray.quantize_api(array, qtype, channelwise_axes=axes, tiled_axes=dict(tiles))
+    return got.qvalue.astype(jnp.float32), got.scale.astype(jnp.float32)
+
+  def quantized(array, qtype, axes, tiles):
+    jax.clear_caches()
+    return [np.asarray(a) for a in quantize(array, qtype, axes, tuple((tiles or {}).items()))]
+
+  for dtype, qtype, axes, tiles in cases:
+    array = jnp.asarray(x, dtype)
+    monkeypatch.setattr(qarray, "compute_scale_zero_point", scale_fn)
+    monkeypatch.setattr(qarray, "quantize_with_scale_zero_point", quantize_fn)
+    want = quantized(array, qtype, axes, tiles)
+    monkeypatch.undo()
+    calls = []
+    for name in ("emulated_quotient", "emulated_by_constant"):  # what rounding.quotient / by_constant call
+      original = getattr(rounding, name)
+      monkeypatch.setattr(rounding, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1])
+    monkeypatch.setattr(rounding, "_on_cpu", lambda: False)
+    got = quantized(array, qtype, axes, tiles)
+    monkeypatch.undo()
+    assert {"emulated_quotient", "emulated_by_constant"} <= set(calls), (dtype, qtype)
+    for w, g in zip(want, got, strict=True):
+      np.testing.assert_array_equal(g, w, err_msg=f"{dtype} {qtype} {axes} {tiles}")

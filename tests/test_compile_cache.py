@@ -18,7 +18,7 @@ from inspect_tool.run import compile_cache
 
 import hostile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 FORWARD = ["forward", *hostile.TINY_CKPT_MODEL, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT]
 

@@ -4,6 +4,7 @@ import pytest
 
 from inspect_tool import errors
 from inspect_tool.configuration import config
+from conftest import DATA
 
 
 def test_preset_sizes_and_derived_values():
@@ -112,7 +113,7 @@ def _maxtext_base_keys() -> dict:
 
   import yaml  # pylint: disable=import-outside-toplevel
 
-  path = os.path.join(os.path.dirname(__file__), "data", "maxtext_0.2.5_base_keys.txt")
+  path = os.path.join(DATA, "maxtext_0.2.5_base_keys.txt")
   with open(path, encoding="utf-8") as f:
     return {k: None if v == "None" else v for k, v in yaml.safe_load(f).items()}
 

@@ -17,7 +17,8 @@ from flax import nnx
 import qwix_toy_model as toy
 from quant import coverage, rules
 
-DATA = pathlib.Path(__file__).parent / "data" / "qwix"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR) / "qwix"
 TOKENS = jax.ShapeDtypeStruct((1, 4), jnp.int32)
 MAIN = qwix.QtRule(module_path="(decoder/layers.*|mtp/.*)", weight_qtype=jnp.float8_e4m3fn,
                    act_qtype=jnp.float8_e4m3fn, op_names=("dot_general", "gmm", "ragged_dot"))

@@ -22,8 +22,9 @@ from inspect_tool.model import mhc
 from quant import compat
 from quant import errors as quant_errors
 
-DATA = pathlib.Path(__file__).parent / "data" / "listings"
-RUNS = pathlib.Path(__file__).parent / "data" / "maxtext_runs"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR) / "listings"
+RUNS = pathlib.Path(DATA_DIR) / "maxtext_runs"
 CUSTOM = ["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]"]
 SMALL = CUSTOM + ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
                   "base_moe_mlp_dim=16", "base_num_decoder_layers=2", "vocab_size=64", "num_experts=4",

@@ -10,8 +10,9 @@ from inspect_tool.checkpoint import diff
 from inspect_tool.checkpoint import orbax_metadata
 
 import maxtext_listings
+from conftest import DATA
 
-REF_CKPT = os.path.join(os.path.dirname(__file__), "data", "ckpt_deepseek3-tiny-L4-V1024")
+REF_CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 
 
 @pytest.fixture(scope="module")

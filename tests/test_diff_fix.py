@@ -9,10 +9,11 @@ import pytest
 
 import export_sources
 import test_export_family
-from inspect_tool import cli
 from inspect_tool.configuration import presets
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+from conftest import run_cli
+DATA = pathlib.Path(DATA_DIR)
 HF = str(DATA / "import" / "hf_small")
 DS2 = ["model_name=deepseek2-16b", "override_model_config=true", "scan_layers=false", "base_emb_dim=64",
        "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "base_moe_mlp_dim=32",
@@ -20,11 +21,6 @@ DS2 = ["model_name=deepseek2-16b", "override_model_config=true", "scan_layers=fa
        "num_experts_per_tok=2", "shared_experts=2", "kv_lora_rank=16", "qk_nope_head_dim=32", "qk_rope_head_dim=16",
        "v_head_dim=32"]
 
-
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _ds2(tmp: pathlib.Path) -> str:
@@ -62,20 +58,20 @@ CASES = {  # bare preset, checkpoint, keys the fix must set
 @pytest.mark.parametrize("preset, make, expected", CASES.values(), ids=CASES.keys())
 def test_the_printed_fix_agrees_in_one_step(tmp_path, capsys, preset, make, expected):
   path = make(tmp_path)
-  code, out, err = _run(capsys, "diff", f"model_name={preset}", "--path", path)
+  code, out, err = run_cli(capsys, "diff", f"model_name={preset}", "--path", path)
   assert code == 1, err
   fix = out.rstrip().splitlines()[-1]
   assert fix.startswith(f"try: inspect_checkpoint diff model_name={preset} override_model_config=true "), fix
   argv = shlex.split(fix[len("try: "):])
   assert argv[-2:] == ["--path", path]
   assert set(expected) <= set(argv), set(expected) - set(argv)
-  code, out, err = _run(capsys, *argv[1:])
+  code, out, err = run_cli(capsys, *argv[1:])
   assert code == 0 and "AGREE" in out, out + err
 
 
 @pytest.mark.parametrize("preset", presets.names())
 def test_no_preset_ends_in_a_traceback_against_a_hugging_face_directory(capsys, preset):
-  code, out, err = _run(capsys, "diff", f"model_name={preset}", "--path", HF)
+  code, out, err = run_cli(capsys, "diff", f"model_name={preset}", "--path", HF)
   assert code in (1, 2), out + err
   if code == 2:
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ")
@@ -86,7 +82,7 @@ def test_no_preset_ends_in_a_traceback_against_a_hugging_face_directory(capsys, 
 def test_forward_names_the_mtp_arrays_a_model_without_mtp_does_not_use(capsys):
   l4 = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024", "mtp_num_layers=0"]
-  code, out, err = _run(capsys, "forward", *l4, "--checkpoint", DATA / "ckpt_deepseek3-tiny-L4-V1024")
+  code, out, err = run_cli(capsys, "forward", *l4, "--checkpoint", DATA / "ckpt_deepseek3-tiny-L4-V1024")
   assert code == 0, err
   (note,) = [line for line in err.splitlines() if line.startswith("note:")]
   assert " holds 21 array(s) the model does not use: params.params.mtp_block.mtp_layer_1." in note

@@ -30,7 +30,7 @@ from test_export_kill import _wait_for
 
 pytestmark = pytest.mark.slow  # stress: multi-process jobs killed, stopped, timed out (.ci/run: once)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
           "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full"]

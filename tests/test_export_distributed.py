@@ -1,16 +1,19 @@
 """`export` under jax.distributed: 2 processes x 2 CPU devices on 127.0.0.1 write one Orbax checkpoint with the
-same arrays, byte for byte, as one process; `diff` runs the same way."""
+same arrays, byte for byte, as one process, and its manifest hashes every array; `diff` runs the same way."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 CKPT = os.path.join(REPO, "tests", "data", "ckpt_deepseek3-tiny-L4-V1024")
 TOKENS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
           "first_num_dense_layers=1", "vocab_size=1024", "quantization=fp8_full", "quantize_mtp=true"]
@@ -65,6 +68,7 @@ def _arrays(path: str) -> dict:
   return {n: np.asarray(read.result()) for n, read in zip(names, reads)}
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   single = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *TOKENS, "--checkpoint", CKPT,
@@ -81,12 +85,17 @@ def test_two_processes_write_the_same_checkpoint_as_one(tmp_path):
     assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
   processes = sorted(d for d in os.listdir(two / "0" / "items") if d.startswith("ocdbt.process_"))
   assert processes == ["ocdbt.process_0", "ocdbt.process_1"]  # each process wrote its own slices
+  # Each process hashed what it wrote; process 0's manifest has every array's hash of its C-order bytes.
+  manifest = json.loads((two / "export_manifest.json").read_text())
+  assert {e["name"]: e["sha256"] for e in manifest["tensors"]} == {
+      name: hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest() for name, value in b.items()}
   assert sorted(os.listdir(tmp_path)) == ["one", "two"]
 
   diffs = _run_processes(["diff", *TOKENS, "--path", str(two)])
   assert [code for code, _, _ in diffs] == [0, 0], diffs[0][2][-2000:]
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_forward_over_two_processes_prints_what_one_process_with_four_devices_prints():
   model = [t for t in TOKENS if not t.startswith("quantiz")]
   one = subprocess.run([sys.executable, "-m", "inspect_tool", "forward", *model, "--checkpoint", CKPT],

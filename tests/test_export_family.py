@@ -22,7 +22,8 @@ import test_v4
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.fp8_export import pipeline as export
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 
 
 def _v4_checkpoint(root: pathlib.Path) -> str:

@@ -14,7 +14,7 @@ from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import write_hf as export_hf
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 
 import deepseek_fp8_reference
 import maxtext_listings
@@ -229,17 +229,17 @@ def test_index_maps_every_tensor_to_its_shard_and_shards_respect_the_size_limit(
   with open(os.path.join(out, export_hf.INDEX_NAME)) as f:
     index = json.load(f)
   assert set(index["weight_map"]) == set(tensors)
-  n = len(summary["files"])
-  assert n > 1 and summary["files"] == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
-  assert sorted(os.listdir(out)) == sorted(summary["files"] + [export_hf.INDEX_NAME, "config.json"])
-  assert index["metadata"]["total_size"] == summary["total_size"] == sum(t.nbytes for t in tensors.values())
-  for shard in summary["files"]:
+  n = len(summary.files)
+  assert n > 1 and summary.files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+  assert sorted(os.listdir(out)) == sorted(summary.files + [export_hf.INDEX_NAME, "config.json"])
+  assert index["metadata"]["total_size"] == summary.total_size == sum(t.nbytes for t in tensors.values())
+  for shard in summary.files:
     names = [k for k, s in index["weight_map"].items() if s == shard]
     assert set(names) == set(safetensors_header.read_header(os.path.join(out, shard)))
     size = sum(tensors[k].nbytes for k in names)
     assert size <= 300_000 or len(names) == 1
-  assert summary["num_tensors"] == len(tensors)
-  assert summary["num_fp8"] == sum(k.endswith("_scale_inv") for k in tensors)
+  assert summary.num_tensors == len(tensors)
+  assert summary.num_fp8 == sum(k.endswith("_scale_inv") for k in tensors)
 
 
 @pytest.mark.parametrize("which", ["tiny", "v2_like"])
@@ -271,7 +271,8 @@ def test_export_quantizer_matches_the_numpy_reference_at_edge_and_zero_blocks():
   """Measured: fp8 values bit-identical, 9 of 18 scales one float32 ulp from amax / 448."""
   w = np.random.default_rng(4).standard_normal((300, 700)).astype(np.float32) * 3
   w[:128, :128] = 0.0  # an all-zero block gets scale 1
-  q, scale_inv = hf_matrices._block_quantize_transposed(np.ascontiguousarray(w.T))  # pylint: disable=protected-access
+  w_io = np.ascontiguousarray(w.T)
+  q, scale_inv, _ = hf_matrices._block_quantize_transposed(w_io)  # pylint: disable=protected-access
   q_ref, s_ref = deepseek_fp8_reference.block_quantize(w)
   assert scale_inv.shape == s_ref.shape == (3, 6) and scale_inv[0, 0] == s_ref[0, 0] == 1.0
   assert deepseek_fp8_reference.ulp_distance(scale_inv, s_ref).max() <= 1
@@ -332,7 +333,7 @@ def test_config_json_describes_deepseek_v3_with_fp8_quantization(tiny):
   cfg, _, out, summary, _ = tiny
   with open(os.path.join(out, "config.json")) as f:
     doc = json.load(f)
-  assert doc == summary["config"]
+  assert doc == summary.config
   assert doc["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                         "weight_block_size": [128, 128]}
   expected = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
@@ -355,7 +356,7 @@ def test_config_json_describes_deepseek_v3_with_fp8_quantization(tiny):
 
 def test_deepseek2_like_config_has_v2_routing_fields(v2_like):
   cfg, _, _, summary, tensors = v2_like
-  doc = summary["config"]
+  doc = summary.config
   assert doc["architectures"] == ["DeepseekV2ForCausalLM"] and doc["q_lora_rank"] is None
   assert (doc["scoring_func"], doc["topk_method"], doc["norm_topk_prob"]) == ("softmax", "greedy", False)
   assert doc["n_shared_experts"] == 2 and doc["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.707)
@@ -501,7 +502,7 @@ def test_tied_embeddings_write_no_lm_head_and_copy_the_embedding_as_mtp_head(tmp
   arrays = _random_arrays(cfg)
   summary = export_hf.write_deepseek_fp8(arrays, cfg, str(tmp_path))
   tensors = _read_tensors(str(tmp_path))
-  assert "lm_head.weight" not in tensors and summary["config"]["tie_word_embeddings"] is True
+  assert "lm_head.weight" not in tensors and summary.config["tie_word_embeddings"] is True
   embedding = _bf16(arrays[tree.param_key(("token_embedder", "embedding"))])
   for name in ("model.embed_tokens.weight", "model.layers.4.embed_tokens.weight",
                "model.layers.4.shared_head.head.weight"):

@@ -20,7 +20,7 @@ from test_export_memory import _arrays
 
 pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 LIMIT = 600 * 10**6
 # The tied embedding (614400 x 512: 1.26 GB float32, 629 MB bfloat16) dominates: the one shard (5 GB limit) and
 # the embedding alone are over LIMIT, so a writer that holds a shard, or converts the embedding whole, is killed.

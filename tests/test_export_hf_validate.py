@@ -22,11 +22,11 @@ import deepseek_fp8_reference
 import test_export_hf as hf_ref
 import test_hf_restore as hf_rt
 from test_hf_restore import batch_files, golden  # noqa: F401  (fixtures: MaxText's golden batch as .npy files)
+from conftest import run_cli
 from inspect_tool import cli, model
 from inspect_tool.paramtree import params
 
 L4, CKPT = hf_rt.L4, hf_rt.CKPT
-run = hf_rt._run  # pylint: disable=protected-access
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +154,10 @@ def test_a_wrong_write_fails_the_kl_gate_and_keeps_the_export_with_its_report(ba
   from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
 
   right = hf_matrices._block_quantize_transposed  # pylint: disable=protected-access
-  monkeypatch.setattr(hf_matrices, "_block_quantize_transposed", lambda w: (right(w)[0], right(w)[1] * 1.5))
+  monkeypatch.setattr(hf_matrices, "_block_quantize_transposed",
+                      lambda w: (lambda q, scale, error: (q, scale * 1.5, error))(*right(w)))
   dst = tmp_path / "fp8"
-  code, out, _ = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
+  code, out, _ = run_cli(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
                      "--tokens", batch_files[0], "--targets", batch_files[1])
   assert code == 1 and out.startswith("weights: ") and f"\nwrote {dst}: " in out
   assert out.rstrip().split("\n")[-1].startswith("FAILED: KL above 0.015 nats (")
@@ -169,7 +170,7 @@ def test_a_wrong_write_fails_the_kl_gate_and_keeps_the_export_with_its_report(ba
 
 def test_no_validate_is_recorded_and_the_export_reads_back_unchanged(tmp_path, capsys):
   dst = tmp_path / "fp8"
-  code, out, _ = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
+  code, out, _ = run_cli(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
                      "--no-validate", "--format", "json")
   assert code == 0
   printed = json.loads(out)
@@ -188,7 +189,7 @@ def test_validation_that_does_not_fit_is_skipped_with_a_command_that_runs_it_as_
   small = f"{(held + 15 * 10**8) // 10**6}MB"
   dst = tmp_path / "fp8"
   batch = ["--tokens", batch_files[0], "--targets", batch_files[1]]
-  code, _, err = run(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
+  code, _, err = run_cli(capsys, "export", *L4, "--checkpoint", CKPT, "--output", str(dst), "--layout", "deepseek-fp8",
                      *batch, "--max-kl", "0.02", "--max-memory", small, "--format", "json")
   assert code == 0, err
   record = json.loads((dst / "quantization_report.json").read_text())["validation"]
@@ -200,7 +201,7 @@ def test_validation_that_does_not_fit_is_skipped_with_a_command_that_runs_it_as_
                            "--max-kl", "0.02"]
   suggested = int(printed[-1].removesuffix("GB")) * 10**9  # the need beside what the process holds, rounded up
   assert 3 * 10**9 < suggested < 3 * 10**9 + budget.current_rss() + 10**9 + 2**28, printed[-1]
-  code, out, err = run(capsys, *printed[1:], "--format", "json")  # the suggestion, as printed: validation runs
+  code, out, err = run_cli(capsys, *printed[1:], "--format", "json")  # the suggestion, as printed: validation runs
   assert code == 0, out[-3000:] + err
   record = json.loads((dst / "quantization_report.json").read_text())["validation"]
   assert "skipped" not in record and record["passed"], record
@@ -208,10 +209,10 @@ def test_validation_that_does_not_fit_is_skipped_with_a_command_that_runs_it_as_
 
 def test_forward_compare_says_what_it_compares_and_refuses_a_model_with_itself(validated, batch_files, capsys):
   dst, _ = validated
-  code, out, err = run(capsys, "forward", *L4, "--checkpoint", dst, "--tokens", batch_files[0], "--compare")
+  code, out, err = run_cli(capsys, "forward", *L4, "--checkpoint", dst, "--tokens", batch_files[0], "--compare")
   assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
   assert "both sides would be the same model" in err and "quantization=''" in err
-  code, out, err = run(capsys, "forward", *L4, "quantization=fp8_full", "--checkpoint", dst, "--tokens",
+  code, out, err = run_cli(capsys, "forward", *L4, "quantization=fp8_full", "--checkpoint", dst, "--tokens",
                        batch_files[0], "--compare")
   assert code == 0, err
   compared = [line for line in out.splitlines() if line.startswith("compared: ")]

@@ -19,7 +19,7 @@ from inspect_tool.streaming import budget
 
 pytestmark = pytest.mark.slow  # memory cgroups: run once, on the primary stack (.ci/run)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 LIMIT = 600 * 10**6
 # The tied embedding (614400 x 512 float32, 1.26 GB) is the largest array: over 2x LIMIT. Routed experts (64, 3,

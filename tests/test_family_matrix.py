@@ -20,7 +20,7 @@ from inspect_tool import cli
 from inspect_tool.configuration import presets
 from inspect_tool.host import memory as host_memory
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+from conftest import DATA
 L4_CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 V32_CKPT = os.path.join(DATA, "ckpt_v32-small")
 PRESETS = presets.names()

@@ -1,4 +1,5 @@
-"""FP8 numerics: bit-identity with Qwix, scale shapes and edge values, calibrations, DeepSeek block scales."""
+"""FP8 (and int8) numerics: bit-identity with Qwix, scale shapes and edge values, calibrations, DeepSeek block
+scales."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -26,7 +27,7 @@ def _edge_matrix(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quantize_is_bit_identical_to_qwix_including_inf_nan_zero_and_huge_values(dtype):
   x = _edge_matrix(dtype)
-  for qtype in (E4M3, E5M2):
+  for qtype in (E4M3, E5M2, jnp.int8):
     for calibration in ("absmax", "absmax,0.5", "rms,3", "fixed,10", "fixed,-2,2"):
       for axes in ([0], [1], []):
         expected = qwix.quantize(x, qtype, channelwise_axes=axes, calibration_method=calibration)
@@ -35,6 +36,18 @@ def test_quantize_is_bit_identical_to_qwix_including_inf_nan_zero_and_huge_value
         np.testing.assert_array_equal(_f32(qvalue), _f32(expected.qvalue))
         np.testing.assert_array_equal(_f32(scale), _f32(expected.scale))
         np.testing.assert_array_equal(_f32(fp8.dequantize(qvalue, scale)), _f32(qwix.dequantize(expected)))
+
+
+def test_int8_scale_is_absmax_over_127_5_and_its_top_bucket_matches_qwix():
+  """int8: Qwix's bound 127.5; in bfloat16 a channel's largest value can divide to 128, which rounds and casts as
+  Qwix's (measured: -128 appears, +128 saturates to 127); bit for bit on 1M bfloat16 values."""
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(4096, 256)), jnp.bfloat16)
+  qvalue, scale = fp8.quantize(x, jnp.int8, [1])
+  expected = qwix.quantize(x, jnp.int8, channelwise_axes=[1])
+  np.testing.assert_array_equal(np.asarray(qvalue), np.asarray(expected.qvalue))
+  np.testing.assert_array_equal(_f32(scale), _f32(expected.scale))
+  np.testing.assert_allclose(_f32(scale), _f32(jnp.max(jnp.abs(x), axis=0, keepdims=True)) / 127.5, rtol=2 ** -7)
+  assert int(np.asarray(qvalue).max()) == 127 and int(np.asarray(qvalue).min()) == -128
 
 
 def test_scale_keeps_channelwise_axes_and_is_absmax_over_qmax():
@@ -109,9 +122,11 @@ def test_rejects_calibrations_fp8_cannot_use(calibration):
 
 
 def test_rejects_unknown_qtypes_and_integer_inputs():
-  for qtype in (jnp.int8, "float16", "e4m4", jnp.float8_e4m3fnuz):
-    with pytest.raises(errors.QuantError, match="float8_e4m3fn, float8_e5m2"):
+  for qtype in (jnp.int4, "float16", "e4m4", jnp.float8_e4m3fnuz):
+    with pytest.raises(errors.QuantError, match="float8_e4m3fn, float8_e5m2, int8"):
       fp8.quantize(np.ones((2, 2), np.float32), qtype)
+  with pytest.raises(errors.QuantError, match="'int8'; accepted: float8_e4m3fn, float8_e5m2$"):
+    fp8.block_quantize(np.ones((2, 2), np.float32), (1, 1), jnp.int8)  # DeepSeek's block layouts are FP8 only
   with pytest.raises(errors.QuantError, match="int32"):
     fp8.quantize(np.ones((2, 2), np.int32), E4M3)
   with pytest.raises(errors.QuantError, match="out of range"):

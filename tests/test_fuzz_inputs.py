@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from inspect_tool import cli
+from conftest import run_cli
 
 from hostile import REF_CKPT, TINY_CKPT_MODEL, check_one_line
 
@@ -73,11 +73,9 @@ def _damage(path: str, how: str) -> None:
 def _run(capsys, argv) -> tuple[int, str, str]:
   faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=sys.__stderr__)
   try:
-    code = cli.main([str(a) for a in argv])
+    return run_cli(capsys, *argv)
   finally:
     faulthandler.cancel_dump_traceback_later()
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 @pytest.mark.parametrize("relative, how", _cases())

@@ -22,11 +22,12 @@ from inspect_tool import errors
 from hostile import REF_CKPT, TINY_CKPT_MODEL, check_one_line
 from test_fuzz_inputs import _run
 from test_hostile_hf import fp8_dir  # noqa: F401  (a fixture: an FP8 export of the L4 checkpoint)
+from conftest import REPO
 
 SEED = 18
 FAST, SLOW = 6, 60  # seeds per surface in the quick and the `slow` runs
 ITEMS = os.path.join("0", "items")
-TINY_MODEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "inspect_tool",
+TINY_MODEL_FILE = os.path.join(REPO, "inspect_tool",
                                "configuration", "maxtext_data", "models", "deepseek3-tiny.yml")
 DEEP = json.loads("[" * 50 + "]" * 50)
 HOSTILE_JSON = [None, True, False, -1, 0, 2**64, -2**63 - 1, 1e308, -1e308, 0.5, "", "x" * 5000, "float99",

@@ -23,7 +23,7 @@ from inspect_tool.streaming import orbax_writer
 from test_export import CKPT, TINY, _tokens
 from test_export_distributed import _run_processes, finish
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 TMPFS_BYTES = 64 << 20
 # 2**18 rows of 64: the embedding and the logits head are 64 MiB each (float32), copied as stored (128 MiB in all).
 BIG = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=2",

@@ -6,6 +6,7 @@ Every process writes its share straight under the staging prefix: the two proces
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from test_export import CKPT, TINY, _assert_reproduces_fp8_golden, _tokens
 from test_export_distributed import _arrays, _run_processes
 from test_import import HF
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 
 def _cli(capsys, *argv):
@@ -68,6 +69,7 @@ def test_an_export_to_gs_reproduces_maxtexts_fp8_golden(gcs, capsys, tmp_path):
   assert report["validation"]["passed"] is True
 
 
+@pytest.mark.slow  # stress: a multi-process job (.ci/run: once, on the primary stack)
 def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
   one, two = f"gs://{BUCKET}/dist/one", f"gs://{BUCKET}/dist/two"
   single = subprocess.run([sys.executable, "-m", "inspect_tool", "export", *_tokens(True), "--checkpoint", CKPT,
@@ -81,7 +83,11 @@ def test_two_processes_export_to_gs_what_one_process_exports(gcs, tmp_path):
                         timeout=300, envs=[{"TMPDIR": str(path)} for path in tmpdirs])
   for code, _, err in outs:
     assert code == 0, err[-3000:]
-  _assert_same_arrays(_arrays(one), _arrays(two), count=86)
+  arrays = _arrays(two)
+  _assert_same_arrays(_arrays(one), arrays, count=86)
+  manifest = json.loads(objects.read(two + "/export_manifest.json")[0])  # hashed as written, nothing read back
+  assert {e["name"]: e["sha256"] for e in manifest["tensors"]} == {
+      name: hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest() for name, value in arrays.items()}
   listed = gcs.listing(two)
   assert {"0/items/ocdbt.process_0/manifest.ocdbt", "0/items/ocdbt.process_1/manifest.ocdbt"} <= set(listed)
   assert listed[-3:] == ["commit_success.txt", "export_manifest.json", "quantization_report.json"]

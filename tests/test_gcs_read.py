@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from gcs_emulator import BUCKET
-from inspect_tool import cli
+from conftest import run_cli
 
-ROOT = pathlib.Path(__file__).parent.parent
-DATA = ROOT / "tests" / "data"
+from conftest import DATA as DATA_DIR
+from conftest import REPO
+ROOT = pathlib.Path(REPO)
+DATA = pathlib.Path(DATA_DIR)
 CKPT = str(DATA / "ckpt_deepseek3-tiny-L4-V1024")
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
@@ -29,11 +31,6 @@ def remote(gcs):
   return RUN
 
 
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
-
 
 def _tool_lines(err: str) -> list[str]:
   """stderr without tensorstore's own INFO log line about the emulator's test token (not the tool's output)."""
@@ -42,8 +39,8 @@ def _tool_lines(err: str) -> list[str]:
 
 @pytest.mark.parametrize("extra", [[], ["--all"], ["--summary"], ["--format", "json"]])
 def test_orbax_listing_of_a_directory_of_steps_is_the_local_listing(remote, capsys, extra):
-  local = _run(capsys, "orbax", "--path", CKPT, *extra)
-  there = _run(capsys, "orbax", "--path", remote, *extra)
+  local = run_cli(capsys, "orbax", "--path", CKPT, *extra)
+  there = run_cli(capsys, "orbax", "--path", remote, *extra)
   assert local[0] == there[0] == 0, there[2]
   assert there[1].replace(remote, CKPT) == local[1]
   assert _tool_lines(there[2]) == _tool_lines(local[2]) == ["using step 0"], there[2]
@@ -51,20 +48,20 @@ def test_orbax_listing_of_a_directory_of_steps_is_the_local_listing(remote, caps
 
 @pytest.mark.parametrize("suffix", ["/0", "/0/items", "/0/items/", "//0/./items"])
 def test_step_and_items_paths_resolve_as_locally(remote, capsys, suffix):
-  code, out, _ = _run(capsys, "orbax", "--path", remote + suffix, "--format", "json")
+  code, out, _ = run_cli(capsys, "orbax", "--path", remote + suffix, "--format", "json")
   assert code == 0
-  local = _run(capsys, "orbax", "--path", CKPT + suffix, "--format", "json")[1]
+  local = run_cli(capsys, "orbax", "--path", CKPT + suffix, "--format", "json")[1]
   assert out.replace(remote, CKPT) == local
 
 
 def test_diff_agrees_as_locally(remote, capsys):
-  local = _run(capsys, "diff", *L4, "--path", CKPT)
-  there = _run(capsys, "diff", *L4, "--path", remote)
+  local = run_cli(capsys, "diff", *L4, "--path", CKPT)
+  there = run_cli(capsys, "diff", *L4, "--path", remote)
   assert local[0] == there[0] == 0
   assert there[1].replace(remote, CKPT) == local[1]
   assert "AGREE" in there[1]
-  changed = _run(capsys, "diff", *L4[:-1], "vocab_size=2048", "--path", remote)
-  assert changed[0] == 1 and changed[1].replace(remote, CKPT) == _run(
+  changed = run_cli(capsys, "diff", *L4[:-1], "vocab_size=2048", "--path", remote)
+  assert changed[0] == 1 and changed[1].replace(remote, CKPT) == run_cli(
       capsys, "diff", *L4[:-1], "vocab_size=2048", "--path", CKPT)[1]
 
 
@@ -72,7 +69,7 @@ def test_forward_from_gcs_reproduces_maxtext_golden_logits(remote, capsys, tmp_p
   golden = dict(np.load(DATA / "golden" / "a_noquant.npz"))
   np.save(tmp_path / "tokens.npy", golden["tokens"])
   np.save(tmp_path / "targets.npy", golden["targets"])
-  code, out, err = _run(capsys, "forward", *L4, "--checkpoint", remote, "--tokens", tmp_path / "tokens.npy",
+  code, out, err = run_cli(capsys, "forward", *L4, "--checkpoint", remote, "--tokens", tmp_path / "tokens.npy",
                         "--targets", tmp_path / "targets.npy", "--save-logits", tmp_path / "logits.npz")
   assert code == 0, err
   assert f"weights: Orbax checkpoint {remote}/0/items (step 0)" in out.splitlines()

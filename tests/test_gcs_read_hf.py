@@ -11,9 +11,10 @@ import pytest
 from gcs_emulator import BUCKET
 from test_export_distributed import _arrays
 from test_hf_keys import KEYS, _rel
-from inspect_tool import cli
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "import")
+from conftest import DATA as DATA_DIR
+from conftest import run_cli
+DATA = os.path.join(DATA_DIR, "import")
 HF = os.path.join(DATA, "hf_small")
 
 
@@ -22,16 +23,11 @@ def remote(gcs):
   return gcs.upload(HF, f"gs://{BUCKET}/read/hf_small")
 
 
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
-
 
 @pytest.mark.parametrize("extra", [[], ["--summary"], ["--format", "json"], ["--keys"]])
 def test_hf_listing_and_keys_are_the_local_ones(remote, capsys, extra):
-  local = _run(capsys, "hf", "--path", HF, *extra)
-  there = _run(capsys, "hf", "--path", remote, *extra)
+  local = run_cli(capsys, "hf", "--path", HF, *extra)
+  there = run_cli(capsys, "hf", "--path", remote, *extra)
   assert local[0] == there[0] == 0, there[2]
   assert there[1].replace(remote, HF) == local[1]
   if extra == ["--keys"]:
@@ -40,15 +36,15 @@ def test_hf_listing_and_keys_are_the_local_ones(remote, capsys, extra):
 
 def test_one_shard_and_the_index_list_as_locally(remote, capsys):
   for name in ("model-00002-of-00002.safetensors", "model.safetensors.index.json"):
-    local = _run(capsys, "hf", "--path", os.path.join(HF, name), "--format", "json")
-    there = _run(capsys, "hf", "--path", f"{remote}/{name}", "--format", "json")
+    local = run_cli(capsys, "hf", "--path", os.path.join(HF, name), "--format", "json")
+    there = run_cli(capsys, "hf", "--path", f"{remote}/{name}", "--format", "json")
     assert local[0] == there[0] == 0, there[2]
     assert there[1].replace(remote, HF) == local[1]
 
 
 def test_forward_from_gcs_equals_transformers(remote, capsys, tmp_path):
   reference = np.load(os.path.join(DATA, "hf_small_transformers_logits.npz"))["logits"]
-  code, out, err = _run(capsys, "forward", *KEYS.split(), "dtype=float32", "--checkpoint", remote,
+  code, out, err = run_cli(capsys, "forward", *KEYS.split(), "dtype=float32", "--checkpoint", remote,
                         "--tokens", os.path.join(DATA, "tokens.npy"), "--save-logits", tmp_path / "logits.npz")
   assert code == 0, err
   assert f"weights: Hugging Face directory {remote}" in out.splitlines()
@@ -58,13 +54,13 @@ def test_forward_from_gcs_equals_transformers(remote, capsys, tmp_path):
 
 
 def test_diff_of_the_derived_keys_agrees(remote, capsys):
-  code, out, err = _run(capsys, "diff", *KEYS.split(), "--path", remote)
+  code, out, err = run_cli(capsys, "diff", *KEYS.split(), "--path", remote)
   assert code == 0, err
   assert "AGREE" in out
 
 
 def test_import_from_gcs_writes_maxtexts_converter_arrays(remote, capsys, tmp_path):
-  code, _, err = _run(capsys, "import", "--path", remote, "--output", tmp_path / "imported")
+  code, _, err = run_cli(capsys, "import", "--path", remote, "--output", tmp_path / "imported")
   assert code == 0, err
   ours, theirs = _arrays(str(tmp_path / "imported")), _arrays(os.path.join(DATA, "maxtext_converted"))
   assert sorted(ours) == sorted(theirs) and len(ours) == 54

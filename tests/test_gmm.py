@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import qwix
 
+from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
+from conftest import REPO
 
 
 def _reference(lhs, rhs, group_sizes):
@@ -85,8 +87,8 @@ def test_rule_is_handed_to_gmm_fp8_with_the_resolved_backend(monkeypatch):
   gmm_lib.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), backend="xla")
   (quantized, quantized_kw), (plain, plain_kw) = calls
   assert quantized[3] is rule and quantized[4] == jnp.bfloat16 and quantized[0].shape == (23, 8)
-  assert quantized_kw == {"backend": "reference"}  # auto on CPU
-  assert plain[3] is None and plain_kw == {"backend": "xla"}
+  assert quantized_kw == {"backend": gmm_backends.resolve("auto"), "tiles": None}  # reference on a CPU, pallas on TPU
+  assert plain[3] is None and plain_kw == {"backend": "xla", "tiles": None}
 
 
 def test_current_rule_is_none_outside_qwix():
@@ -134,4 +136,4 @@ def test_under_qwix_gmm_asks_for_the_modules_rule_and_logs_no_op(monkeypatch):
 
 def test_importing_quant_does_not_import_jax():
   code = "import sys, quant; assert 'jax' not in sys.modules, 'jax imported'"
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -23,6 +23,7 @@ from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.model import rope
+from conftest import DATA
 
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=0", "override_model_config=true", "base_num_decoder_layers=2",
         "first_num_dense_layers=1", "vocab_size=256"]
@@ -124,7 +125,7 @@ def test_exported_files_have_the_permissions_open_gives(tmp_path):
 
 # What transformers 5.24.0 (torch 2.13.0) computes from our config.json for each case: made by
 # scripts/transformers_rope_reference.py (its docstring says how), in a venv of its own.
-TRANSFORMERS_ROPE = os.path.join(os.path.dirname(__file__), "data", "transformers_rope.json")
+TRANSFORMERS_ROPE = os.path.join(DATA, "transformers_rope.json")
 
 
 def _transformers_cases():
@@ -156,7 +157,7 @@ def test_transformers_and_our_reader_read_the_exported_rope_as_the_model_runs_it
   assert hf["softmax_scale"] == pytest.approx(ours[2], rel=1e-12)
   leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
   write_hf.write_deepseek_fp8({leaf.key: np.ones(leaf.shape, np.float32) for leaf in leaves}, cfg, str(tmp_path))
-  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
   read = config.resolve_config(hf_config.tokens(hf_config.derive_keys(str(tmp_path))))
   back = _rope_of(read)
   np.testing.assert_array_equal(back[0], ours[0])

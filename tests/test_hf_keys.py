@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from safetensors import numpy as st_numpy
 
-from inspect_tool import cli
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "import")
+from conftest import DATA as DATA_DIR
+from conftest import run_cli
+DATA = os.path.join(DATA_DIR, "import")
 HF = os.path.join(DATA, "hf_small")
 KEYS = ("model_name=deepseek3-671b override_model_config=true base_emb_dim=128 base_num_query_heads=2 "
         "base_num_kv_heads=2 base_mlp_dim=256 base_moe_mlp_dim=64 base_num_decoder_layers=3 first_num_dense_layers=1 "
@@ -29,11 +30,6 @@ KEYS = ("model_name=deepseek3-671b override_model_config=true base_emb_dim=128 b
         "original_max_position_embeddings=2048 rope_factor=4.0 beta_fast=32.0 beta_slow=1.0 mscale=1.0 "
         "rope_truncate=true rope_attention_scaling=false rope_interleave=true mtp_num_layers=1")
 
-
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _rel(x, y):
@@ -65,14 +61,14 @@ def _copy(tmp_path, edit_config=None, edit_tensors=None) -> str:
 
 def _forward_logits(capsys, tmp_path, path, keys):
   out = tmp_path / "logits.npz"
-  code, _, err = _run(capsys, "forward", *keys.split(), "dtype=float32", "--checkpoint", path,
+  code, _, err = run_cli(capsys, "forward", *keys.split(), "dtype=float32", "--checkpoint", path,
                       "--tokens", os.path.join(DATA, "tokens.npy"), "--save-logits", out)
   assert code == 0, err
   return np.load(out)["logits"]
 
 
 def test_keys_line_is_the_whole_translation_of_config_json(capsys):
-  code, out, err = _run(capsys, "hf", "--path", HF, "--keys")
+  code, out, err = run_cli(capsys, "hf", "--path", HF, "--keys")
   assert code == 0, err
   assert out == KEYS + "\n"
 
@@ -82,7 +78,7 @@ def test_transformers_4_spelling_gives_the_same_keys(tmp_path, capsys):
     params = doc.pop("rope_parameters")
     doc["rope_theta"] = params.pop("rope_theta")
     doc["rope_scaling"] = params
-  code, out, _ = _run(capsys, "hf", "--path", _copy(tmp_path, to_rope_scaling), "--keys")
+  code, out, _ = run_cli(capsys, "hf", "--path", _copy(tmp_path, to_rope_scaling), "--keys")
   assert code == 0 and out == KEYS + "\n"
 
 
@@ -111,12 +107,12 @@ def test_rope_stored_in_halves_is_not_read_as_interleaved(tmp_path, capsys):
     return out
 
   path = _copy(tmp_path, lambda doc: doc.update(rope_interleave=False), deinterleave)
-  code, out, _ = _run(capsys, "hf", "--path", path, "--keys")
+  code, out, _ = run_cli(capsys, "hf", "--path", path, "--keys")
   assert code == 0 and out == KEYS.replace("rope_interleave=true", "rope_interleave=false") + "\n"
   reference = np.load(os.path.join(DATA, "hf_small_transformers_logits.npz"))["logits"]
   logits = _forward_logits(capsys, tmp_path, path, out.strip())
   assert _rel(logits, reference) <= 1e-5
-  code, _, err = _run(capsys, "forward", *KEYS.split(), "dtype=float32", "--checkpoint", path)
+  code, _, err = run_cli(capsys, "forward", *KEYS.split(), "dtype=float32", "--checkpoint", path)
   assert code == 2 and err.count("\n") == 1
   assert "rope_interleave: the model has true, config.json gives rope_interleave=false" in err
 
@@ -130,15 +126,15 @@ def test_rope_stored_in_halves_is_not_read_as_interleaved(tmp_path, capsys):
 ])
 def test_keys_that_contradict_config_json_are_refused_by_forward_and_reported_by_diff(key, value, named, capsys):
   keys = [t if not t.startswith(key + "=") else f"{key}={value}" for t in KEYS.split()]
-  code, _, err = _run(capsys, "forward", *keys, "--checkpoint", HF)
+  code, _, err = run_cli(capsys, "forward", *keys, "--checkpoint", HF)
   assert code == 2 and err.count("\n") == 1 and named in err, err
-  code, out, _ = _run(capsys, "diff", *keys, "--path", HF)
+  code, out, _ = run_cli(capsys, "diff", *keys, "--path", HF)
   assert code == 1 and named in out
   assert out.splitlines()[-1] == f"try: inspect_checkpoint diff {' '.join(KEYS.split())} --path {HF}"
 
 
 def test_the_published_keys_agree_with_diff(capsys):
-  code, out, _ = _run(capsys, "diff", *KEYS.split(), "--path", HF)
+  code, out, _ = run_cli(capsys, "diff", *KEYS.split(), "--path", HF)
   assert code == 0 and "AGREE" in out
 
 
@@ -157,7 +153,7 @@ def test_a_wrong_json_type_is_one_line_naming_the_field(tmp_path, capsys, edit, 
   for argv in (["hf", "--path", path, "--keys"], ["diff", "model_name=deepseek3-tiny", "--path", path],
                ["import", "--path", path, "--output", str(tmp_path / "imported")],
                ["forward", "model_name=deepseek3-tiny", "--checkpoint", path]):
-    code, out, err = _run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == "" and err == f"error: {os.path.join(path, 'config.json')}: {named}\n"
   assert not (tmp_path / "imported").exists()
 
@@ -171,14 +167,14 @@ def test_a_wrong_json_type_is_one_line_naming_the_field(tmp_path, capsys, edit, 
     (lambda d: d.update(model_type="llama"), "model_type 'llama' is not a DeepSeek model MaxText builds"),
 ])
 def test_a_setting_maxtext_cannot_express_is_one_line_exit_2(tmp_path, capsys, edit, named):
-  code, out, err = _run(capsys, "hf", "--path", _copy(tmp_path, edit), "--keys")
+  code, out, err = run_cli(capsys, "hf", "--path", _copy(tmp_path, edit), "--keys")
   assert code == 2 and out == "" and err.count("\n") == 1 and named in err, err
 
 
 def test_a_yarn_factor_other_than_the_ratio_of_the_lengths_is_read_as_transformers_5_reads_it(tmp_path, capsys):
   """transformers 5.24 keeps the factor written (with a warning) where older versions took the ratio of
   max_position_embeddings to the original length (tests/data/transformers_rope.json records 5.24's reading)."""
-  code, out, _ = _run(capsys, "hf", "--path", _copy(tmp_path, lambda d: d["rope_parameters"].update(factor=8.0)),
+  code, out, _ = run_cli(capsys, "hf", "--path", _copy(tmp_path, lambda d: d["rope_parameters"].update(factor=8.0)),
                       "--keys")
   assert code == 0 and "rope_factor=8.0" in out.split()
 
@@ -188,15 +184,15 @@ def test_mtp_layers_are_the_stored_ones_not_num_nextn_predict_layers(tmp_path, c
     return {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")}
 
   path = _copy(tmp_path, edit_tensors=without_mtp)
-  code, out, _ = _run(capsys, "hf", "--path", path, "--keys")
+  code, out, _ = run_cli(capsys, "hf", "--path", path, "--keys")
   assert code == 0 and out.split()[-1] == "mtp_num_layers=0"  # config.json still says num_nextn_predict_layers 1
-  code, out, _ = _run(capsys, "diff", *KEYS.split(), "--path", path)
+  code, out, _ = run_cli(capsys, "diff", *KEYS.split(), "--path", path)
   assert code == 1 and out.splitlines()[-1].split()[-3] == "mtp_num_layers=0"
 
 
 def test_forward_without_mtp_names_the_unused_mtp_tensors(capsys, tmp_path):
   keys = KEYS.replace("mtp_num_layers=1", "mtp_num_layers=0").split()
-  code, _, err = _run(capsys, "forward", *keys, "--checkpoint", HF)
+  code, _, err = run_cli(capsys, "forward", *keys, "--checkpoint", HF)
   assert code == 0
   unused = [line for line in err.splitlines() if line.startswith("note:")]
   with open(os.path.join(HF, "model.safetensors.index.json"), encoding="utf-8") as f:
@@ -229,7 +225,7 @@ def _published(tmp_path, doc, tensors):
 
 
 def test_deepseeks_published_v3_config_is_maxtexts_deepseek3_671b(tmp_path, capsys):
-  from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   path = _published(tmp_path, PUBLISHED_V3, {
       "model.layers.3.mlp.gate.e_score_correction_bias": np.zeros(256, np.float32),
@@ -255,6 +251,6 @@ def test_deepseek_v25_group_limited_softmax_routing_is_refused(tmp_path, capsys)
              norm_topk_prob=False, num_experts_per_tok=6, num_hidden_layers=60, routed_scaling_factor=16.0,
              scoring_func="softmax", topk_group=3, topk_method="group_limited_greedy", vocab_size=102400)
   path = _published(tmp_path, v25, {"model.embed_tokens.weight": np.zeros((1, 1), np.float32)})
-  code, out, err = _run(capsys, "hf", "--path", path, "--keys")
+  code, out, err = run_cli(capsys, "hf", "--path", path, "--keys")
   assert code == 2 and out == "" and err.count("\n") == 1
   assert "topk_method='group_limited_greedy'" in err and "topk_group/n_group=3/8" in err

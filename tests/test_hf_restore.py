@@ -12,8 +12,9 @@ import shlex
 
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+import orbax_sources
 from safetensors import numpy as st_numpy
 
 import test_export_hf as hf_ref
@@ -21,19 +22,16 @@ from inspect_tool import cli, errors, model
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
-from inspect_tool.checkpoint import hf_names, hf_restore
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import restore as hf_restore
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+from conftest import DATA
+from conftest import run_cli
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
 BIAS = ("DeepSeekMoeBlock_0", "MoeBlock_0", "gate", "bias")
 
-
-def _run(capsys, *argv):
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _rel(x, y):
@@ -49,7 +47,7 @@ def cfg():
 def source():
   """The MaxText checkpoint's arrays (converter layout: the gate bias under params/params)."""
   import jax  # pylint: disable=import-outside-toplevel
-  restored = ocp.StandardCheckpointer().restore(os.path.join(CKPT, "0", "items"))
+  restored = orbax_sources.restore_numpy(os.path.join(CKPT, "0", "items"))
   flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
   return {("params",) + tuple(str(k.key) for k in path): np.asarray(v) for path, v in flat}
 
@@ -90,7 +88,7 @@ def _source_value(source, key):
 
 def _forward(capsys, path, batch_files, tmp_path, *extra):
   out = tmp_path / "logits.npz"
-  code, printed, err = _run(capsys, "forward", *L4, *extra, "--checkpoint", path, "--tokens", batch_files[0],
+  code, printed, err = run_cli(capsys, "forward", *L4, *extra, "--checkpoint", path, "--tokens", batch_files[0],
                             "--targets", batch_files[1], "--save-logits", str(out))
   assert code == 0, err
   assert printed.splitlines()[1].startswith(f"weights: Hugging Face directory {os.path.abspath(path)}")
@@ -141,16 +139,16 @@ def test_forward_of_the_fp8_export_is_the_dequantized_weights_forward(fp8_dir, c
 
 
 def test_diff_agrees_with_the_fp8_export_and_names_what_differs(fp8_dir, capsys):
-  code, out, err = _run(capsys, "diff", *L4, "--path", fp8_dir)
+  code, out, err = run_cli(capsys, "diff", *L4, "--path", fp8_dir)
   assert code == 0, err
   assert "AGREE" in out and "53 weights" in out
-  code, out, _ = _run(capsys, "diff", *L4, "vocab_size=512", "mtp_num_layers=0", "--path", fp8_dir)
+  code, out, _ = run_cli(capsys, "diff", *L4, "vocab_size=512", "mtp_num_layers=0", "--path", fp8_dir)
   assert code == 1
   assert "model.embed_tokens.weight is (1024, 64), the model needs (512, 64)" in out
   fix = out.rstrip().splitlines()[-1]
   assert fix.startswith("try: inspect_checkpoint diff model_name=deepseek3-tiny ")
   assert " vocab_size=1024 " in fix and " mtp_num_layers=1 " in fix
-  code, out, _ = _run(capsys, *shlex.split(fix[len("try: inspect_checkpoint "):]))
+  code, out, _ = run_cli(capsys, *shlex.split(fix[len("try: inspect_checkpoint "):]))
   assert code == 0 and "AGREE" in out
 
 
@@ -171,7 +169,7 @@ def test_diff_does_not_read_a_fifo_in_place_of_config_json(fp8_dir, tmp_path):
 
 
 def test_hf_summary_reads_the_export(fp8_dir, capsys):
-  code, out, err = _run(capsys, "hf", "--path", fp8_dir, "--summary")
+  code, out, err = run_cli(capsys, "hf", "--path", fp8_dir, "--summary")
   assert code == 0, err
   assert "routed experts" in out and "embedding and head copies" in out
   tensors = hf_ref._read_tensors(fp8_dir)  # read by the safetensors library
@@ -189,10 +187,10 @@ def test_a_missing_tensor_is_one_line_exit_2_before_any_data_is_read(fp8_dir, tm
   files.pop("model.layers.2.mlp.experts.3.up_proj.weight_scale_inv")
   st_numpy.save_file(files, str(broken / "model.safetensors"))
   (broken / "config.json").write_text(open(os.path.join(fp8_dir, "config.json"), encoding="utf-8").read())
-  code, _, err = _run(capsys, "forward", *L4, "--checkpoint", str(broken), "--tokens", batch_files[0])
+  code, _, err = run_cli(capsys, "forward", *L4, "--checkpoint", str(broken), "--tokens", batch_files[0])
   assert code == 2 and len(err.strip().splitlines()) == 1
   assert "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv is missing" in err
-  code, out, _ = _run(capsys, "diff", *L4, "--path", str(broken))
+  code, out, _ = run_cli(capsys, "diff", *L4, "--path", str(broken))
   assert code == 1 and "up_proj.weight_scale_inv is missing" in out
 
 
@@ -277,7 +275,7 @@ def test_bf16_layout_reproduces_maxtext_golden_logits(bf16_dir, golden, batch_fi
   logits, mtp = _forward(capsys, bf16_dir[0], batch_files, tmp_path)
   assert _rel(logits, golden["logits"]) <= 1e-6 and int((logits.argmax(-1) == golden["top1"]).sum()) == 32
   assert _rel(mtp, golden["mtp_logits"]) <= 1e-6 and int((mtp.argmax(-1) == golden["mtp_top1"]).sum()) == 32
-  code, out, _ = _run(capsys, "diff", *L4, "--path", bf16_dir[0])
+  code, out, _ = run_cli(capsys, "diff", *L4, "--path", bf16_dir[0])
   assert code == 0 and "AGREE" in out
 
 
@@ -314,7 +312,7 @@ import jax, numpy as np
 from inspect_tool import model
 from inspect_tool.configuration import config
 from inspect_tool.paramtree import params
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 cfg = config.resolve_config(sys.argv[2:])
 leaves = params.param_leaves(model.build_model(cfg, abstract=True), include_non_params=True)
 four = hf_restore.restore_leaves(sys.argv[1], cfg, leaves)

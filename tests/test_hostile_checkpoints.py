@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 
 from hostile import REF_CKPT, TINY_CKPT_MODEL, deny_reading, refused, refused_in_subprocess
 
@@ -207,7 +207,7 @@ def test_index_shard_symlink_leading_outside_is_refused(capsys, tmp_path):
 
 
 def test_fifo_or_hostile_config_json_does_not_block_the_summary(tmp_path):
-  from inspect_tool.checkpoint import hf_layout  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import layout as hf_layout  # pylint: disable=import-outside-toplevel
   _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
   (tmp_path / "config.json").write_text('{"num_experts_per_tok": NaN, "n_routed_experts": 256}')
   assert hf_layout.routed_fraction(str(tmp_path)) is None

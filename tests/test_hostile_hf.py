@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from inspect_tool import cli
-from inspect_tool.checkpoint import hf_tensors
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import tensors as hf_tensors
+from inspect_tool.hf import safetensors_header
 from inspect_tool.configuration import config
 from inspect_tool.host import memory as host_memory
 from inspect_tool.run import limits

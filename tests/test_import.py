@@ -22,8 +22,9 @@ import deepseek_fp8_reference
 import deepseek_numpy_reference
 from test_export_distributed import _arrays
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data", "import")
+from conftest import REPO
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "import")
 HF = os.path.join(DATA, "hf_small")
 CONFIG = json.loads(open(os.path.join(HF, "config.json"), encoding="utf-8").read())
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,

@@ -16,26 +16,20 @@ import pytest
 import tensorstore as ts
 
 import maxtext_listings
-from inspect_tool import cli
 from inspect_tool.cli import options
 from inspect_tool.listings import hf_listing
 from inspect_tool.report import listing
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.fp8_export import pipeline as export
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data")
+from conftest import DATA
+from conftest import run_cli
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
-HF_SMALL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "import", "hf_small")
+HF_SMALL = os.path.join(DATA, "import", "hf_small")
 L4_SCAN = "deepseek3-tiny-L4-V1024_scan_mtp1.txt"
 L4_NOSCAN = "deepseek3-tiny-L4-V1024_noscan_mtp1.txt"
 L4 = maxtext_listings.model_keys(L4_SCAN)
 
-
-def _run(capsys, *argv):
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _reference_lines(name):
@@ -51,7 +45,7 @@ def _size(shape_text):
 
 def test_filter_lists_maxtexts_matching_lines_and_says_its_total_is_filtered(capsys):
   regex = r"moe_layers.*MoeBlock_0\.wi_"
-  code, out, _ = _run(capsys, "maxtext", *L4, "--check_dtype", "--filter", regex)
+  code, out, _ = run_cli(capsys, "maxtext", *L4, "--check_dtype", "--filter", regex)
   want = [l for l in _reference_lines(L4_SCAN) if re.search(regex, l.split(" | ")[0][5:])]
   assert code == 0 and len(want) == 2
   lines = out.splitlines()
@@ -64,10 +58,10 @@ def test_filter_lists_maxtexts_matching_lines_and_says_its_total_is_filtered(cap
 
 def test_filter_on_orbax_and_hf_and_in_json(capsys):
   regex = r"decoder\.dense_layers\.self_attention"
-  code, out, _ = _run(capsys, "orbax", "--path", CKPT, "--check_dtype", "--filter", regex)
+  code, out, _ = run_cli(capsys, "orbax", "--path", CKPT, "--check_dtype", "--filter", regex)
   want = [l for l in _reference_lines("orbax_ckpt_deepseek3-tiny-L4-V1024.txt") if re.search(regex, l)]
   assert code == 0 and out.splitlines()[:-1] == want and len(want) == 7
-  code, out, _ = _run(capsys, "hf", "--path", HF_SMALL, "--format", "json", "--filter", r"\.experts\.")
+  code, out, _ = run_cli(capsys, "hf", "--path", HF_SMALL, "--format", "json", "--filter", r"\.experts\.")
   data = json.loads(out)
   assert code == 0 and data["filter"]["regex"] == r"\.experts\." and data["filter"]["arrays_shown"] == 72
   assert data["total_parameters"] == 3 * 8 * 3 * 64 * 128  # 3 MoE-bearing layers, 8 experts, 3 projections
@@ -77,7 +71,7 @@ def test_filter_on_orbax_and_hf_and_in_json(capsys):
                                            ("", "matches every key")])
 def test_bad_filter_is_one_line_exit_2(capsys, regex, message):
   for command in (["maxtext", *L4], ["orbax", "--path", CKPT], ["hf", "--path", HF_SMALL]):
-    code, out, err = _run(capsys, *command, "--filter", regex)
+    code, out, err = run_cli(capsys, *command, "--filter", regex)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (command, err)
     assert "Traceback" not in err
 
@@ -127,7 +121,7 @@ def _entries_of_collapsed(lines):
 
 @pytest.mark.parametrize("name,most_lines", [(L4_NOSCAN, 51), ("deepseek3-671b_noscan_mtp1.txt", 51)])
 def test_collapse_of_an_unscanned_model_stands_for_exactly_maxtexts_lines(capsys, name, most_lines):
-  code, out, _ = _run(capsys, "maxtext", *maxtext_listings.model_keys(name), "--check_dtype", "--collapse")
+  code, out, _ = run_cli(capsys, "maxtext", *maxtext_listings.model_keys(name), "--check_dtype", "--collapse")
   lines = [l for l in out.splitlines() if l.startswith("key: ")]
   assert code == 0 and len(lines) <= most_lines < len(_reference_lines(name))
   assert _entries_of_collapsed(lines) == maxtext_listings.entries(name)
@@ -173,7 +167,7 @@ def _v3_like(dense=3, layers=61, experts=256):
 def test_collapse_makes_a_deepseek_v3_sized_safetensors_listing_short(capsys, tmp_path):
   tensors = _v3_like()
   _handmade_safetensors(str(tmp_path / "model.safetensors"), tensors)
-  code, out, _ = _run(capsys, "hf", "--path", str(tmp_path), "--check_dtype", "--collapse")
+  code, out, _ = run_cli(capsys, "hf", "--path", str(tmp_path), "--check_dtype", "--collapse")
   lines = [l for l in out.splitlines() if l.startswith("key: ")]
   assert code == 0 and len(tensors) > 90_000 and len(lines) <= 20
   tags = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "F32": "float32"}
@@ -197,7 +191,7 @@ def test_collapse_of_the_small_hf_directory_stands_for_its_tensors(capsys):
     if name.endswith(".safetensors"):
       with safe_open(os.path.join(HF_SMALL, name), "np") as f:
         want |= {(k, tuple(f.get_slice(k).get_shape()), "float32") for k in f.keys()}
-  code, out, _ = _run(capsys, "hf", "--path", HF_SMALL, "--check_dtype", "--collapse")
+  code, out, _ = run_cli(capsys, "hf", "--path", HF_SMALL, "--check_dtype", "--collapse")
   lines = [l for l in out.splitlines() if l.startswith("key: ")]
   assert code == 0 and len(lines) < len(want) and _entries_of_collapsed(lines) == want
 
@@ -209,7 +203,7 @@ def test_collapse_of_the_small_hf_directory_stands_for_its_tensors(capsys):
     (L4, 1396848, "1.40 M"), (["model_name=deepseek3-tiny", "mtp_num_layers=1"], 34004896, "34.00 M"),
     (["model_name=deepseek3-671b", "mtp_num_layers=1"], 682636472320, "682.64 B")])
 def test_totals_in_human_units_beside_maxtexts_line(capsys, keys, total, human):
-  code, out, _ = _run(capsys, "maxtext", *keys)
+  code, out, _ = run_cli(capsys, "maxtext", *keys)
   lines = out.splitlines()
   assert code == 0 and lines[-2] == f"Total Parameters: {total} (~{total / 1e9:.2f} B)"  # MaxText's, as it prints
   assert lines[-1].startswith(f"Total: {human} parameters, ")
@@ -245,11 +239,11 @@ def test_an_export_counts_its_scales_apart_from_its_parameters(capsys, fp8_expor
   source = sum(math.prod(s) for k, s, _ in maxtext_listings.entries("orbax_ckpt_deepseek3-tiny-L4-V1024.txt")
                if k.startswith("params.params."))
   assert scales > 0 and sum(a.size for a in arrays.values()) == source + scales
-  code, out, err = _run(capsys, "orbax", "--path", fp8_export)
+  code, out, err = run_cli(capsys, "orbax", "--path", fp8_export)
   assert code == 0 and "an FP8 export" in err
   assert f"Total Parameters: {source} (~0.00 B)" in out  # the source's parameters, as MaxText lists the source
   assert f"Total: {source / 1e6:.2f} M parameters + {scales / 1e3:.2f} K scale values" in out
-  data = json.loads(_run(capsys, "orbax", "--path", fp8_export, "--format", "json")[1])
+  data = json.loads(run_cli(capsys, "orbax", "--path", fp8_export, "--format", "json")[1])
   assert (data["total_parameters"], data["total_scales"]) == (source, scales)
 
 
@@ -257,7 +251,7 @@ def test_fp8_column_is_what_export_writes(capsys, fp8_export):
   """The model's fp8 bytes = the bytes the export wrote (minus the gate bias, not a Param of the model)."""
   arrays = _written_arrays(fp8_export)
   written = sum(a.nbytes for k, a in arrays.items() if not k.endswith("gate.bias"))
-  data = json.loads(_run(capsys, "maxtext", *L4, "quantization=fp8_full", "--format", "json")[1])
+  data = json.loads(run_cli(capsys, "maxtext", *L4, "quantization=fp8_full", "--format", "json")[1])
   assert data["summary"]["total_bytes_fp8"] == written
   groups = {(g["group"], g["part"]): g for g in data["summary"]["groups"]}
   # routed experts: wi_0, wi_1, wo of (16 experts, 3 layers, 64, 64) at 1 byte + bf16 scales (1, 3, 1, 64)
@@ -265,39 +259,39 @@ def test_fp8_column_is_what_export_writes(capsys, fp8_export):
   mtp = groups[("mtp block", "")]  # quantize_mtp=false: never quantized, stays float32
   assert mtp["bytes_fp8"] == mtp["bytes"] == 4 * mtp["params"]
   # unquantized config: MaxText's fp8_full rules, the same figures; the text says which rules decided
-  code, out, _ = _run(capsys, "maxtext", *L4, "--summary")
+  code, out, _ = run_cli(capsys, "maxtext", *L4, "--summary")
   assert code == 0 and "fp8: quantization=fp8_full rules: the 20 weights they quantize" in out
   total_row = next(l for l in out.splitlines() if l.strip().startswith("total "))
   assert total_row.split()[-1] == "MiB" and f"{written / 2**20:.2f}" in total_row
-  code, out, _ = _run(capsys, "orbax", "--path", CKPT, "--summary")  # a float checkpoint without rules: unknown
+  code, out, _ = run_cli(capsys, "orbax", "--path", CKPT, "--summary")  # a float checkpoint without rules: unknown
   assert code == 0 and "fp8: unknown here" in out
 
 
 def test_diff_filter_lists_only_matching_differences_and_keeps_the_whole_verdict(capsys):
   argv = ["diff", "model_name=deepseek3-tiny", "mtp_num_layers=1", "--path", CKPT]
-  code, full, _ = _run(capsys, *argv)
+  code, full, _ = run_cli(capsys, *argv)
   rows = [l.strip() for l in full.splitlines() if l.startswith("  ") and " vs checkpoint " in l]  # shape mismatches
   regex = r"self_attention\.w"
-  code_f, out, _ = _run(capsys, *argv, "--filter", regex)
+  code_f, out, _ = run_cli(capsys, *argv, "--filter", regex)
   want = [r for r in rows if re.search(regex, r.split(":")[0])]
   got = [l.strip() for l in out.splitlines() if l.startswith("  ") and " vs checkpoint " in l]
   assert code == code_f == 1 and 0 < len(want) < len(rows) and got == want
   assert f"shown: the {len(want)} of {len(rows)} differences whose key matches --filter '{regex}'" in out
   assert out.splitlines()[-1] == full.splitlines()[-1]  # the verdict: the whole model's
-  data = json.loads(_run(capsys, *argv, "--filter", regex, "--format", "json")[1])
+  data = json.loads(run_cli(capsys, *argv, "--filter", regex, "--format", "json")[1])
   assert data["agree"] is False and len(data["shape_mismatches"]) == len(want)
-  code, out, err = _run(capsys, *argv, "--filter", "(")
+  code, out, err = run_cli(capsys, *argv, "--filter", "(")
   assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
 
 
 def test_filter_takes_slash_paths_as_rules_writes_them(capsys):
-  dotted = _run(capsys, "maxtext", *L4, "--filter", r"mtp_block\.mtp_layer_1\.mtp_1_transformer_layer\.self_attention")[1]
-  slashed = _run(capsys, "maxtext", *L4, "--filter", "mtp_block/mtp_layer_1/mtp_1_transformer_layer/self_attention")[1]
+  dotted = run_cli(capsys, "maxtext", *L4, "--filter", r"mtp_block\.mtp_layer_1\.mtp_1_transformer_layer\.self_attention")[1]
+  slashed = run_cli(capsys, "maxtext", *L4, "--filter", "mtp_block/mtp_layer_1/mtp_1_transformer_layer/self_attention")[1]
   want = [l.split(" | dtype")[0] for l in _reference_lines(L4_SCAN)
           if ".mtp_1_transformer_layer.self_attention." in l]
   assert dotted.splitlines()[:-1] == slashed.splitlines()[:-1] == want and len(want) == 7
 
 
 def test_a_filtered_listing_never_judges_device_memory(capsys):
-  code, out, err = _run(capsys, "maxtext", *L4, "--devices", "4", "--device-memory", "1GB", "--filter", "wi_0")
+  code, out, err = run_cli(capsys, "maxtext", *L4, "--devices", "4", "--device-memory", "1GB", "--filter", "wi_0")
   assert code == 2 and out == "" and "--device-memory" in err and len(err.strip().splitlines()) == 1

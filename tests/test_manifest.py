@@ -1,5 +1,6 @@
 """`DST/export_manifest.json` and `verify`: every hash against hashlib over the arrays read with tensorstore or the
-safetensors bytes parsed here, every error field against numpy over the source and the stored values."""
+safetensors bytes parsed here, every error field against numpy over the source and the stored values; the export
+takes them while it writes, reading none of its output back."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from test_export_distributed import CKPT, _arrays
 
 from inspect_tool.manifest import stored
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 TOKENS = [*TINY_CKPT_MODEL, "quantization=fp8_full", "quantize_mtp=true"]
 E4M3_MAX = 448.0
 
@@ -32,20 +33,31 @@ def _cli(*argv, timeout=300):
                         cwd=REPO, check=False, timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+def _export_reading_nothing_back(dst, *extra, tokens=TOKENS, checkpoint=CKPT) -> None:
+  """The export, in this process, with every read of an export's stored tensors refused: its manifest comes from
+  what it wrote."""
+  from inspect_tool import cli  # pylint: disable=import-outside-toplevel
+
+  def refused(self, path):
+    raise AssertionError(f"the export read {path} back")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(stored.StoredTensors, "__init__", refused)
+    assert cli.main(["export", *tokens, "--checkpoint", str(checkpoint), "--output", str(dst), "--no-validate",
+                     "--quiet", *extra]) == 0
+
+
 @pytest.fixture(scope="module")
 def orbax_export(tmp_path_factory):
   dst = tmp_path_factory.mktemp("orbax") / "dst"
-  done = _cli("export", *TOKENS, "--checkpoint", CKPT, "--output", dst, "--no-validate", "--quiet")
-  assert done.returncode == 0, done.stderr[-2000:]
+  _export_reading_nothing_back(dst)
   return dst
 
 
 @pytest.fixture(scope="module")
 def hf_export(tmp_path_factory):
   dst = tmp_path_factory.mktemp("hf") / "dst"
-  done = _cli("export", *TOKENS, "--checkpoint", CKPT, "--output", dst, "--layout", "deepseek-fp8", "--no-validate",
-              "--quiet")
-  assert done.returncode == 0, done.stderr[-2000:]
+  _export_reading_nothing_back(dst, "--layout", "deepseek-fp8")
   return dst
 
 
@@ -128,6 +140,70 @@ def test_the_deepseek_fp8_manifest_hashes_the_shard_bytes_and_measures_the_128_b
   fp8 = [e for e in entries.values() if e["quantized"]]
   assert len(fp8) == doc["totals"]["quantized"] > 50
   assert all(0 < e["error"]["max_over_block_absmax"] <= 1 / 16 + 1e-6 for e in fp8)
+
+
+V4_RELEASE = os.path.join(REPO, "tests", "data", "v4", "v4_release")
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _decoded_scales(dtype: str, data: bytes) -> np.ndarray:
+  """A scale tensor's values: float32, or e8m0 bytes (2^(b - 127), 255 NaN), decoded here."""
+  if dtype == "F32":
+    return np.frombuffer(data, np.float32)
+  codes = np.frombuffer(data, np.uint8).astype(np.int32)
+  return np.where(codes == 255, np.float32(np.nan), np.ldexp(np.float32(1), codes - 127).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["ue8m0", "deepseek-v4"])
+def test_the_ue8m0_and_v4_manifests_hash_the_shard_bytes_count_the_scales_and_measure_a_matrix(layout,
+                                                                                                 tmp_path):
+  dst = tmp_path / "dst"
+  if layout == "ue8m0":
+    _export_reading_nothing_back(dst, "--layout", "deepseek-fp8", "--scale-fmt", "ue8m0")
+    source, name = _arrays(CKPT), "model.layers.1.mlp.experts.3.gate_proj.weight"  # wi_0[3, 0].T
+  else:  # the tiny DeepSeek-V4 release, imported, then exported in its own layout (FP4 experts); its weights were
+    # FP4 and FP8 already, so its errors are 0 (tests/test_manifest_digests.py measures others on these formats)
+    keys = _cli("hf", "--path", V4_RELEASE, "--keys").stdout.split() + ["mtp_num_layers=0"]
+    done = _cli("import", "--path", V4_RELEASE, "--output", tmp_path / "src", *keys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _export_reading_nothing_back(dst, "--layout", "deepseek-v4", tokens=keys, checkpoint=tmp_path / "src")
+    source, name = _arrays(str(tmp_path / "src")), "layers.0.ffn.experts.3.w1.weight"  # wi_0[3].T, FP4
+  doc, tensors = _manifest(dst), _safetensors(dst)
+  entries = {e["name"]: e for e in doc["tensors"]}
+  assert sorted(entries) == sorted(tensors) and doc["layout"] == ("deepseek-v4" if layout != "ue8m0" else
+                                                                   "deepseek-fp8-ue8m0")
+  for tensor, (dtype, data) in tensors.items():
+    entry = entries[tensor]
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest(), tensor
+    if "scale_of" in entry:
+      scales = _decoded_scales(dtype, data)
+      assert [entry["zero"], entry["nan"], entry["inf"]] == [int((scales == 0).sum()), int(np.isnan(scales).sum()),
+                                                             int(np.isinf(scales).sum())], tensor
+      assert entries[entry["scale_of"]]["quantized"] and entries[entry["scale_of"]]["scale"]["name"] == tensor
+  matrices = {name: source[entries[name]["source"]["key"].replace("/", ".")][3, 0].T if layout == "ue8m0" else
+              source[entries[name]["source"]["key"].replace("/", ".")][3].T}
+  if layout != "ue8m0":  # and an FP8 matrix of V4's: float8_e8m0fnu scales per 128 x 128 block
+    matrices["layers.0.attn.wkv.weight"] = source["params.params.decoder.layers_0.self_attention.wkv.kernel"].reshape(
+        64, 64).T
+  for matrix, original in matrices.items():
+    _check_matrix(entries[matrix], entries[entries[matrix]["scale"]["name"]], tensors, original)
+
+
+def _check_matrix(entry: dict, scale_entry: dict, tensors: dict, original: np.ndarray) -> None:
+  """The error fields of one quantized matrix against numpy: FP8 (128 x 128 blocks) or packed FP4 (groups of 32)."""
+  scale = _decoded_scales(*tensors[scale_entry["name"]]).reshape(scale_entry["shape"])
+  if entry["dtype"] == "float8_e4m3fn":
+    qvalue = np.frombuffer(tensors[entry["name"]][1], ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
+    block = np.kron(scale, np.ones((128, 128), np.float32))[:qvalue.shape[0], :qvalue.shape[1]]
+    dequantized, absmax = qvalue.astype(np.float32) * block, np.abs(block) * E4M3_MAX
+    assert (np.log2(scale) == np.round(np.log2(scale))).all()  # ue8m0: powers of two
+  else:  # two e2m1 values a byte, low nibble first; one e8m0 scale per 32 values of a row
+    packed = np.frombuffer(tensors[entry["name"]][1], np.uint8).reshape(entry["shape"])
+    values = E2M1[np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)]
+    group = np.repeat(scale, 32, axis=-1)
+    dequantized, absmax = values * group, group * 6.0
+  assert entry["error"]["elements"] == original.size
+  _check_error(entry, _error(original, dequantized, absmax))
 
 
 @pytest.mark.parametrize("shape, piece", [((7, 5, 3), 24), ((4, 9), 4), ((3, 2, 2, 5), 1000), ((11,), 8), ((), 4),

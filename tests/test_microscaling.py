@@ -14,7 +14,8 @@ from quant import fp8
 from quant import microscaling as ms
 from quant import microscaling_quantize as mq
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "v4")
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "v4")
 F4, E8 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from hostile import refused
+from conftest import DATA
 
 TINY = ["maxtext", "model_name=deepseek3-tiny"]
 V4 = ["maxtext", "model_name=deepseek4-284b", "override_model_config=true"]  # 43 layers, 43 compress_ratios
@@ -106,7 +107,7 @@ def test_export_names_the_mtp_arrays_a_model_without_mtp_does_not_use(capsys, tm
 
   l4 = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=4",
         "first_num_dense_layers=1", "vocab_size=1024", "mtp_num_layers=0", "quantization=fp8_full"]
-  ckpt = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ckpt_deepseek3-tiny-L4-V1024")
+  ckpt = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
   code = main(["export", *l4, "--checkpoint", ckpt, "--output", str(tmp_path / "dst"), "--layout", layout,
                "--no-validate"])
   err = capsys.readouterr().err

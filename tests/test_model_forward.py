@@ -8,8 +8,10 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+import golden_parity
+import orbax_sources
 import qwix
 
 from inspect_tool.configuration import config
@@ -20,7 +22,8 @@ from inspect_tool.model import attention
 from inspect_tool.model import mtp
 from quant.gmm import op as gmm_lib
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]
 
@@ -32,7 +35,7 @@ def _rel(ours, golden):
 
 @pytest.fixture(scope="module")
 def checkpoint_arrays():
-  restored = ocp.StandardCheckpointer().restore(str(DATA / "ckpt_deepseek3-tiny-L4-V1024" / "0" / "items"))
+  restored = orbax_sources.restore_numpy(str(DATA / "ckpt_deepseek3-tiny-L4-V1024" / "0" / "items"))
   flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
   return {("params",) + tuple(str(k.key) for k in path): np.asarray(v) for path, v in flat}
 
@@ -63,18 +66,30 @@ def golden_result(checkpoint_arrays, golden):
 
 def test_main_logits_match_maxtext_golden_bit_for_bit(golden_result, golden):
   assert golden_result.logits.shape == (2, 16, 1024) and golden_result.logits.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(golden_result.logits), golden["logits"])  # measured: relative error 0
-  np.testing.assert_array_equal(np.asarray(golden_result.top1), golden["top1"])
+  golden_parity.assert_unquantized_reproduces(golden_result.logits, golden["logits"], "main")  # measured: 0 (CPU)
+  golden_parity.assert_top1(golden_result.top1, golden["top1"], "unquantized", "main")
 
 
 def test_mtp_logits_match_maxtext_golden_bit_for_bit(golden_result, golden):
   assert golden_result.mtp_logits.shape == (1, 2, 16, 1024)
-  np.testing.assert_array_equal(np.asarray(golden_result.mtp_logits[0]), golden["mtp_logits"])
-  np.testing.assert_array_equal(np.asarray(golden_result.mtp_top1[0]), golden["mtp_top1"])
+  golden_parity.assert_unquantized_reproduces(golden_result.mtp_logits[0], golden["mtp_logits"], "mtp")
+  golden_parity.assert_top1(golden_result.mtp_top1[0], golden["mtp_top1"], "unquantized", "mtp")
 
 
 def test_losses_match_maxtext_golden(golden_result, golden):
-  """Per-token cross-entropy: measured 6.2e-8 relative (float32 log-softmax order); MTP sums: exact."""
+  """Per-token cross-entropy: measured 6.2e-8 relative (float32 log-softmax order); MTP sums: exact. On a TPU chip,
+  whose logits stand 1.3e-2 from the golden, each loss as far from MaxText's as its logits allow: a token's
+  cross-entropy (log-sum-exp minus the target's logit) moves by at most twice the largest change in its row of
+  logits, so the main losses, the MTP block's masked sum and the mean stay within those sums (float32 slack 1e-5)."""
+  if golden_parity.ON_TPU:
+    main = 2 * np.abs(np.asarray(golden_result.logits, np.float64) - golden["logits"]).max(-1)
+    mtp = 2 * np.abs(np.asarray(golden_result.mtp_logits[0], np.float64) - golden["mtp_logits"]).max(-1)
+    mask = golden["mtp_acceptance__mtp_block__mtp_mask"][0]
+    assert np.all(np.abs(np.asarray(golden_result.xent, np.float64) - golden["main_xent_per_token"]) <= main + 1e-5)
+    assert abs(float(golden_result.mtp_losses[0]) - float(golden["mtp_losses__mtp_block__losses"][0])) <= float(
+        np.sum(mask * mtp)) + 1e-4
+    assert abs(float(golden_result.loss) - float(golden["main_xent_per_token"].mean())) <= float(main.mean()) + 1e-5
+    return
   np.testing.assert_allclose(np.asarray(golden_result.xent), golden["main_xent_per_token"], rtol=1e-7, atol=0)
   np.testing.assert_array_equal(np.asarray(golden_result.mtp_losses), golden["mtp_losses__mtp_block__losses"])
   np.testing.assert_array_equal(np.asarray(golden_result.mtp_weights), golden["mtp_losses__mtp_block__weights"])
@@ -106,28 +121,32 @@ def test_unscanned_and_layer_axis_zero_models_match_maxtext_golden(checkpoint_ar
   differs: measured relative error 0.01002 (main) and 0.01234 (MTP), top-1 32/32 both; MaxText's own bf16 vs
   float32 compute differ by 0.012 (reference README)."""
   unscanned = _run(_loaded(L4 + ["scan_layers=false"], _unscan(checkpoint_arrays)), golden)
-  assert _rel(unscanned.logits, golden["logits"]) <= 0.0105
-  assert _rel(unscanned.mtp_logits[0], golden["mtp_logits"]) <= 0.0130
-  np.testing.assert_array_equal(np.asarray(unscanned.top1), golden["top1"])
-  np.testing.assert_array_equal(np.asarray(unscanned.mtp_top1[0]), golden["mtp_top1"])
+  bounds = (0.0105, 0.0130) if not golden_parity.ON_TPU else tuple(
+      golden_parity.TPU_BOUND[("unquantized", head)] for head in ("main", "mtp"))
+  assert _rel(unscanned.logits, golden["logits"]) <= bounds[0]
+  assert _rel(unscanned.mtp_logits[0], golden["mtp_logits"]) <= bounds[1]
+  golden_parity.assert_top1(unscanned.top1, golden["top1"], "unquantized", "main")
+  golden_parity.assert_top1(unscanned.mtp_top1[0], golden["mtp_top1"], "unquantized", "mtp")
   axis0 = {k: (np.moveaxis(v, 1, 0) if len(k) > 3 and k[3] in ("dense_layers", "moe_layers") and k[-1] != "bias"
                else v) for k, v in checkpoint_arrays.items()}
   first = _run(_loaded(L4 + ["param_scan_axis=0"], axis0), golden)
-  np.testing.assert_array_equal(np.asarray(first.logits), golden["logits"])
-  np.testing.assert_array_equal(np.asarray(first.mtp_logits[0]), golden["mtp_logits"])
+  golden_parity.assert_unquantized_reproduces(first.logits, golden["logits"], "main")
+  golden_parity.assert_unquantized_reproduces(first.mtp_logits[0], golden["mtp_logits"], "mtp")
 
 
 def test_forward_without_targets_gives_logits_and_mtp_logits_only(checkpoint_arrays, golden):
   result = forward.run_forward(_loaded(L4, checkpoint_arrays), golden["tokens"])
-  np.testing.assert_array_equal(np.asarray(result.logits), golden["logits"])  # measured: bit-exact
-  np.testing.assert_array_equal(np.asarray(result.mtp_logits[0]), golden["mtp_logits"])
+  golden_parity.assert_unquantized_reproduces(result.logits, golden["logits"], "main")  # measured: bit-exact (CPU)
+  golden_parity.assert_unquantized_reproduces(result.mtp_logits[0], golden["mtp_logits"], "mtp")
   assert result.loss is None and result.mtp_losses is None and result.mtp_logits.shape == (1, 2, 16, 1024)
 
 
 def test_attention_stays_inside_segments_and_is_causal():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.float32) for _ in range(3))
-  op = attention.AttentionOp(config.resolve_config(["model_name=deepseek3-tiny"]))
+  # float32 at HIGHEST: the masks are what is compared, not the rounding of two differently shaped programs
+  op = attention.AttentionOp(config.resolve_config(["model_name=deepseek3-tiny", "dtype=float32",
+                                                    "matmul_precision=highest"]))
   packed = op(q, k, v, jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2]]))
   np.testing.assert_allclose(np.asarray(packed[:, 4:]), np.asarray(op(q[:, 4:], k[:, 4:], v[:, 4:])), atol=1e-6)
   np.testing.assert_allclose(np.asarray(packed[:, :4]), np.asarray(op(q[:, :4], k[:, :4], v[:, :4])), atol=1e-6)

@@ -6,7 +6,7 @@ import os
 
 from inspect_tool import cli
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+from conftest import DATA
 CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")  # MaxText's own checkpoint: one step, 0
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024"]

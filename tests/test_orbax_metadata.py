@@ -13,7 +13,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+from conftest import DATA
 REF_CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 REF_LISTING = os.path.join(DATA, "listings", "orbax_ckpt_deepseek3-tiny-L4-V1024.txt")
 

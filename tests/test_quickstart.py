@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 README = os.path.join(REPO, "README.md")
 OUTPUTS = ("/tmp/ic-quickstart-fp8", "/tmp/ic-quickstart-import")  # replaced by directories under tmp_path
 

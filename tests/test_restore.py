@@ -15,7 +15,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.checkpoint import restore
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+from conftest import DATA
 REF_CKPT = os.path.join(DATA, "ckpt_deepseek3-tiny-L4-V1024")
 GATE = ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate", "bias")
 WI_0 = ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "wi_0")

@@ -11,7 +11,8 @@ from qwix._src.core import sparsity
 
 from quant import errors, rules
 
-DATA = pathlib.Path(__file__).parent / "data" / "qwix"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR) / "qwix"
 
 
 @pytest.mark.parametrize("quantize_mtp", ["false", "true"])

@@ -14,9 +14,10 @@ import maxtext_listings
 from inspect_tool import cli
 from inspect_tool.configuration import config
 from inspect_tool.coverage import trace as coverage
-from inspect_tool.report import coverage_format, coverage_report
+from inspect_tool.report import coverage_format, coverage_report, glance_format
+from conftest import DATA
 
-QWIX = pathlib.Path(__file__).parent / "data" / "qwix"
+QWIX = pathlib.Path(DATA) / "qwix"
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "quantization=fp8_full"]
 LINE = re.compile(r"\[QWIX(?:-only_rule)?\] module='([^']+)' op=(\w+) rule=(\w+)")
 QTYPE = re.compile(r"(weight|act|bwd)_qtype=(?:<class 'jax\.numpy\.(\w+)'>|None)")
@@ -177,7 +178,7 @@ def test_v32_and_v4_groups(keys, groups):
     attention = next(v for v in report.glance if v.name == "MoE attention")
     assert attention.reasons == ("einsum: rule 0 names only dot_general, gmm, ragged_dot",)
     assert attention.weights - attention.quantized == sum("o_a_proj" in w.weight for w in report.unquantized_weights)
-  assert all(len(line) <= 100 for line in coverage_format.glance_text(report.glance))
+  assert all(len(line) <= 100 for line in glance_format.glance_text(report.glance))
 
 
 def _maxtext_decoder_weights():

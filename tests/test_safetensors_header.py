@@ -1,4 +1,4 @@
-"""Tests for inspect_tool.checkpoint.safetensors_header: header-only listings of safetensors files and sets."""
+"""Tests for inspect_tool.hf.safetensors_header: header-only listings of safetensors files and sets."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from safetensors import numpy as st_numpy
 
 from inspect_tool import errors
 from inspect_tool.paramtree import tree
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 
 
 def _handmade(path, entries, data_size=None, metadata=None):

@@ -20,7 +20,8 @@ from inspect_tool import model as model_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import placement, rules
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharding")
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "sharding")
 REFERENCES = sorted(f for f in glob.glob(os.path.join(DATA, "*.txt")) if not f.endswith("refusals.txt"))
 _HEADER = re.compile(r"# mesh (\{.*\}) devices (\d+) overrides (.*)")
 

@@ -59,7 +59,7 @@ def test_human_units():
 
 
 def test_hugging_face_names_are_grouped_by_layer_kind(tmp_path):
-  from inspect_tool.checkpoint import hf_layout  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import layout as hf_layout  # pylint: disable=import-outside-toplevel
 
   def hf(name, shape=(4, 4), dtype="bfloat16"):
     return tree.Leaf(tuple(name.split(".")), shape, dtype)

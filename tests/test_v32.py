@@ -6,8 +6,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+
+import orbax_sources
 
 import maxtext_listings
 
@@ -20,7 +21,8 @@ from inspect_tool.paramtree import params
 from inspect_tool.run import runner as running
 from inspect_tool.model import indexer
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 CKPT = DATA / "ckpt_v32-small"
 SMALL = ["model_name=deepseek3.2-671b", "override_model_config=true", "mtp_num_layers=1", "base_emb_dim=64",
          "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128", "base_moe_mlp_dim=32",
@@ -91,7 +93,7 @@ def test_top_k_selection_breaks_ties_by_position_like_a_stable_sort():
 
 @pytest.fixture(scope="module")
 def arrays():
-  restored = ocp.StandardCheckpointer().restore(str(CKPT / "0" / "items"))
+  restored = orbax_sources.restore_numpy(str(CKPT / "0" / "items"))
   flat = jax.tree_util.tree_flatten_with_path(restored["params"])[0]
   return {("params",) + tuple(str(k.key) for k in path): np.asarray(v) for path, v in flat}
 

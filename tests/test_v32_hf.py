@@ -14,21 +14,16 @@ import pytest
 from safetensors import numpy as st_numpy
 
 import test_v32
-from inspect_tool import cli
-from inspect_tool.checkpoint import hf_names
+from inspect_tool.hf import names as hf_names
 from inspect_tool.configuration import config
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.paramtree import tree
+from conftest import run_cli
 
 CKPT = test_v32.CKPT
 RELEASE_INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
                    "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
 
-
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _source() -> dict:
@@ -87,24 +82,24 @@ def test_the_directory_holds_the_release_names_of_the_indexer(hf_dir):
 
 
 def test_keys_diff_and_forward_through_the_hugging_face_names(hf_dir, batch, capsys, tmp_path):
-  code, out, err = _run(capsys, "hf", "--path", hf_dir, "--keys")
+  code, out, err = run_cli(capsys, "hf", "--path", hf_dir, "--keys")
   assert code == 0, err
   keys = out.split()
   assert keys[0] == "model_name=deepseek3.2-671b"
   assert {"use_indexer=true", "indexer_n_heads=4", "indexer_head_dim=32", "indexer_topk=8", "mtp_num_layers=1",
           "q_lora_rank=32", "kv_lora_rank=16"} <= set(keys)
 
-  code, out, _ = _run(capsys, "diff", "model_name=deepseek3.2-671b", "--path", hf_dir)
+  code, out, _ = run_cli(capsys, "diff", "model_name=deepseek3.2-671b", "--path", hf_dir)
   assert code == 1
   argv = shlex.split(out.rstrip().splitlines()[-1][len("try: "):])
-  code, out, err = _run(capsys, *argv[1:])
+  code, out, err = run_cli(capsys, *argv[1:])
   assert code == 0 and "AGREE" in out, out + err
 
   golden, tokens, targets = batch
   results = {}
   for name, source, model in (("hf", hf_dir, keys), ("orbax", str(CKPT), test_v32.SMALL)):
     saved = tmp_path / f"{name}.npz"
-    code, _, err = _run(capsys, "forward", *model, "--checkpoint", source, "--tokens", tokens, "--targets", targets,
+    code, _, err = run_cli(capsys, "forward", *model, "--checkpoint", source, "--tokens", tokens, "--targets", targets,
                         "--save-logits", saved)
     assert code == 0, err
     results[name] = dict(np.load(saved))

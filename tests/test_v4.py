@@ -22,7 +22,8 @@ from inspect_tool.paramtree import summary
 from inspect_tool.coverage import plan
 from inspect_tool.model import compressed_attention
 
-DATA = pathlib.Path(__file__).parent / "data"
+from conftest import DATA as DATA_DIR
+DATA = pathlib.Path(DATA_DIR)
 SMALL = ["model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512"]
 # jax 0.10 (the Python 3.11 stack) rounds some bf16 values differently from MaxText's jax 0.12: 0.4% relative error
 # after layer 0, growing over the 43 mHC layers to 0.050 (jitted, vs the golden), 0.054 (op by op) and 0.246 (op by

@@ -19,8 +19,9 @@ import pytest
 
 from test_export_distributed import _arrays
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data", "v4")
+from conftest import REPO
+from conftest import DATA as DATA_DIR
+DATA = os.path.join(DATA_DIR, "v4")
 SAVED, RELEASE, V31, SAVED_BF16 = (os.path.join(DATA, name) for name in ("v4_saved", "v4_release", "v31_ue8m0",
                                                                          "v4_saved_bf16"))
 TOKENS, V3_TOKENS = os.path.join(DATA, "tokens.npy"), os.path.join(REPO, "tests", "data", "import", "tokens.npy")
@@ -242,7 +243,8 @@ def test_a_wrong_fp4_write_fails_the_kl_gate(release_import, tmp_path, capsys, m
   from inspect_tool.fp8_export import hf_matrices  # pylint: disable=import-outside-toplevel
 
   right = hf_matrices._jitted_fp4_quantize()  # pylint: disable=protected-access
-  monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize", lambda: (lambda w: (right(w)[0], right(w)[1] + 1)))
+  monkeypatch.setattr(hf_matrices, "_jitted_fp4_quantize",
+                      lambda: (lambda w: (lambda packed, codes, error: (packed, codes + 1, error))(*right(w))))
   src, keys = release_import
   dst = tmp_path / "export"
   code = cli.main(["export", *keys, "--checkpoint", str(src), "--output", str(dst), "--layout", "deepseek-v4",

@@ -18,7 +18,7 @@ import pytest
 from web_server import Repo
 from web_server import WebServer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 HF = os.path.join(REPO, "tests", "data", "import", "hf_small")
 TOKEN = "hf_test_token"
 SHARDS = sorted(n for n in os.listdir(HF) if n.endswith(".safetensors"))

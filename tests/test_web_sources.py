@@ -24,13 +24,14 @@ from test_hf_keys import KEYS
 from test_import_memory import LIMIT, WI_0, _import, hf_dir  # pylint: disable=unused-import
 from web_server import WebServer
 import memory_cgroup
-from inspect_tool import cli
 from inspect_tool import errors
 from inspect_tool.storage import paths
 from inspect_tool.storage import web
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "tests", "data", "import")
+from conftest import REPO
+from conftest import DATA as DATA_DIR
+from conftest import run_cli
+DATA = os.path.join(DATA_DIR, "import")
 HF = os.path.join(DATA, "hf_small")
 SHARDS = sorted(n for n in os.listdir(HF) if n.endswith(".safetensors"))
 
@@ -41,11 +42,6 @@ def server():
   with WebServer(DATA) as running:
     yield running
 
-
-def _run(capsys, *argv):
-  code = cli.main([str(a) for a in argv])
-  out, err = capsys.readouterr()
-  return code, out, err
 
 
 def _header_bytes(name: str) -> int:
@@ -67,7 +63,7 @@ def test_hf_listing_and_keys_over_http_are_the_local_ones(server, capsys, extra)
 
 @pytest.mark.parametrize("command", [["hf", "--summary"], ["hf", "--keys"], ["diff", *KEYS.split()]])
 def test_header_only_commands_read_the_headers_alone(server, capsys, command):
-  code, out, err = _run(capsys, *command, "--path", f"{server.url}/hf_small")
+  code, out, err = run_cli(capsys, *command, "--path", f"{server.url}/hf_small")
   assert code == 0, err
   if command[0] == "diff":
     assert "AGREE" in out
@@ -90,8 +86,8 @@ def test_a_single_model_safetensors_is_read_without_an_index(server, capsys, tmp
   one.mkdir()
   shutil.copy(os.path.join(HF, SHARDS[1]), one / "model.safetensors")
   with WebServer(str(tmp_path)) as single:
-    there = _run(capsys, "hf", "--path", f"{single.url}/one", "--format", "json")
-  local = _run(capsys, "hf", "--path", os.path.join(HF, SHARDS[1]), "--format", "json")
+    there = run_cli(capsys, "hf", "--path", f"{single.url}/one", "--format", "json")
+  local = run_cli(capsys, "hf", "--path", os.path.join(HF, SHARDS[1]), "--format", "json")
   assert local[0] == there[0] == 0, there[2]
   assert json.loads(there[1])["parameters"] == json.loads(local[1])["parameters"]
 
@@ -129,10 +125,10 @@ def _header(name: str) -> dict:
 # Failures: one line, exit 2 ---------------------------------------------------------------------------------------
 
 def test_a_directory_without_the_well_known_files_is_one_line(server, capsys):
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/nothing", "--summary")[::2],
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/nothing", "--summary")[::2],
             "neither model.safetensors.index.json nor model.safetensors is there")
-  _one_line(*_run(capsys, "diff", *KEYS.split(), "--path", f"{server.url}/nothing")[::2], "neither")
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/hf_small/absent.safetensors")[::2],
+  _one_line(*run_cli(capsys, "diff", *KEYS.split(), "--path", f"{server.url}/nothing")[::2], "neither")
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/hf_small/absent.safetensors")[::2],
             "does not exist", "absent.safetensors")
 
 
@@ -140,13 +136,13 @@ def test_a_shard_the_index_names_that_the_server_lacks_is_one_line(server, capsy
   shutil.copytree(HF, tmp_path / "hf")
   os.remove(tmp_path / "hf" / SHARDS[1])
   with WebServer(str(tmp_path)) as partial:
-    _one_line(*_run(capsys, "hf", "--path", f"{partial.url}/hf")[::2], "1 shard file(s) missing", SHARDS[1])
+    _one_line(*run_cli(capsys, "hf", "--path", f"{partial.url}/hf")[::2], "1 shard file(s) missing", SHARDS[1])
 
 
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_refusal_is_one_line(server, capsys, status):
   server.refuse["/hf_small/model-"] = status
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/hf_small")[::2],
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/hf_small")[::2],
             f"permission denied by 127.0.0.1:{server.server_address[1]} (HTTP {status})")
 
 
@@ -154,14 +150,14 @@ def test_a_closed_port_is_one_line_after_bounded_tries(capsys):
   with socket.socket() as sock:  # a port nobody listens on
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-  line = _one_line(*_run(capsys, "hf", "--path", f"http://127.0.0.1:{port}/hf_small", "--summary")[::2],
+  line = _one_line(*run_cli(capsys, "hf", "--path", f"http://127.0.0.1:{port}/hf_small", "--summary")[::2],
                    f"cannot reach 127.0.0.1:{port}", "gave up after 4 tries")
   assert "refused" in line.lower()
 
 
 def test_a_server_without_range_support_is_refused_at_the_first_range(server, capsys):
   server.ranges = False
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/hf_small", "--summary")[::2],
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/hf_small", "--summary")[::2],
             "does not honour byte ranges", "HTTP 200")
   asked = [r for r in server.log if r.path.endswith(".safetensors")]
   assert len(asked) <= len(SHARDS) and all(r.range == "bytes=0-7" for r in asked)  # each asked once, not again
@@ -169,13 +165,13 @@ def test_a_server_without_range_support_is_refused_at_the_first_range(server, ca
 
 def test_a_body_cut_short_is_one_line_after_bounded_tries(server, capsys):
   server.cut.add(f"/hf_small/{SHARDS[0]}")
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/hf_small/{SHARDS[0]}")[::2], "gave up after 4 tries")
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/hf_small/{SHARDS[0]}")[::2], "gave up after 4 tries")
   assert sum(r.path.endswith(SHARDS[0]) for r in server.log) == 4
 
 
 def test_a_busy_server_is_asked_four_times_then_one_line(server, capsys):
   server.busy = 100
-  _one_line(*_run(capsys, "hf", "--path", f"{server.url}/hf_small")[::2], "answered HTTP 503 after 4 tries")
+  _one_line(*run_cli(capsys, "hf", "--path", f"{server.url}/hf_small")[::2], "answered HTTP 503 after 4 tries")
   assert len(server.log) == 4
 
 
@@ -185,7 +181,7 @@ def test_a_server_that_does_not_answer_times_out(capsys, monkeypatch):
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     port = sock.getsockname()[1]
-    _one_line(*_run(capsys, "hf", "--path", f"http://127.0.0.1:{port}/x/config.json")[::2],
+    _one_line(*run_cli(capsys, "hf", "--path", f"http://127.0.0.1:{port}/x/config.json")[::2],
               "did not answer within 0.3 s", "INSPECT_HTTP_TIMEOUT")
 
 
@@ -203,7 +199,7 @@ def test_a_truncated_or_lying_header_is_one_line(capsys, tmp_path, case):
   root = _lying(tmp_path, {"w": entry}, b"\0" * 8) if case == "offsets" else _lying(tmp_path, {"w": entry}, b"",
                                                                                       claimed=10**9)
   with WebServer(root) as lies:
-    line = _one_line(*_run(capsys, "hf", "--path", f"{lies.url}/lies")[::2], "not a valid safetensors file")
+    line = _one_line(*run_cli(capsys, "hf", "--path", f"{lies.url}/lies")[::2], "not a valid safetensors file")
     assert sum(lies.sent.values()) < 200  # a lying length is checked against the size before it is read
   assert ("exceed the 8 data bytes" if case == "offsets" else "exceeds the file's") in line
 

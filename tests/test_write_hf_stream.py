@@ -19,7 +19,7 @@ from inspect_tool.streaming import safetensors_writer
 
 import test_export_hf
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 NP_DTYPES = test_export_hf.NP_DTYPES
 
 
@@ -139,7 +139,7 @@ class _Recording:
   """An array-like that records the shape of every block read from it."""
 
   def __init__(self, array, reads):
-    self.array, self.shape, self.reads = array, array.shape, reads
+    self.array, self.shape, self.dtype, self.reads = array, array.shape, array.dtype, reads
 
   def __getitem__(self, index):
     self.reads.append(np.asarray(self.array[index]).shape)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from inspect_tool import errors
-from inspect_tool.cli import main
 from inspect_tool.output import atomic
 from inspect_tool.output import destination
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+from conftest import run_cli
 TINY = ["model_name=deepseek3-tiny", "override_model_config=true", "base_num_decoder_layers=2",
         "first_num_dense_layers=1", "vocab_size=256"]
 WRITERS = {  # writer: the command line writing PATH
@@ -29,9 +29,7 @@ LONG = "n" * 246 + ".txt"  # a legal 250-byte name
 
 
 def _run(capsys, argv):
-  code = main(argv)
-  captured = capsys.readouterr()
-  return code, captured.out, captured.err
+  return run_cli(capsys, *argv)
 
 
 def _one_line(code, err):

@@ -19,8 +19,10 @@ from inspect_tool.host import accelerator
 from inspect_tool.xla_compile import libtpu
 from inspect_tool.xla_compile import memory
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-REF = REPO / "tests" / "data" / "xla_ref"
+from conftest import DATA
+from conftest import REPO as REPO_DIR
+REPO = pathlib.Path(REPO_DIR)
+REF = pathlib.Path(DATA) / "xla_ref"
 TINY = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=1", "max_target_length=256"]
 L4 = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=true", "base_num_decoder_layers=4",
       "first_num_dense_layers=1", "vocab_size=1024", "per_device_batch_size=1", "max_target_length=256"]
@@ -109,7 +111,7 @@ def test_xla_refusal_for_lack_of_hbm_is_the_verdict():
 def test_libtpu_0_0_50_refusal_names_the_temporaries_as_its_figure():
   """libtpu 0.0.50 says only that the temporaries alone exceed the HBM (its words on a v5e chip and for its AOT
   topology alike: tests/data/xla_ref/tpu_v5e_device_check.json)."""
-  check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
+  check = json.loads((REF / "tpu_v5e_device_check.json").read_text())
   message = next(r["aot_refusal"] for r in check["rows"] if r["aot_refusal"])
   result = memory.XlaMemory.refused("train", "v5e-1", message, int(15.75 * 2**30), 1.0)
   assert result.fits is False and result.xla_used is None
@@ -121,7 +123,7 @@ def test_a_batch_the_v5e_chip_refused_is_refused_here_with_the_chips_figure_and_
   tpu_v5e_device_check.json); compiled here for the topology, XLA refuses it with the same temporaries, exit 1, and
   the advice plans from XLA's usable HBM. (Its first way, batch 77, compiled to XLA's peak 15.63 GiB of the 15.75 GiB
   XLA can use: docs/sharding-and-memory.md; a test would compile for minutes.)"""
-  check = json.loads((REPO / "tests" / "data" / "xla_ref" / "tpu_v5e_device_check.json").read_text())
+  check = json.loads((REF / "tpu_v5e_device_check.json").read_text())
   chip = next(r["device_refusal"] for r in check["rows"] if r.get("device_refusal"))
   code, out, err = _cli("maxtext", "model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=96",
                         "max_target_length=256", "--topology", "v5e-1", "--compile", "--train", "adamw", "--format",

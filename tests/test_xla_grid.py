@@ -25,9 +25,10 @@ from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import xla_grid
 
+from conftest import DATA as DATA_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "tests", "data", "xla_ref")
-OURS = os.path.join(ROOT, "tests", "data", "xla_ours")
+DATA = os.path.join(DATA_DIR, "xla_ref")
+OURS = os.path.join(DATA_DIR, "xla_ours")
 TOLERANCE = 0.15
 RESULTS = grid_plan.results(DATA)
 COMPILED = sorted(name for name, d in RESULTS.items() if d["ok"])

@@ -4,7 +4,9 @@
 `bytes=A-`) with 206 and `Content-Range` as RFC 9110 has it (416 past the end), and counts what it sends: `sent`
 (body bytes per served path), `log` (one `Request` per GET: path, Range, status, Authorization, User-Agent). It can
 be made to misbehave: `ranges = False` (whole files, 200, as `python -m http.server` does), `refuse[path prefix] =
-status`, `cut` (paths whose bodies end half-way, the connection closed), `busy` (answers 503 this many times).
+status`, `cut` (paths whose bodies end half-way, the connection closed), `busy` (answers 503 this many times),
+`stall` ("ranges": no byte range is ever answered; "data": no range into a safetensors file's tensor data, past
+its header): the request waits, unanswered, until the server closes; `stalled` is set once one waits.
 
 As a Hub (`hub = {repo id: Repo}`, for `HF_ENDPOINT`): `/{ORG}/{REPO}/resolve/{REVISION}/{PATH}` as the Hub answers
 it (URLs as huggingface_hub's `hf_hub_url` makes them, refusals as its `hf_raise_for_status` reads them): revisions
@@ -49,6 +51,7 @@ class WebServer(http.server.ThreadingHTTPServer):
     super().__init__(("127.0.0.1", 0), _Handler)
     self.root, self.hub = root, {}
     self.ranges, self.refuse, self.cut, self.busy = True, {}, set(), 0
+    self.stall, self.stalled, self.closing = None, threading.Event(), threading.Event()
     self.sent, self.log, self.lock = collections.Counter(), [], threading.Lock()
     self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
@@ -61,6 +64,7 @@ class WebServer(http.server.ThreadingHTTPServer):
     return self
 
   def __exit__(self, *exc):
+    self.closing.set()
     self.shutdown()
     self.server_close()
 
@@ -137,11 +141,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       return self._plain(path, 302, {"Location": cdn, "X-Linked-Size": str(os.path.getsize(local))})
     return self._file(path, local)
 
+  def _stalls(self, local: str, first: int) -> bool:
+    if self.server.stall == "ranges":
+      return True
+    if self.server.stall != "data" or not local.endswith(".safetensors"):
+      return False
+    with open(local, "rb") as f:
+      header = int.from_bytes(f.read(8), "little")
+    return first >= 8 + header
+
   def _file(self, path: str, local: str):
     if not os.path.isfile(local):
       return self._plain(path, 404)
     size = os.path.getsize(local)
     asked = _RANGE.match((self.headers.get("Range") or "").strip()) if self.server.ranges else None
+    if asked and self._stalls(local, int(asked.group(1))):
+      self._record(path, 0)
+      self.server.stalled.set()
+      self.server.closing.wait()  # never answered while the server runs
+      self.close_connection = True
+      return None
     if asked:
       first = int(asked.group(1))
       last = min(int(asked.group(2)) if asked.group(2) else size - 1, size - 1)

@@ -1,5 +1,6 @@
-"""What marks a checkpoint as an FP8 export (`inspect_checkpoint export`): its `quantization_report.json` beside
-the step directories, and the quantization keys the report says it was made with. Reading these is metadata only.
+"""What marks a checkpoint as an export (`inspect_checkpoint export`, FP8 or int8): its `quantization_report.json`
+beside the step directories, and the quantization keys the report says it was made with. Reading these is metadata
+only.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def read_report(path: str) -> dict:
   except (OSError, ValueError, errors.InspectError):
     return {}
   return data if isinstance(data, dict) else {}
+
+
+def label(path: str) -> str:
+  """"int8 export" when every weight the report lists is int8 (quantization=int8), else "FP8 export"."""
+  weights = read_report(path).get("weights")
+  qtypes = {w.get("qtype") for w in weights if isinstance(w, dict)} if isinstance(weights, list) else set()
+  return "int8 export" if qtypes == {"int8"} else "FP8 export"
 
 
 def is_quantized_model(model) -> bool:

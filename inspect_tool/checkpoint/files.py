@@ -10,8 +10,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import stat
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from inspect_tool import errors
 from inspect_tool.storage import paths
@@ -91,26 +92,93 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
   return doc
 
 
+def _decoder() -> json.JSONDecoder:
+  return json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+
+
+def _refusal(e: Exception, raw: bytes | str, bad: Callable[[str], Exception]) -> Exception:
+  """`bad(why)` for what the strict parser raised."""
+  if isinstance(e, _DuplicateKey):
+    return bad(f"ambiguous JSON: key {e.args[0][:200]!r} appears twice in one object")
+  if isinstance(e, RecursionError):
+    return bad("JSON nested too deeply")
+  if isinstance(e, UnicodeDecodeError):
+    return bad("not UTF-8 JSON")
+  if isinstance(e, json.JSONDecodeError):
+    truncated = e.pos >= len(e.doc.rstrip()) - 1 or e.msg.startswith("Unterminated")
+    why = "truncated JSON" if truncated else "not valid JSON"
+    return bad(f"{why}: {e.msg} at byte {e.pos} of {len(raw)}")
+  return bad(f"not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
 def parse_json(raw: bytes | str, bad: Callable[[str], Exception]) -> Any:
   """Strict JSON (no NaN/Infinity, finite floats, nesting <= MAX_JSON_DEPTH, no key twice in one object); `bad(why)`
   is raised otherwise."""
   try:
     doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
-  except _DuplicateKey as e:
-    raise bad(f"ambiguous JSON: key {e.args[0][:200]!r} appears twice in one object") from None
-  except RecursionError:
-    raise bad("JSON nested too deeply") from None
-  except UnicodeDecodeError:
-    raise bad("not UTF-8 JSON") from None
-  except json.JSONDecodeError as e:
-    truncated = e.pos >= len(e.doc.rstrip()) - 1 or e.msg.startswith("Unterminated")
-    why = "truncated JSON" if truncated else "not valid JSON"
-    raise bad(f"{why}: {e.msg} at byte {e.pos} of {len(raw)}") from None
-  except ValueError as e:
-    raise bad(f"not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, _DuplicateKey are ValueErrors
+    raise _refusal(e, raw, bad) from None
   if _depth(doc) > MAX_JSON_DEPTH:
     raise bad(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
   return doc
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_SPACES = " \t\n\r"
+
+
+def _skip(text: str, i: int) -> int:
+  """The index of the first character at or after `i` that is not JSON whitespace."""
+  return _SPACE.match(text, i).end() if text[i:i + 1] in _SPACES and i < len(text) else i
+
+
+def object_members(raw: bytes | bytearray | str, bad: Callable[[str], Exception]) -> Iterator[tuple[str, Any]]:
+  """The members (key, value) of the JSON object `raw`, parsed as `parse_json` parses (strict numbers, no key twice)
+  one at a time, so that a reader refuses the first bad member without parsing the rest (a safetensors header of
+  100 MiB holds 1.5 million). `bad(why)` is raised for bad JSON, and "not a JSON object" for another value. The
+  values are not measured for depth: a reader keeps only the fields it checks."""
+  try:
+    text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+    i = _skip(text, 0)
+    if text[i:i + 1] != "{":
+      parse_json(raw, bad)  # bad JSON is named as such; valid JSON that starts otherwise is no object
+      raise bad("not a JSON object")
+    value_at, key_at, seen = _decoder().scan_once, json.decoder.scanstring, set()
+    i = _skip(text, i + 1)
+    if text[i:i + 1] == "}":
+      i += 1
+    else:
+      while True:  # compact JSON (as the safetensors library writes it) takes no `_skip` call below
+        if text[i:i + 1] != '"':
+          raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        key, i = key_at(text, i + 1)
+        if text[i:i + 1] != ":":
+          i = _skip(text, i)
+          if text[i:i + 1] != ":":
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        i += 1
+        if text[i:i + 1] in _SPACES:
+          i = _skip(text, i)
+        try:
+          value, i = value_at(text, i)
+        except StopIteration as e:
+          raise json.JSONDecodeError("Expecting value", text, e.value) from None
+        if key in seen:
+          raise _DuplicateKey(key)
+        seen.add(key)
+        yield key, value
+        if text[i:i + 1] not in ",}":
+          i = _skip(text, i)
+        if text[i:i + 1] == "}":
+          i += 1
+          break
+        if text[i:i + 1] != ",":
+          raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+        i = _skip(text, i + 1)
+    if _skip(text, i) != len(text):
+      raise json.JSONDecodeError("Extra data", text, _skip(text, i))
+  except (ValueError, RecursionError) as e:
+    raise _refusal(e, raw, bad) from None
 
 
 def _depth(doc: Any) -> int:

@@ -1,4 +1,5 @@
-"""Loads an FP8 export (`inspect_checkpoint export`) into the quantized model: Qwix PTQ + pre-quantized experts.
+"""Loads an export (`inspect_checkpoint export`, FP8 or int8) into the quantized model: Qwix PTQ + pre-quantized
+experts.
 
 The model is built abstractly and wrapped by `qwix.quantize_model` with a `PtqProvider` over the config's
 rules (one abstract call under `nnx.eval_shape`), so every dense kernel a rule quantizes becomes
@@ -24,6 +25,7 @@ import qwix
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.checkpoint import restore
 from inspect_tool.configuration import config as config_lib
@@ -32,12 +34,14 @@ from inspect_tool.paramtree import params
 from inspect_tool.storage import paths
 from quant import compat
 from quant import ptq_weights
+from quant import rounding
 
 
 def _ptq_template(cfg: config_lib.ModelConfig, rules):
   """The abstract model under Qwix PTQ: quantized dense kernels as WithAux(QArray) of abstract arrays."""
   def quantize(model):
     args, kwargs = model_lib.qwix_init_inputs(cfg)
+    compat.exact_qwix_quantization(rounding.quotient, rounding.by_constant)  # activations on the fly, as on a CPU
     quantized = qwix.quantize_model(model, qwix.PtqProvider(list(rules)), *args, **kwargs)
     nnx.pop(quantized, nnx.Intermediate)
     return quantized
@@ -74,19 +78,22 @@ def _prequantize_params(model, listing) -> list[tuple[str, ...]]:
   return replaced
 
 
-def load_quantized_model(cfg: config_lib.ModelConfig, path: str, *, mesh=None):
-  """The quantized model with the export's FP8 weights (see the module docstring), on `mesh`'s devices.
+def load_quantized_model(cfg: config_lib.ModelConfig, path: str | locate.ResolvedPath, *, mesh=None):
+  """The quantized model with the export's FP8 or int8 weights (see the module docstring), on `mesh`'s devices;
+  `path` a checkpoint's, or the items' directory an export's writer resolved (read there, not located again).
 
   Raises:
     errors.InputError: the config has no quantization.
     errors.MismatchError: the checkpoint does not fit the quantized model (e.g. other quantize_* keys).
     errors.CheckpointError: the checkpoint cannot be read.
   """
+  listed, path = path, (path.items_dir.rpartition("/")[0] if isinstance(path, locate.ResolvedPath) else path)
   rules = model_coverage.config_rules(cfg)
   if not rules:
     hint = exports.export_keys_hint(path) or "the quantization keys it was exported with"
-    raise errors.InputError(f"checkpoint {path!r} is an FP8 export; load it into the quantized model: add {hint}")
-  listing = orbax_metadata.read_listing(path)
+    raise errors.InputError(f"checkpoint {path!r} is an {exports.label(path)}; load it into the quantized model: add "
+                            f"{hint}")
+  listing = orbax_metadata.read_listing(listed)
   model = _ptq_template(cfg, rules)
   _prequantize_params(model, listing)
   leaves = params.param_leaves(model, include_non_params=True)

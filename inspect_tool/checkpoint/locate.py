@@ -32,6 +32,7 @@ class ResolvedPath:
   items_dir: str
   step: int | None
   note: str = ""
+  unpublished: bool | None = None  # this run's own gs:// output before its commit; None: ask `storage.commit.own`
 
 
 def _is_tree_dir(path: str) -> bool:

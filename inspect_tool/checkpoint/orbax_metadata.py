@@ -189,9 +189,9 @@ def _array_headers(items_dir: str, entries: list[Entry], use_ocdbt: bool,
   return headers
 
 
-def read_listing(path: str) -> Listing:
-  """Resolves `path` and lists every stored leaf of its pytree (all items), sorted by key."""
-  resolved = locate.resolve_orbax_path(path)
+def read_listing(path: str | locate.ResolvedPath) -> Listing:
+  """Lists every stored leaf of the pytree of `path` (resolved here unless it already is), sorted by key."""
+  resolved = path if isinstance(path, locate.ResolvedPath) else locate.resolve_orbax_path(path)
   items_dir = resolved.items_dir
   entries, info = read_tree_metadata(items_dir)
   manifest = files.kind(paths.join(items_dir, locate.OCDBT_MANIFEST))

@@ -19,6 +19,7 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.checkpoint import diff
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
@@ -124,8 +125,10 @@ def restore_pairs(listing: orbax_metadata.Listing, pairs: list[diff.Pair], *, me
   items_dir = paths.absolute(listing.resolved.items_dir)
   args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   try:
-    if commit.own(items_dir):  # this run's own gs:// output before its commit: Orbax's handler reads it (its
-      handler = ocp.PyTreeCheckpointHandler()  # checkpointer refuses a step without Orbax's marker, written last)
+    own = listing.resolved.unpublished
+    if own or (own is None and commit.own(items_dir)):  # this run's own gs:// output before its commit: Orbax's
+      # handler reads it (its checkpointer refuses a step without Orbax's marker, written last)
+      handler = ocp.PyTreeCheckpointHandler()
       try:
         restored = handler.restore(epath.Path(items_dir), args=args)
       finally:
@@ -166,7 +169,7 @@ def restore_leaves(path: str, leaves: Iterable[tree.Leaf], *, mesh=None,
   return restore_pairs(listing, plan(listing, leaves, report_unused=report_unused), mesh=mesh, shardings=shardings)
 
 
-def load_checkpoint(model, path: str, *, mesh=None):
+def load_checkpoint(model, path: str | locate.ResolvedPath, *, mesh=None):
   """Loads every weight of `model` (an NNX model from `inspect_tool.model.build_model`) from `path`."""
   leaves = params.param_leaves(model, include_non_params=True)
   arrays = restore_leaves(path, leaves, mesh=mesh, report_unused=True)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import signal
 import sys
 
 import click
 
+from inspect_tool import process_state
 from inspect_tool.cli import flags
 
 # The cyclic garbage collector's thresholds for the command's process: JAX's and Flax's imports and the model's
@@ -23,6 +25,14 @@ GC_THRESHOLDS = (20_000, 20, 20)
 # scans once imported (`gc.freeze`: kept for the process's life anyway): an export to gs:// spent 7% of its CPU in
 # the collector with the thresholds alone (`perf`), and its exit took 0.6 s, 0.3 s frozen.
 _freeze_imports = False
+
+
+def _thaw() -> None:
+  global _freeze_imports  # pylint: disable=global-statement
+  _freeze_imports = False
+
+
+process_state.declare(f"{__name__}:_freeze_imports", process_state.SETTING, lambda: _freeze_imports, _thaw)
 
 _COMMANDS = {  # name: (module, attribute, the line the top-level help shows)
     "maxtext": ("inspect_tool.cli.listing_cmds", "maxtext",
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
   from inspect_tool.output import stop  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
+  from inspect_tool.host import accelerator  # pylint: disable=import-outside-toplevel
+  accelerator.round_like_a_cpu(argv)  # before JAX starts (a process's first command)
   if fresh:
     stop.clear()
   stop.install_handlers()
@@ -125,6 +137,9 @@ def main(argv: list[str] | None = None, *, fresh: bool = True) -> int:
   code = _run(argv)
   from inspect_tool.distributed import runtime  # pylint: disable=import-outside-toplevel
   runtime.finish()
+  if fresh:  # an in-process run (tests, the Python API): it has ended, the watchdog must not end the process later,
+    stop.run_ended()  # and the next command starts with the defaults and no cached bytes
+    process_state.end_command()
   return code
 
 
@@ -202,4 +217,7 @@ def entry_point() -> None:
     click.echo(f"error: {e}", err=True)
     code = 2
   stop.ignore_from_now()  # the run is over: a signal during the interpreter's teardown changes nothing
+  if stop.received() is not None:  # stopped: no wait at exit for threads still blocked (a network read)
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
   sys.exit(code)

@@ -12,7 +12,7 @@ from inspect_tool.cli import options
                                       "first_num_dense_layers=1 vocab_size=1024 --path "
                                       "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
 @options.overrides_argument
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="Orbax checkpoint (step directory, its items directory, or steps "
               "directory) or Hugging Face DeepSeek directory (config.json + safetensors).")
 @click.option("--filter", "key_filter", metavar="REGEX", help="List only the differences whose key contains a match "
@@ -24,8 +24,9 @@ def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_process
 
   Exit code 0 when they agree, 1 when they do not.
   """
-  from inspect_tool.checkpoint import fit as checking  # pylint: disable=import-outside-toplevel
-  from inspect_tool.checkpoint import hf_diff, hf_restore  # pylint: disable=import-outside-toplevel
+  from inspect_tool.fitting import check as checking  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import diff as hf_diff  # pylint: disable=import-outside-toplevel
+  from inspect_tool.hf import restore as hf_restore  # pylint: disable=import-outside-toplevel
   from inspect_tool.report import diff_format  # pylint: disable=import-outside-toplevel
 
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
@@ -39,7 +40,7 @@ def diff(overrides, path, key_filter, fmt, output_file, coordinator, num_process
   compare = hf_diff.diff_config_hf if hf_restore.is_hf_checkpoint(path) else checking.diff_config_checkpoint
   source, result = compare(overrides, path)  # metadata only: every process reads it, process 0 reports
   if distributed.process_index() == 0:
-    from inspect_tool.checkpoint import fix  # pylint: disable=import-outside-toplevel
+    from inspect_tool.fitting import keys as fix  # pylint: disable=import-outside-toplevel
     result.fix = fix.suggest(list(overrides), path, result, compare, compare is hf_diff.diff_config_hf)
     options.emit_text(diff_format.FORMATTERS[fmt](result, source=source, path=path, key_filter=key_filter),
                       output_file)

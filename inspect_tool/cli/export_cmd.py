@@ -1,4 +1,5 @@
-"""`export`: write the quantization-applied model as an FP8 checkpoint, then validate it against its source."""
+"""`export`: write the quantization-applied model as an FP8 (or int8) checkpoint, then validate it against its
+source."""
 
 from __future__ import annotations
 
@@ -18,18 +19,19 @@ LAYOUTS = ("orbax", "deepseek-fp8", "deepseek-bf16", "deepseek-v4")
                                           "--checkpoint tests/data/ckpt_deepseek3-tiny-L4-V1024 --output "
                                           "/tmp/tiny-fp8"))
 @cli_options.overrides_argument
-@click.option("--checkpoint", "source", type=click.Path(), help="Float MaxText-layout Orbax checkpoint to export.")
+@click.option("--checkpoint", "source", type=cli_options.InputPath("the source"),
+              help="Float MaxText-layout Orbax checkpoint to export.")
 @click.option("--random-init", "--random_init", "random_init", is_flag=True,
               help="Export the seeded random init (init_weights_seed) instead of a checkpoint: a test of the tool, "
                    "not of a model.")
-@click.option("--output", "dst", type=click.Path(),
+@click.option("--output", "dst", type=cli_options.OutputDirectory(),
               help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (with "
                    "quantization_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
               help="Replace an existing --output (kept intact if the export fails) and --output_file.")
-@click.option("--tokens", "tokens_file", type=click.Path(),
+@click.option("--tokens", "tokens_file", type=cli_options.InputPath("the tokens file"),
               help="Validation tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(),
+@click.option("--targets", "targets_file", type=cli_options.InputPath("the targets file"),
               help="Validation targets .npy (default: tokens shifted left).")
 @click.option("--max-kl", "--max_kl", "max_kl", type=param_types.Bounded(float, 0.0, 100.0), default=0.015,
               show_default=True, help="Exit 1 when any head's KL divergence (nats) from the source run with the "
@@ -60,8 +62,9 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
   """Export the model of key=value overrides with its quantization applied (e.g. quantization=fp8_full).
 
   Every weight that a quantizing op consumes (dense kernels, router, logits head, routed experts via gmm, the MTP
-  block with quantize_mtp=true) is written as float8_e4m3fn values plus scales at the forward pass's granularity;
-  everything else is copied. Exit 0 when validation passes, 1 when a head's KL from the source is above --max-kl.
+  block with quantize_mtp=true) is written as the rule's weight type (float8_e4m3fn; int8 with quantization=int8)
+  plus scales at the forward pass's granularity; everything else is copied. Exit 0 when validation passes, 1 when
+  a head's KL from the source is above --max-kl.
 
   The weights are a checkpoint (--checkpoint) or, only when asked (--random-init), the seeded random init; the
   first line printed says which.
@@ -89,7 +92,7 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
     raise errors.InputError(f"--scale-fmt {scale_fmt} applies to the Hugging Face layouts; accepted: --layout "
                             "deepseek-fp8 --scale-fmt ue8m0, or no --scale-fmt with --layout orbax")
   if layout != "orbax":
-    from inspect_tool.fp8_export import hf_layouts  # pylint: disable=import-outside-toplevel
+    from inspect_tool.hf import layouts as hf_layouts  # pylint: disable=import-outside-toplevel
     hf_layouts.resolve(layout, scale_fmt)
   cli_options.check_output_files(output_file)
   several = distributed.check_flags(coordinator, num_processes, process_id, timeout)
@@ -99,32 +102,38 @@ def export(overrides, source, random_init, dst, overwrite, tokens_file, targets_
                             "--num-processes and --process-id")
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   cfg = config.resolve_config(overrides)  # every input checked before joining: a bad one ends no other process
+  if layout != "orbax":
+    hf_layouts.check_quantization(hf_layouts.resolve(layout, scale_fmt), cfg.quantization)
   budget.resolve_max_memory(max_bytes)
   data = None
   if validate:
     from inspect_tool.run import batch  # pylint: disable=import-outside-toplevel
     data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                             max_target_length=cfg.max_target_length)
-  used = _weights_text(overrides, source)  # the checkpoint found (or named in one line) before joining
+  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
+  used = weights.resolve(cfg, source)  # the checkpoint found (or named in one line) before joining, once
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
-  args = dict(source=source, overwrite=overwrite, data=data, tokens_file=tokens_file, max_kl=max_kl,
-              run_validation=validate, command=cli_options.command_line(), max_memory=max_bytes,
-              batch_options=[*(["--tokens", tokens_file] if tokens_file else []),
-                             *(["--targets", targets_file] if targets_file else [])])
+  batch_options = [*(["--tokens", tokens_file] if tokens_file else []),
+                   *(["--targets", targets_file] if targets_file else [])]
   if layout != "orbax":
     if distributed.process_count() > 1:  # a job JAX's cluster detection found
       raise errors.InputError(f"--layout {layout} is written by one process; this job has "
                               f"{distributed.process_count()}; accepted: --layout orbax")
-    result = pipeline.export_deepseek_fp8(overrides, dst, layout=layout, scale_fmt=scale_fmt, **args)
+    result = pipeline.export_deepseek_fp8(overrides, dst, cfg=cfg, source=used, overwrite=overwrite, data=data,
+                                          tokens_file=tokens_file, max_kl=max_kl, run_validation=validate,
+                                          command=cli_options.command_line(), max_memory=max_bytes,
+                                          batch_options=batch_options, layout=layout, scale_fmt=scale_fmt)
   else:
-    result = pipeline.export(overrides, dst, **args)
+    result = pipeline.export(overrides, dst, cfg=cfg, source=used, overwrite=overwrite, data=data,
+                             tokens_file=tokens_file, max_kl=max_kl, run_validation=validate,
+                             command=cli_options.command_line(), max_memory=max_bytes, batch_options=batch_options)
   if distributed.process_index() != 0:
     return 0  # process 0 reports
   if fmt == "json":
-    text = json.dumps(result.report, indent=1) + "\n"
+    text = json.dumps(result.report.to_dict(), indent=1) + "\n"
   else:
     formatter = report.format_text if layout == "orbax" else report.format_hf_text
-    text = f"weights: {used}\n" + formatter(result)
+    text = f"weights: {used.label}\n" + formatter(result)
   cli_options.emit_text(text, output_file)
   return 0 if result.passed else 1
 
@@ -137,6 +146,7 @@ def _compile_only(overrides, topology, fmt, output_file) -> int:
   from inspect_tool.xla_compile import libtpu  # pylint: disable=import-outside-toplevel
   from inspect_tool.xla_compile import topology as topology_lib  # pylint: disable=import-outside-toplevel
 
+  cli_options.check_output_files(output_file)
   topology_lib.slice_of(topology)
   libtpu.require()
   cfg = config.resolve_config(overrides)
@@ -151,10 +161,3 @@ def _compile_only(overrides, topology, fmt, output_file) -> int:
   cli_options.emit_text(text, output_file)
   return 0 if verdict.fits else 1
 
-
-def _weights_text(overrides, source) -> str:
-  """`run.weights.describe` of the export's source."""
-  from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
-  from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
-
-  return weights.describe(config.resolve_config(overrides), source)

@@ -14,11 +14,12 @@ from inspect_tool.cli import options
                                       "first_num_dense_layers=1 vocab_size=1024 --checkpoint "
                                       "tests/data/ckpt_deepseek3-tiny-L4-V1024"))
 @options.overrides_argument
-@click.option("--checkpoint", type=click.Path(), help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek "
+@click.option("--checkpoint", type=options.InputPath("the source"),
+              help="MaxText-layout Orbax checkpoint, or Hugging Face DeepSeek "
               "directory (config.json + safetensors, bf16 or FP8), to load (default: seeded random init).")
-@click.option("--tokens", "tokens_file", type=click.Path(),
+@click.option("--tokens", "tokens_file", type=options.InputPath("the tokens file"),
               help="int tokens (batch, seq) .npy (default: a fixed 2x16 batch).")
-@click.option("--targets", "targets_file", type=click.Path(),
+@click.option("--targets", "targets_file", type=options.InputPath("the targets file"),
               help="int targets .npy (default: tokens shifted left).")
 @click.option("--save-logits", "--save_logits", "save_logits", type=options.OutputPath(),
               help="Write logits (and mtp_logits) to this .npz.")
@@ -46,13 +47,13 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
   data = batch.load_batch(tokens_file, targets_file, vocab_size=cfg.vocab_size,
                           max_target_length=cfg.max_target_length)
   from inspect_tool.run import weights  # pylint: disable=import-outside-toplevel
-  used = weights.describe(cfg, checkpoint)  # the checkpoint found (or named in one line) before joining
+  used = weights.resolve(cfg, checkpoint)  # the checkpoint found (or named in one line) before joining, once
   options.start_processes(coordinator, num_processes, process_id, quiet, timeout)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   if compare and weights.is_random(checkpoint):
     click.echo(weights.RANDOM_WARNING.format(seed=cfg.init_weights_seed), err=True)
-  outcome = running.run(cfg, data, checkpoint=checkpoint, compare=compare, grad=grad)
+  outcome = running.run(cfg, data, checkpoint=used, compare=compare, grad=grad)
   from inspect_tool.distributed import runtime as distributed  # pylint: disable=import-outside-toplevel
   if distributed.process_count() > 1:  # results sharded over every process's devices: gather, process 0 reports
     outcome = dataclasses.replace(outcome, result=distributed.to_host(outcome.result),
@@ -65,6 +66,6 @@ def forward(overrides, checkpoint, tokens_file, targets_file, save_logits, compa
     forward_format.save_logits(save_logits, outcome.result, overwrite=options.overwrite_requested())
   formatter = forward_format.format_json if fmt == "json" else forward_format.format_text
   options.emit_text(formatter(outcome.result, source=config.model_source(overrides), quantization=cfg.quantization,
-                              comparisons=comparisons, grad=outcome.grad, weights=used,
+                              comparisons=comparisons, grad=outcome.grad, weights=used.label,
                               compared=outcome.compared), output_file)
   return 0

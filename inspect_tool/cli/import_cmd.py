@@ -12,9 +12,9 @@ from inspect_tool.cli import options as cli_options
 @click.command("import", epilog=cli_options.example("import --path tests/data/import/hf_small "
                                                      "--output hf_small_maxtext scan_layers=true"))
 @cli_options.overrides_argument
-@click.option("--path", "path", required=True, type=click.Path(file_okay=False),
+@click.option("--path", "path", required=True, type=cli_options.InputPath("the source", file_okay=False),
               help="Hugging Face DeepSeek directory: config.json and safetensors (FP8 release layout or float).")
-@click.option("--output", "dst", required=True, type=click.Path(),
+@click.option("--output", "dst", required=True, type=cli_options.OutputDirectory(),
               help="Output directory, or gs://BUCKET/PREFIX; it appears only when complete (DST/0/items, with "
                    "import_report.json; on gs://, commit_success.txt is written last).")
 @click.option("--overwrite", is_flag=True, callback=cli_options.remember_overwrite,
@@ -39,13 +39,13 @@ def import_(overrides, path, dst, overwrite, max_memory, fmt, output_file, coord
 
   max_bytes = budget.parse_size(max_memory) if max_memory is not None else None
   cli_options.check_output_files(output_file)
-  inputs.check_inputs(path, overrides, max_bytes)  # before joining (a bad input ends no other process), still light
+  resolved = inputs.check_inputs(path, overrides, max_bytes)  # before joining (a bad input ends none), still light
   from inspect_tool.hf_import import pipeline  # pylint: disable=import-outside-toplevel
   cli_options.start_processes(coordinator, num_processes, process_id, quiet, timeout, jax_runtime=False)
   result = pipeline.import_checkpoint(path, dst, overrides, overwrite=overwrite, max_memory=max_bytes,
-                                      command=cli_options.command_line())
+                                      command=cli_options.command_line(), resolved=resolved)
   if distributed.process_index() != 0:
     return 0
-  text = json.dumps(result.report, indent=1) + "\n" if fmt == "json" else pipeline.format_text(result)
+  text = json.dumps(result.report.to_dict(), indent=1) + "\n" if fmt == "json" else pipeline.format_text(result)
   cli_options.emit_text(text, output_file)
   return 0

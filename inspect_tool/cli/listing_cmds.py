@@ -31,10 +31,11 @@ MAX_DEVICES = 1 << 20  # far above any slice or job MaxText runs on
               "training step with --train, else the forward pass. The verdict is XLA's: exit 1 when it does not fit.")
 @click.option("--device-memory", "device_memory", help="Memory of one device (95GiB, 80GB; default: the --topology "
               "chip's): exit 1 when the largest device does not fit, naming the largest contributors and what fits.")
+@options.chip_option
 @options.output_options
 @options.listing_options
-def maxtext(overrides, include_all, verbose, devices, topology, train, compile_, device_memory, fmt, check_dtype,
-            output_file, html_file, summary, key_filter, collapse):
+def maxtext(overrides, include_all, verbose, devices, topology, train, compile_, device_memory, chip, fmt,
+            check_dtype, output_file, html_file, summary, key_filter, collapse):
   """List the parameters of a MaxText model given as key=value overrides."""
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.listings import model_listing  # pylint: disable=import-outside-toplevel
@@ -45,6 +46,9 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   if compile_:
     _check_compile(topology, key_filter)
   cfg = config.resolve_config(overrides)
+  if compile_:
+    from inspect_tool.xla_compile import sizes  # pylint: disable=import-outside-toplevel
+    sizes.check(cfg, topology)  # before the model is traced
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
   from inspect_tool import sharding  # pylint: disable=import-outside-toplevel
@@ -52,10 +56,13 @@ def maxtext(overrides, include_all, verbose, devices, topology, train, compile_,
   devices = sharding.devices_for(cfg, devices, topology)
   if devices is None and (train or device_memory):
     raise click.UsageError("--train and --device-memory need --devices N or --topology NAME")
+  if chip is not None and not summary and fmt == "text":
+    raise click.UsageError("--chip reports with the summary: add --summary (or --format json / markdown)")
   if key_filter is not None and device_memory:
     raise click.UsageError("--device-memory judges the whole model; it cannot be given with --filter")
   report, model = model_listing.model_listing(cfg, include_all=include_all, source=config.model_source(overrides),
-                                         key_filter=key_filter, fp8_column=summary or fmt != "text")
+                                              key_filter=key_filter, fp8_column=summary or fmt != "text",
+                                              chip=options.chip_of(topology, chip))
   if devices is not None:
     report = sharding.annotate(report, cfg, devices=devices, train=train, device_memory=device_memory,
                                topology=topology, overrides=overrides)
@@ -94,7 +101,7 @@ def _check_compile(topology, key_filter) -> None:
 
 
 @click.command(epilog=options.example("orbax --path tests/data/ckpt_deepseek3-tiny-L4-V1024 --summary"))
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="Step directory, its items directory, or a directory of steps.")
 @click.option("--all", "include_all", is_flag=True, help="List every item (nnx_aux, opt_state, step), grouped.")
 @options.output_options
@@ -122,7 +129,7 @@ def _emit_leaves(report, title, fmt, check_dtype, output_file, html_file, summar
 
 
 @click.command(epilog=options.example("hf --path tests/data/import/hf_small --summary"))
-@click.option("--path", required=True, type=click.Path(),
+@click.option("--path", required=True, type=options.InputPath("the source"),
               help="A .safetensors file, a directory of them, or a sharded index.json set.")
 @click.option("--keys", "keys", is_flag=True, help="Print the MaxText keys of the DeepSeek directory (config.json and "
               "the stored tensors) as one line of key=value, instead of the listing.")
@@ -134,7 +141,7 @@ def hf(path, keys, fmt, check_dtype, output_file, html_file, summary, key_filter
   from inspect_tool.paramtree import select  # pylint: disable=import-outside-toplevel
 
   if keys:
-    from inspect_tool.checkpoint import hf_config  # pylint: disable=import-outside-toplevel
+    from inspect_tool.hf import config as hf_config  # pylint: disable=import-outside-toplevel
     options.echo(" ".join(hf_config.tokens(hf_config.derive_keys(path))) + "\n")
     return 0
   options.check_output_files(output_file, html_file)

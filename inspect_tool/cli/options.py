@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
 
@@ -39,6 +40,18 @@ class OutputPath(click.Path):
 
   def __init__(self):
     super().__init__(dir_okay=False)
+
+
+class OutputDirectory(click.Path):
+  """The directory an export or import writes (`--output`): claimed by `output.destination.claim`."""
+
+
+class InputPath(click.Path):
+  """A path the command reads (`role`: what it is, in the line that refuses an output on or inside it)."""
+
+  def __init__(self, role: str, **kwargs):
+    super().__init__(**kwargs)
+    self.role = role
 
 
 def output_options(func):
@@ -102,6 +115,35 @@ def report_options(formats=("text", "json"), html: str | None = None, overwrite:
   return decorate
 
 
+CHIP_HELP = ("Say how each group's quantized matmuls run on this chip's matrix units (v4, v5e, v5p, v6e, tpu7x, "
+             "h100, h200, b200): natively and how fast against bf16, or widened to bf16; and which MaxText mode runs "
+             "faster there.")
+chip_option = click.option("--chip", help=CHIP_HELP)
+
+
+def chip_options(func):
+  """--topology and --chip of `rules`: the chip whose matrix units the verdicts at a glance are about."""
+  func = chip_option(func)
+  return click.option("--topology", help="A MaxText slice name (v5p-512, v6e-64, a3, ...) or a chip's name: as "
+                      "--chip, for that slice's chip.")(func)
+
+
+def chip_of(topology: str | None, chip: str | None) -> str | None:
+  """The chip `--chip` names, else `--topology`'s (None: neither given); both given, they must agree (exit 2)."""
+  from inspect_tool import errors  # pylint: disable=import-outside-toplevel
+  from inspect_tool.sharding import matrix_units  # pylint: disable=import-outside-toplevel
+  from inspect_tool.sharding import mesh  # pylint: disable=import-outside-toplevel
+
+  of_topology = mesh.topology_chip(topology).name if topology is not None else None
+  if chip is not None:
+    matrix_units.chip(chip)
+    if of_topology is not None and of_topology != chip:
+      raise errors.InputError(f"--chip {chip} disagrees with --topology {topology} (a {of_topology} slice); give "
+                              "one of them, or both agreeing")
+    return chip
+  return of_topology
+
+
 def remember_overwrite(ctx, param, value):  # pylint: disable=unused-argument
   """Records --overwrite for `check_output_files` (also the callback of a command's own --overwrite)."""
   ctx.meta["inspect_checkpoint.overwrite"] = bool(value)
@@ -133,10 +175,49 @@ def overwrite_requested() -> bool:
   return bool(ctx is not None and ctx.meta.get("inspect_checkpoint.overwrite"))
 
 
-def check_output_files(*paths: str | None) -> None:
-  """Refuses, before any work, output files that exist (without --overwrite) or are directories or ''."""
+def _given_paths(ctx: click.Context) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+  """(inputs, outputs) of the running command as (option, what it is, path): its `InputPath` and model files,
+  its `OutputPath` and then `OutputDirectory` values (a file in the output directory is the one named)."""
+  inputs, outputs, directories = [], [], []
+  for param in ctx.command.params:
+    value = ctx.params.get(param.name)
+    if value is None:
+      continue
+    option = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+    if isinstance(param.type, InputPath):
+      inputs.append((option, param.type.role, value))
+      if value.endswith(".safetensors.index.json"):  # an index is read with the shards beside it
+        inputs.append((option, "the directory of the index", os.path.dirname(value) or "."))
+    elif isinstance(param.type, OutputDirectory):
+      directories.append((option, "the output directory", value))
+    elif isinstance(param.type, OutputPath):
+      outputs.append((option, "the output file", value))
+  if ctx.params.get("overrides"):
+    from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
+    inputs += [("key=value", "the model file", path) for path in config.model_files(ctx.params["overrides"])]
+  return inputs, outputs + directories
+
+
+def check_apart_from_inputs() -> None:
+  """Refuses an output of the running command that is, contains or lies inside one of its inputs or another of its
+  outputs (`destination.check_apart`), with or without --overwrite."""
   from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
 
+  ctx = click.get_current_context(silent=True)
+  if ctx is None:
+    return
+  inputs, outputs = _given_paths(ctx)
+  for i, (option, kind, path) in enumerate(outputs):
+    others = [(f"{what} {given!r} ({name})", given) for name, what, given in inputs + outputs[:i] + outputs[i + 1:]]
+    destination.check_apart(path, others, "output" if kind == "the output directory" else option)
+
+
+def check_output_files(*paths: str | None) -> None:
+  """Refuses, before any work, an output on or inside an input or another output (`check_apart_from_inputs`), and
+  output files that exist (without --overwrite) or are directories or ''."""
+  from inspect_tool.output import destination  # pylint: disable=import-outside-toplevel
+
+  check_apart_from_inputs()
   for path in paths:
     if path is not None:
       destination.check_output_file(path, overwrite_requested())
@@ -169,9 +250,11 @@ def echo(text: str) -> None:
 
 
 def write_file(path: str, data: str | bytes) -> None:
-  """Writes one output file by the single-file rule (`destination.check_output_file`), atomically."""
+  """Writes one output file by the single-file rule (`destination.check_output_file`), atomically, apart from the
+  command's inputs (checked again: a directory may have been replaced by a link meanwhile)."""
   from inspect_tool.output import atomic  # pylint: disable=import-outside-toplevel
 
+  check_apart_from_inputs()
   atomic.atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data,
                             overwrite=overwrite_requested())
 

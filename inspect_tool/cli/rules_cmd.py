@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from inspect_tool.cli import options
 
 
 @click.command(epilog=options.example("rules model_name=deepseek3-tiny mtp_num_layers=1 quantization=fp8_full "
-                                      "quantize_mtp=true --html coverage.html"))
+                                      "quantize_mtp=true --chip v5p --html coverage.html"))
 @options.overrides_argument
-@click.option("--rules", "rules_file", type=click.Path(dir_okay=False),
+@click.option("--rules", "rules_file", type=options.InputPath("the rules file", dir_okay=False),
               help="YAML list of QtRule fields to use instead of MaxText's rules for the config.")
 @click.option("--strict", is_flag=True, help="Exit 1 on unused rules or an unquantized decoder matmul weight; "
               "the verdict (passed or FAILED) is the last line on stderr.")
@@ -18,8 +20,9 @@ from inspect_tool.cli import options
               help="Show each rule tried for one module or weight, dotted as listings print it or as a module "
               "path: decoder/moe_layers/self_attention/out.")
 @click.option("--verbose", is_flag=True, help="Say on stderr which given keys the trace uses and which it ignores.")
+@options.chip_options
 @options.report_options(formats=("text", "json", "markdown", "html"), html="the module tree marked by rule")
-def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file, html_file):
+def rules(overrides, rules_file, strict, explain_path, verbose, topology, chip, fmt, output_file, html_file):
   """Report Qwix rule coverage of the model given as key=value overrides (abstract trace, no memory).
 
   --format html prints the treescope page on stdout; --html FILE writes it to FILE beside the report.
@@ -32,7 +35,11 @@ def rules(overrides, rules_file, strict, explain_path, verbose, fmt, output_file
   cfg = config.resolve_config(overrides)
   if verbose:
     click.echo("\n".join(config.describe_keys(overrides)), err=True)
+  on = options.chip_of(topology, chip)
   report = model_coverage.trace_coverage(cfg, rules_file)
+  if on is not None:
+    from inspect_tool.report import chip_fit  # pylint: disable=import-outside-toplevel
+    report = dataclasses.replace(report, chip=chip_fit.build(on, report.glance))
   note = model_coverage.untraced_mtp(cfg)
   if note:
     click.echo(f"note: {note}", err=True)

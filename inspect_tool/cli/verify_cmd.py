@@ -8,7 +8,7 @@ from inspect_tool.cli import options
 
 
 @click.command(epilog=options.example("verify /tmp/export"))
-@click.argument("dst", type=click.Path())
+@click.argument("dst", type=options.InputPath("the export"))
 @click.option("--max-memory", "--max_memory", "max_memory", type=str,
               help="Peak memory to stay under, e.g. 600MB, 2GiB (default: half of the available memory); tensors "
                    "are read and hashed in pieces that fit.")
@@ -17,7 +17,8 @@ def verify(dst, max_memory, fmt, output_file):
   """Re-read the export DST (local or gs://) and check every tensor against DST/export_manifest.json: each listed
   tensor stored with its shape, dtype and sha256, none other.
 
-  Exit 0 with a one-line summary, 1 naming the first tensor that differs.
+  Exit 0 with a one-line summary, 1 naming the first tensor that differs, 2 when the export or its manifest cannot
+  be read (missing, malformed, a shard missing: one line on stderr).
   """
   import json  # pylint: disable=import-outside-toplevel
 

@@ -348,6 +348,17 @@ def model_keys(model_name: str, model_file: str | None = None) -> dict[str, Any]
   return dict(_typed(data), model_name=model_name)
 
 
+def _bare_model_files(tokens: list[str]) -> list[str]:
+  return [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml")) and os.path.basename(t) != "base.yml"]
+
+
+def model_files(tokens: Iterable[str]) -> list[str]:
+  """The user model files that key=value `tokens` name (bare `*.yml` paths, `model_file=PATH`): inputs of the
+  command, which no output may replace."""
+  tokens = list(tokens)
+  return _bare_model_files(tokens) + [t.partition("=")[2] for t in tokens if t.startswith("model_file=")]
+
+
 def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   """Builds a `ModelConfig` from MaxText-style `key=value` tokens (plus typed keyword overrides).
 
@@ -355,7 +366,7 @@ def resolve_config(tokens: Iterable[str] = (), **extra: Any) -> ModelConfig:
   own first argument, its `.../configs/base.yml`, is skipped: its keys and defaults are built in.
   """
   tokens = [t for t in tokens if "=" in t or os.path.basename(t) != "base.yml"]
-  files = [t for t in tokens if "=" not in t and t.endswith((".yml", ".yaml"))]
+  files = _bare_model_files(tokens)
   raw = parse_overrides([t for t in tokens if t not in files])
   given_files = files + ([raw["model_file"]] if "model_file" in raw else [])
   if len(given_files) > 1:  # MaxText reads one model file: name a missing or bad one first, then refuse the second

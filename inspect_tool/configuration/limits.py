@@ -2,9 +2,11 @@
 
 * Numbers: every float key must be finite (`routed_scaling_factor=nan` would run and report `loss nan`);
   every integer key must fit in int64.
-* Sizes: no array may hold 2^62 elements or more (shapes past int64 break XLA's size arithmetic), and
-  `scan_layers=false` builds one Python module per layer, so at most `MAX_UNSCANNED_LAYERS` decoder or MTP
-  layers are built that way (`base_num_decoder_layers=100000 scan_layers=false` would not finish).
+* Sizes: no array may hold 2^62 elements or more (shapes past int64 break XLA's size arithmetic), no dimension
+  may pass 2^31 - 1 (JAX indexes dimensions with int32: `num_experts=3000000000` broke the router's `top_k`), and
+  `scan_layers=false` builds one Python module per layer, so at most `MAX_UNSCANNED_LAYERS` decoder layers are
+  built that way (`base_num_decoder_layers=100000 scan_layers=false` would not finish), and as many MTP layers
+  (the MTP block is never scanned).
 
 What a run needs in memory is `run.limits`'s; what the host has, `host.memory`'s.
 """
@@ -18,6 +20,7 @@ from typing import Any
 from inspect_tool import errors
 
 INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1  # the largest dimension a traced program indexes (JAX's int32 indices)
 MAX_ELEMENTS = 2**62
 MAX_UNSCANNED_LAYERS = 512
 
@@ -74,3 +77,47 @@ def check_config(cfg) -> None:
       if layers > MAX_UNSCANNED_LAYERS:
         raise errors.ConfigError(f"{given} with scan_layers=false would build {layers} layer modules one by one; "
                                  f"at most {MAX_UNSCANNED_LAYERS} are built that way (use scan_layers=true)")
+  if cfg.mtp_num_layers > MAX_UNSCANNED_LAYERS:
+    raise errors.ConfigError(f"mtp_num_layers={cfg.mtp_num_layers} would build as many MTP layer modules one by one "
+                             "(MaxText's MTP block is never scanned); largest accepted: "
+                             f"mtp_num_layers={MAX_UNSCANNED_LAYERS}")
+  for key, value, largest, what in _dimensions(cfg):
+    if value > largest:
+      raise errors.ConfigError(f"{key}={value}: {what} would pass 2^31-1, the largest dimension a traced program "
+                               f"indexes (JAX's int32 indices); largest accepted: {key}={largest}")
+
+
+_WIDTHS = {  # a key that is one array dimension by itself: what it sizes
+    "vocab_size": "the vocabulary", "head_dim": "a head", "q_lora_rank": "the query latent",
+    "kv_lora_rank": "the key/value latent", "qk_nope_head_dim": "a query/key head",
+    "qk_rope_head_dim": "a query/key head's RoPE part", "v_head_dim": "a value head",
+    "num_experts": "the router's scores", "indexer_n_heads": "the indexer's heads",
+    "indexer_head_dim": "an indexer head", "indexer_topk": "the indexer's keys",
+    "o_groups": "the output groups", "o_lora_rank": "the output latent",
+    "max_position_embeddings": "the RoPE tables", "original_max_position_embeddings": "the RoPE tables",
+    "max_target_length": "a sequence", "sliding_window_size": "the sliding window"}
+
+
+def _dimensions(cfg) -> list[tuple[str, int, int, str]]:
+  """(key, its value, the largest value accepted, what it sizes) for each array dimension a key sets, alone or
+  scaled (`global_parameter_scale`) or summed or multiplied with another key."""
+  def scaled(key: str, derived: int, what: str):
+    base = getattr(cfg, key)
+    factor = derived // base if base > 0 else 1
+    return key, base, INT32_MAX // max(factor, 1), f"{what} ({derived} wide)"
+
+  rows = [scaled("base_emb_dim", cfg.emb_dim, "the embedding"),
+          scaled("base_num_query_heads", cfg.num_query_heads, "the query heads"),
+          scaled("base_num_kv_heads", cfg.num_kv_heads, "the key/value heads"),
+          scaled("base_mlp_dim", cfg.mlp_dim, "the dense MLP"),
+          scaled("base_moe_mlp_dim", cfg.moe_mlp_dim, "an expert's MLP"),
+          scaled("base_num_decoder_layers", cfg.num_decoder_layers, "the stack of layers")]
+  rows += [(key, getattr(cfg, key), INT32_MAX, what) for key, what in _WIDTHS.items()]
+  nope = max(cfg.qk_nope_head_dim, 0)
+  rows.append(("qk_rope_head_dim", cfg.qk_rope_head_dim, INT32_MAX - nope,
+               f"a query/key head (qk_nope_head_dim={cfg.qk_nope_head_dim} + qk_rope_head_dim)"))
+  rows.append(("shared_experts", cfg.shared_experts, INT32_MAX // max(cfg.moe_mlp_dim, 1),
+               f"the shared experts' MLP (shared_experts × {cfg.moe_mlp_dim})"))
+  rows.append(("mhc_expansion_rate", cfg.mhc_expansion_rate, INT32_MAX // max(cfg.emb_dim, 1),
+               f"the mHC streams (mhc_expansion_rate × {cfg.emb_dim})"))
+  return rows

@@ -65,7 +65,7 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     raise errors.ConfigError("export needs a quantization; pass e.g. quantization=fp8_full "
                              "(accepted: any quantization mode with fp8 weights)")
   with progress.step("tracing quantization rules"):
-    report = model_coverage.trace_coverage(cfg, rule_list)
+    report = model_coverage.trace_coverage(cfg, None if rules is None else rule_list)  # None: reasons name keys
   planned: dict = {}
   for op in report.ops:
     if not (op.matmul and op.weight and report.op_quantized(op)):
@@ -80,7 +80,8 @@ def plan_export(cfg: config_lib.ModelConfig, rules: Sequence | None = None) -> E
     wq = ptq_weights.WeightQuant(
         key=tree.param_key(tuple(op.weight.split("/"))), shape=stored_shape,
         channel_axes=ptq_weights.stored_channel_axes(local, op.operand_shape, stored_shape, extra),
-        qtype=fp8.resolve_qtype(rule.weight_qtype).name, calibration=rule.weight_calibration_method or "absmax",
+        qtype=fp8.resolve_qtype(rule.weight_qtype, integers=True).name,
+        calibration=rule.weight_calibration_method or "absmax",
         compute_dtype=op.operand_dtype, kind="grouped" if op.op_name in ptq_weights.GROUPED_OPS else "dense",
         ops=(f"{op.module}:{op.op}",))
     previous = planned.get(wq.key)
@@ -107,11 +108,17 @@ def orbax_export_leaves(cfg: config_lib.ModelConfig) -> list[tree.Leaf]:
 def fp8_sizing(cfg) -> fp8_size.Fp8Sizing | None:
   """The summary's fp8 column under the config's own rules, or MaxText's `quantization=fp8_full` when it sets none;
   None if they cannot export."""
+  return sized_plan(cfg)[0]
+
+
+def sized_plan(cfg) -> tuple[fp8_size.Fp8Sizing | None, ExportPlan | None]:
+  """(`fp8_sizing(cfg)`, the export plan under the config's own rules, None when it sets no quantization or its
+  rules cannot export): one trace for both."""
   try:
     if cfg.quantization:
-      rules, basis = None, f"quantization={cfg.quantization} rules"
-    else:
-      rules, basis = model_coverage.config_rules(cfg.replace(quantization="fp8_full")), "quantization=fp8_full rules"
-    return fp8_size.from_plan(plan_export(cfg, rules), basis)
+      plan = plan_export(cfg)
+      return fp8_size.from_plan(plan, f"quantization={cfg.quantization} rules"), plan
+    rules = model_coverage.config_rules(cfg.replace(quantization="fp8_full"))
+    return fp8_size.from_plan(plan_export(cfg, rules), "quantization=fp8_full rules"), None
   except (errors.InspectError, quant_errors.QuantError):  # e.g. a batch-split model: MaxText's own fp8 path
-    return None
+    return None, None

@@ -121,10 +121,12 @@ def coverage_html(cfg, report, overrides: Sequence[str] = ()) -> str:
   labels = module_labels(report)
   order = sorted(set(labels.values()), key=_label_rank)
   colors = html.distinct_colors(order, neutral=("unquantized",))
-  glance = html.Table("At a glance: matmul weights quantized / all", (
-      "group", "quantized", "types (weights · activations · gradients)", "not quantized because"),
+  chip = report.chip
+  glance = html.Table("At a glance: matmul weights quantized / all" + (f"; {chip.advice}" if chip else ""), (
+      "group", "quantized", "types (weights · activations · gradients)", "not quantized because")
+      + ((f"on {chip.chip}",) if chip else ()),
       tuple((v.name, v.count, " / ".join(v.types) if v.quantized else "", "; ".join(v.reasons))
-            for v in report.glance))
+            + ((chip.text_of(v.name).partition(": ")[2],) if chip else ()) for v in report.glance))
   counts = {label: sum(1 for v in labels.values() if v == label) for label in order}
   legend = html.Table("Legend: the rule that won each module's ops", ("label", "meaning", "modules"), tuple(
       (label, _label_meaning(report, label, coverage_verdict), str(counts[label])) for label in order),

@@ -73,6 +73,9 @@ class _Peer:
       except socket.timeout:
         raise JobError(f"{self.name} sent nothing for {timeout:g} s while this process waited for "
                        f"{waiting_for} (see --timeout)") from None
+      except (ConnectionResetError, ConnectionAbortedError):  # killed with our bytes unread: its kernel resets
+        raise JobError(f"{self.name} ended (its connection was reset) while this process waited for "
+                       f"{waiting_for}") from None
       except OSError as e:
         raise JobError(f"{self.name} is gone ({e.strerror or type(e).__name__}) while this process waited for "
                        f"{waiting_for}") from None

@@ -3,8 +3,10 @@
 `initialize(coordinator, num_processes, process_id, timeout=..., jax_runtime=...)` joins the job of the command
 line's `--coordinator HOST:PORT --num-processes N --process-id I`. `forward` and `diff` compute across processes
 and start JAX's distributed runtime (`jax_runtime=True`; without the flags JAX detects a cluster, e.g. Slurm, Open
-MPI, Cloud TPU, GKE, when the environment names one). `export` and `import` only agree and write their own shares:
-they join a `job.Job` (TCP through process 0, bounded waits, one-line failures) instead. The address is checked
+MPI, Cloud TPU, GKE, when the environment names one of several processes: `cluster_variable`). A single-host TPU VM
+names itself alone in `TPU_WORKER_HOSTNAMES` and runs as one process, as MaxText's trainer does there. `export` and
+`import` only agree and write their own shares: they join a `job.Job` (TCP through process 0, bounded waits,
+one-line failures) instead. The address is checked
 before anything is started. Then `process_index()`/`process_count()` say who this is, `barrier` waits for every
 process, `broadcast_text` sends a string from process 0 to all and `gather_text` gives every process's string to
 all; `abandon(message)` tells the other processes that this one failed.
@@ -18,6 +20,7 @@ import os
 import socket
 import sys
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.distributed import job
 from inspect_tool.output import stop
@@ -25,6 +28,12 @@ from inspect_tool.output import stop
 # Environment variables through which JAX's cluster detection finds a job it can join.
 CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "MEGASCALE_COORDINATOR_ADDRESS",
                "TPU_WORKER_HOSTNAMES", "JOBSET_NAME", "MPI_LOCALNRANKS")
+# Per variable: the variable that holds its job's process count (a number) or host names (a comma list); None when
+# naming the variable is enough to mean a job of several processes.
+_SIZE_OF = {"SLURM_JOB_ID": "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+            "MPI_LOCALNRANKS": "PMI_SIZE", "TPU_WORKER_HOSTNAMES": "TPU_WORKER_HOSTNAMES",
+            "JOBSET_NAME": "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS": None,
+            "MEGASCALE_COORDINATOR_ADDRESS": None}
 DEFAULT_TIMEOUT = 300.0  # seconds a process waits for another (joining, a barrier) before the job is abandoned
 _TEXT_BYTES = 4096
 _started = False
@@ -59,7 +68,34 @@ def parse_coordinator(text: str) -> tuple[str, int]:
   return host, int(port)
 
 
+def _processes(value: str) -> int:
+  """The process count a size variable holds: a number, or one process per name of a comma-separated host list."""
+  value = value.strip()
+  if value.isdigit():
+    return int(value)
+  return len([name for name in value.split(",") if name.strip()])
+
+
+def cluster_variable(environ=os.environ) -> str | None:
+  """The first environment variable that names a job of several processes for JAX to join, else None.
+
+  A single-host TPU VM sets `TPU_WORKER_HOSTNAMES` to its one worker (`localhost`), Slurm and Open MPI name one task:
+  one process, nothing to join. A variable whose size is not set (`SLURM_JOB_ID` without `SLURM_NTASKS`, a GKE
+  `JOBSET_NAME` without worker names) is left to JAX's detection, as MaxText does.
+  """
+  for name in CLUSTER_ENV:
+    if name not in environ:
+      continue
+    size = _SIZE_OF[name]
+    if size is None or size not in environ or _processes(environ[size]) > 1:
+      return name
+  return None
+
+
 _planned: list[tuple] = []  # the job the flags name, until this process joins it: (host, port, count, index, timeout)
+process_state.declare(f"{__name__}:_planned,_started,_job,_exchanges", process_state.RUN,
+                      lambda: {k: v for k, v in (("planned", list(_planned)), ("joined", _started), ("job", _job))
+                               if v})
 
 
 def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
@@ -101,7 +137,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   several = check_flags(coordinator, num_processes, process_id, timeout)
   if coordinator is not None and not several:
     return
-  if coordinator is None and not any(name in os.environ for name in CLUSTER_ENV):
+  variable = cluster_variable() if coordinator is None else None
+  if coordinator is None and variable is None:
     return
   if several and not jax_runtime:
     host, port = parse_coordinator(coordinator)
@@ -123,6 +160,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
       jax.distributed.initialize(initialization_timeout=max(1, int(timeout)))
   except Exception as e:  # pylint: disable=broad-except
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if variable is not None:  # the environment asked, not the user's flags
+      raise errors.InputError(f"cannot join the distributed job that {variable}={os.environ[variable][:100]!r} names "
+                              f"({first}); accepted: a reachable job, or unset {variable} to run as one process"
+                              ) from None
     raise errors.InputError(f"cannot join the distributed job ({first})") from None
   finally:
     stop.install_handlers()  # whatever JAX installed, SIGTERM/SIGHUP/SIGINT/SIGQUIT stop the run our way

@@ -18,13 +18,14 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import BF16, BF16_LINEAR, BLOCK, EXPERTS_FP8, F32, FP8
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
+from quant import dequant_error
 from quant import fp8
 from quant import microscaling
 from quant import microscaling_quantize
@@ -32,18 +33,25 @@ from quant import microscaling_quantize
 MATRIX_KINDS = (FP8, EXPERTS_FP8, hf_names_v4.GROUPED_FP8)  # leaves written matrix by matrix, by a `Codec`
 MAX_READ_BYTES = 128 * 2**20  # float32 bytes of a block of an FP8 leaf read at once (two are held)
 CONVERTERS = 2  # FP8 matrices converted at once where the budget holds their work (numpy and XLA free the GIL)
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # a block's absmax over its scale (448)
 
 
 @functools.cache
 def _jitted_block_quantize(power_of_two: bool = False):
   # Fused (~5x faster than op-by-op on CPU), the transpose to (out, in) inside: XLA's is faster than numpy's copy.
-  return jax.jit(lambda w_io, block, qtype: fp8.block_quantize(w_io.T, block, qtype, power_of_two=power_of_two),
-                 static_argnums=(1, 2))
+  # The dequantization error per block comes out of the same step (the manifest's tally).
+  def quantize(w_io, block, qtype):
+    qvalue, scale_inv = fp8.block_quantize(w_io.T, block, qtype, power_of_two=power_of_two)
+    return qvalue, scale_inv, dequant_error.block_figures(w_io.T, qvalue, scale_inv, block)
+  return jax.jit(quantize, static_argnums=(1, 2))
 
 
 @functools.cache
 def _jitted_fp4_quantize():
-  return jax.jit(lambda w_io: microscaling_quantize.fp4_quantize(w_io.T))
+  def quantize(w_io):
+    packed, codes = microscaling_quantize.fp4_quantize(w_io.T)
+    return packed, codes, dequant_error.group_figures(w_io.T, packed, codes, microscaling.FP4_GROUP)
+  return jax.jit(quantize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,29 +81,30 @@ class Codec:
             writer.reserve(self.scale_name(name), ml_dtypes.float8_e8m0fnu if self.e8m0 else np.float32, grid))
 
   def convert(self, matrix: np.ndarray, name: str, tally=None) -> tuple:
-    """The stored arrays of an (in, out) matrix, its HF weight (out, in) converted; `tally` sees the quantized."""
+    """The stored arrays of an (in, out) matrix, its HF weight (out, in) converted; `tally` gets the quantizer's
+    error figures of the quantized ones."""
     if self.fmt == "bf16":
       return (hf_rows.cast(matrix.T, ml_dtypes.bfloat16),)
     if self.fmt == "fp4":
       microscaling.check_finite(matrix, name)
-      packed, codes = (np.asarray(a) for a in _jitted_fp4_quantize()(read_lib.to_jax(matrix)))
+      packed, codes, (largest, total) = jax.tree.map(np.asarray, _jitted_fp4_quantize()(read_lib.to_jax(matrix)))
       if tally is not None:
-        tally.observe(name, matrix.T, microscaling.fp4_dequantize(packed, codes),
-                      np.repeat(microscaling.e8m0_decode(codes), microscaling.FP4_GROUP, -1) * microscaling.E2M1_MAX)
+        tally.add(name, largest, total, matrix.size, microscaling.e8m0_decode(codes), microscaling.E2M1_MAX)
       return packed.view(np.int8), codes.view(ml_dtypes.float8_e8m0fnu)
-    qvalue, scale_inv = _block_quantize_transposed(*((matrix, True) if self.power_of_two else (matrix,)))
+    qvalue, scale_inv, (largest, total) = _block_quantize_transposed(
+        *((matrix, True) if self.power_of_two else (matrix,)))
     if tally is not None:
-      tally.observe_quantized(name, matrix.T, qvalue, scale_inv, BLOCK)
+      tally.add(name, largest, total, matrix.size, scale_inv, FP8_MAX)
     if self.e8m0:
       return qvalue, np.asarray(microscaling_quantize.e8m0_encode(scale_inv)).view(ml_dtypes.float8_e8m0fnu)
     return qvalue, scale_inv
 
 
 def _block_quantize_transposed(w_io: np.ndarray, power_of_two: bool = False):
-  """(fp8 values, float32 scale_inv) of the (out, in) weight `w_io.T`, 128×128 blocks, as numpy arrays; `w_io`
-  used in place where it is aligned (`to_jax`)."""
-  qvalue, scale_inv = _jitted_block_quantize(power_of_two)(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
-  return np.asarray(qvalue), np.asarray(scale_inv, np.float32)
+  """(fp8 values, float32 scale_inv, (largest, sum) of the dequantization error per block) of the (out, in) weight
+  `w_io.T`, 128×128 blocks, as numpy arrays; `w_io` used in place where it is aligned (`to_jax`)."""
+  qvalue, scale_inv, figures = _jitted_block_quantize(power_of_two)(read_lib.to_jax(w_io), BLOCK, "float8_e4m3fn")
+  return np.asarray(qvalue), np.asarray(scale_inv, np.float32), tuple(np.asarray(f) for f in figures)
 
 
 def _expert_axis(entry: hf_names.Entry) -> int | None:
@@ -169,13 +178,13 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, spare: int, chunk: Seq
   layer_axis = entry.layer_axis
   expert_axis = _expert_axis(entry)
   cuttable = read_axes(entry)
-  stream = getattr(value, "stream_overhead", None)
+  stream = value.stream_overhead
   most = 2 * MAX_READ_BYTES
   if stream is None:  # source chunks over `MAX_READ_BYTES`: two whole ones where `spare` holds them (read ahead)
     smallest = read_plan.minimal_box(entry.shape, chunk, cuttable)
     most = max(most, 2 * (4 * math.prod(smallest) + int(overhead(smallest))))
   box, ahead, cached, streamed = read_plan.plan_boxes(entry.shape, 4, chunk, min(spare, most), cuttable, overhead,
-                                                      cached=hasattr(value, "cached"), stream=stream)
+                                                      cached=value.cached_reads, stream=stream)
   reads = (1 + ahead) * (4 * math.prod(box) + int(stream if streamed else overhead(box)))
   workers = CONVERTERS if reads + budget.SLICE_FACTOR * unit_bytes(entry) <= spare else 1
   cut = budget.Slicing(tuple(entry.shape), box)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16_LINEAR, F32, F32_LINEAR
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf.names import BF16_LINEAR, F32, F32_LINEAR
 from inspect_tool.streaming import read_plan
 
 
@@ -103,8 +103,7 @@ def write_leaf(writer, value, entry: hf_names.Entry, cfg, block_bytes: int, chun
   axis, cached, streamed = read_axis(entry), False, False
   if axis is not None:
     box, _, cached, streamed = read_plan.plan_boxes(shape, 4, chunk, available, (axis,), overhead,
-                                                    cached=hasattr(value, "cached"),
-                                                    stream=getattr(value, "stream_overhead", None))
+                                                    cached=value.cached_reads, stream=value.stream_overhead)
   else:
     box = shape
   regions = None

@@ -31,8 +31,8 @@ import numpy as np
 import qwix
 
 from inspect_tool import model as model_lib
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from quant import act_tiles

@@ -3,7 +3,8 @@
 Each distinct (block shape, dtype, granularity) needs its own XLA executable, and compiling one takes 50-100 ms
 on a CPU; an export meets tens of them. `Quantizers` compiles them all in a background thread, in the order the
 blocks come, while the first arrays are read and written, instead of one by one when each block arrives
-(`quant.ptq_weights.compiled_quantizers`: the same executables the jitted calls build, so the same values).
+(`quant.ptq_weights.compiled_quantizers`: the same executables the jitted calls build, so the same values). Each
+quantizer also measures the block's dequantization error in the same step (for the manifest's `tally`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import itertools
 import jax
 import numpy as np
 
+from inspect_tool.streaming import read as read_lib
 from quant import ptq_weights
 
 
@@ -40,7 +42,7 @@ class Quantizers:
   """The quantizers of `jobs`' quantized blocks, compiled in order by one background thread."""
 
   def __init__(self, jobs):
-    self._sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # where `read.to_jax` puts blocks
+    self._sharding = jax.sharding.SingleDeviceSharding(read_lib.compute_device())  # where `read.to_jax` puts blocks
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-quantizers")
     self._compiled: dict[tuple, concurrent.futures.Future] = {}
     for job in jobs:
@@ -51,7 +53,7 @@ class Quantizers:
         if key not in self._compiled:
           self._compiled[key] = self._pool.submit(ptq_weights.compiled_quantizers, shape, job.leaf.dtype,
                                                   _normalized(job.quant), two_pass=job.two_pass,
-                                                  sharding=self._sharding)
+                                                  sharding=self._sharding, measured=True)
 
   @staticmethod
   def _key(shape, dtype, wq, two_pass: bool) -> tuple:
@@ -61,7 +63,8 @@ class Quantizers:
     return self._compiled[self._key(x.shape, x.dtype, wq, two_pass)].result()
 
   def quantize(self, x, wq):
-    """(qvalue, scale) of a slice `x` that spans every shared axis of the weight `wq`."""
+    """(qvalue, scale, error) of a slice `x` that spans every shared axis of the weight `wq`; `error`: the
+    dequantization error's (largest, sum) per channel (`quant.dequant_error.channel_figures`)."""
     return self._get(x, wq, False)[0](x)
 
   def absmax(self, x, wq):
@@ -69,7 +72,7 @@ class Quantizers:
     return self._get(x, wq, True)[0](x)
 
   def quantize_block(self, x, amax, wq):
-    """Pass 2: (qvalue, scale) of the block `x` given the absmax of every block that shares its channels."""
+    """Pass 2: (qvalue, scale, error) of the block `x` given the absmax of every block that shares its channels."""
     return self._get(x, wq, True)[1](x, amax)
 
   def close(self) -> None:

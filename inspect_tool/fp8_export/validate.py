@@ -21,7 +21,7 @@ from typing import Any
 from inspect_tool import model as model_lib
 from inspect_tool import progress
 from inspect_tool.checkpoint import load_export
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.fp8_export import layout_numerics
 from inspect_tool.run import runner as running
 from quant import metrics
@@ -62,9 +62,11 @@ class Validation:
             "vs_unquantized_source": [r.to_dict() for r in self.vs_unquantized]}
 
 
-def validate(cfg, source: str | None, exported: str, data, *, max_kl: float = DEFAULT_MAX_KL, mesh=None,
+def validate(cfg, source, exported, data, *, max_kl: float = DEFAULT_MAX_KL, mesh=None,
              tokens: str = "fixed") -> Validation:
-  """Runs source (QT and unquantized) and the exported Orbax checkpoint on `data` and compares them per head."""
+  """Runs source (QT and unquantized; a path, None for the random init, or the `weights.Weights` its command
+  resolved) and the exported Orbax checkpoint (its path, or the `locate.ResolvedPath` its writer wrote) on `data`
+  and compares them per head."""
   model = running.load_model(cfg, source, mesh=mesh)
   quantized = running.forward(running.quantize_for_training(model, cfg), data, f"validation 1/3: {SOURCE_QUANTIZED}")
   plain = running.forward(model, data, f"validation 2/3: {SOURCE_PLAIN}")
@@ -73,7 +75,7 @@ def validate(cfg, source: str | None, exported: str, data, *, max_kl: float = DE
                   max_kl=max_kl, tokens=tokens)
 
 
-def validate_hf(cfg, source: str | None, exported: str, data, *, layout, max_kl: float = DEFAULT_MAX_KL,
+def validate_hf(cfg, source, exported: str, data, *, layout, max_kl: float = DEFAULT_MAX_KL,
                 mesh=None, tokens: str = "fixed") -> Validation:
   """The same for a Hugging Face export (`layout`: `hf_layouts.HfLayout`), under the layout's own numerics
   (`layout_numerics`): the source with its weights as the layout stores them (`deepseek-fp8`: 128×128 e4m3 blocks,

@@ -9,7 +9,7 @@ tensor(s), quantizes the Linear weights to float8_e4m3fn with one float32 `weigh
 plain softmax top-k without bias (deepseek2*) as `DeepseekV2ForCausalLM`; other routings are refused.
 
 Names (MTP depth k as layer `L + k - 1`, the MTP layers' copies of embedding and head, rope columns in HF's
-interleaved layout) come from `inspect_tool.checkpoint.hf_names`, which the reader (`hf_restore`) uses too.
+interleaved layout) come from `inspect_tool.hf.names`, which the reader (`hf_restore`) uses too.
 
 Choices (they follow DeepSeek-V3's official FP8 checkpoint):
 * FP8 + `_scale_inv`: every attention projection, dense MLP, shared-expert and routed-expert weight, MTP
@@ -27,6 +27,7 @@ as soon as it is converted (`safetensors_writer`): `plan_memory` checks a `--max
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -35,9 +36,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import BLOCK, EXPERTS_FP8, FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import BLOCK, EXPERTS_FP8, FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.output import atomic
@@ -45,6 +46,7 @@ from inspect_tool.paramtree import tree
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import read_plan
 from inspect_tool.streaming import safetensors_writer
+from inspect_tool.streaming import source as source_lib
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_WORK_BYTES = 2 * 2**30  # memory for the work of `write_deepseek_fp8` when no --max-memory sizes it
@@ -242,6 +244,26 @@ def write_index_and_config(dst_dir: str, weight_map: dict, total_size: int, conf
     atomic.write_inside(dst_dir, name, json.dumps(doc, indent=2) + "\n")
 
 
+@dataclasses.dataclass(frozen=True)
+class HfWritten:
+  """What a safetensors writer wrote: the shard files, tensor counts (FP8 matrices; FP4 experts, DeepSeek-V4), their
+  bytes, `config.json`, each tensor's origin (MaxText key, shape, dtype: the manifest) and the index's weight map."""
+
+  files: list
+  num_tensors: int
+  num_fp8: int
+  total_size: int
+  config: dict
+  origins: dict
+  weight_map: dict
+  num_fp4: int | None = None
+
+  def summary(self) -> dict:
+    """The report's fields: files and counts (the config, origins and weight map are files of their own)."""
+    counts = {"num_fp8": self.num_fp8, **({} if self.num_fp4 is None else {"num_fp4": self.num_fp4})}
+    return {"files": self.files, "num_tensors": self.num_tensors, **counts, "total_size": self.total_size}
+
+
 def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp_shared_copies: bool = True,
                        work_bytes: int = DEFAULT_WORK_BYTES,
@@ -249,7 +271,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
                        chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                        read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       fp8: bool = True, tally=None, scale_fmt: str | None = None) -> dict[str, Any]:
+                       fp8: bool = True, tally=None, scale_fmt: str | None = None, digests=None) -> dict[str, Any]:
   """Writes `arrays` (MaxText leaf key -> float array) as an FP8 (bf16 with `fp8=False`) Hugging Face DeepSeek
   checkpoint in `dst_dir`.
 
@@ -275,13 +297,14 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
     read_overhead: (key, block shape) -> bytes the source holds beyond a block while decoding it (default 0).
     progress: called as `progress(done, total, dotted_key)` before each leaf.
     fp8: False writes bfloat16, unquantized (`--layout deepseek-bf16`).
-    tally: a `manifest.tally.Tally` that sees every quantized matrix beside its source.
+    tally: a `manifest.tally.Tally` that gets the quantizer's error figures of every quantized matrix.
+    digests: a `manifest.digests.Digests` that hashes every tensor as it is written.
     scale_fmt: "ue8m0" (`--scale-fmt ue8m0`, DeepSeek-V3.1's layout): every scale a power of two (float32), and
       `scale_fmt: ue8m0` in config.json's quantization_config; None: DeepSeek-V3's absmax / 448.
 
   Returns:
-    {"files": shard names, "num_tensors", "num_fp8", "total_size" (bytes of tensor data), "config": config.json,
-    "origins": tensor name -> (MaxText key, its shape, its dtype)}.
+    `HfWritten`: shard names, tensor and FP8 counts, bytes of tensor data, config.json, tensor name -> (MaxText key,
+    its shape, its dtype), tensor name -> shard file.
 
   Raises:
     errors.ConfigError: a model feature with no Hugging Face DeepSeek equivalent.
@@ -292,13 +315,13 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   plan = hf_names.leaf_plan(cfg, mtp_shared_copies)
   pairs = _match(list(arrays.keys()), plan)
   codec = hf_matrices.Codec(power_of_two=scale_fmt == "ue8m0") if fp8 else hf_matrices.Codec("bf16")
-  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
+  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve,
+                                       digests=digests) as writer:
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
-      value, entry = arrays[key], plan[target]
-      dtype = getattr(value, "dtype", None)  # an array-like may not say (the manifest then has null)
-      writer.origin = (key, tuple(value.shape), None if dtype is None else np.dtype(dtype).name)
+      value, entry = source_lib.as_view(arrays[key]), plan[target]
+      writer.origin = (key, tuple(value.shape), np.dtype(value.dtype).name)
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
@@ -310,7 +333,7 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
         continue
       # Rows are converted in blocks of `row_bytes`, read in boxes of about as much beside a stream's windows (what
       # `SLICE_FACTOR` blocks leave): boxes of a streamed array are not cut down to single rows.
-      stream = getattr(value, "stream_overhead", None) or 0
+      stream = value.stream_overhead or 0
       row_bytes = max(1, min(MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
                          work_bytes - budget.SLICE_FACTOR * max(row_bytes, hf_matrices.unit_bytes(entry)), overhead)
@@ -322,5 +345,4 @@ def write_deepseek_fp8(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str,
   config = hf_config(cfg, fp8, scale_fmt)
   write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   files = sorted(set(weight_map.values()))
-  return {"files": files, "num_tensors": len(weight_map), "num_fp8": num_fp8, "total_size": writer.total_size,
-          "config": config, "origins": writer.origins}
+  return HfWritten(files, len(weight_map), num_fp8, writer.total_size, config, writer.origins, weight_map)

@@ -2,7 +2,7 @@
 `expert_dtype`) and transformers 5.24 (`DeepseekV4ForCausalLM`) load.
 
 `write_deepseek_v4(arrays, cfg, dst_dir)` maps every MaxText `deepseek4` leaf to its release tensor(s)
-(`checkpoint.hf_names_v4`, MaxText 0.2.5's V4 mapping, which the reader uses too) and writes:
+(`hf.names_v4`, MaxText 0.2.5's V4 mapping, which the reader uses too) and writes:
 * FP4 routed experts (`expert_dtype: fp4`): each expert's (out, in) weight as int8 bytes of two e2m1 values (low
   nibble first) with one float8_e8m0fnu scale per 32 values of a row (`<x>.scale`), `quant.microscaling`;
 * FP8: every other Linear the release quantizes (wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b, the shared
@@ -27,14 +27,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint.hf_names import EXPERTS_FP8
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf.names import EXPERTS_FP8
 from inspect_tool.fp8_export import hf_matrices
 from inspect_tool.fp8_export import hf_rows
 from inspect_tool.fp8_export import write_hf
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import safetensors_writer
+from inspect_tool.streaming import source as source_lib
 
 FP8_CODEC = hf_matrices.Codec("fp8", power_of_two=True, e8m0=True, v4_names=True)
 FP4_CODEC = hf_matrices.Codec("fp4", v4_names=True)
@@ -131,27 +132,28 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
                       header_reserve: int = safetensors_writer.DEFAULT_HEADER_RESERVE,
                       chunk_shape: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None,
                       read_overhead: Callable[[tuple[str, ...], Sequence[int]], int] | None = None,
-                      progress: Callable[[int, int, str], None] | None = None, tally=None) -> dict[str, Any]:
+                      progress: Callable[[int, int, str], None] | None = None, tally=None,
+                      digests=None) -> dict[str, Any]:
   """Writes `arrays` (every leaf of `cfg`'s deepseek4 model, MaxText key -> float array, lazy ones indexed by
   layers, experts and rows) in DeepSeek-V4's release layout in `dst_dir` (an existing empty directory).
 
-  Returns the summary `write_hf.write_deepseek_fp8` returns ("files", "num_tensors", "num_fp8" (FP8 matrices),
-  "num_fp4" (FP4 expert matrices), "total_size", "config", "origins").
+  Returns `write_hf.HfWritten` as `write_hf.write_deepseek_fp8` does, with `num_fp4` (FP4 expert matrices) beside
+  `num_fp8`; `tally` and `digests` as it takes them.
   """
   check_supported(cfg)
   plan = hf_names_v4.leaf_plan(cfg)
   pairs = write_hf._match(list(arrays.keys()), plan)  # pylint: disable=protected-access
   mhc: dict[tuple[str, ...], dict[str, tuple]] = {}
-  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve) as writer:
+  with safetensors_writer.ShardedWriter(dst_dir, max_shard_bytes, header_reserve=header_reserve,
+                                       digests=digests) as writer:
     for done, (key, target) in enumerate(pairs):
       if progress is not None:
         progress(done, len(pairs), ".".join(key))
-      value, entry = arrays[key], plan[target]
+      value, entry = source_lib.as_view(arrays[key]), plan[target]
       if tuple(value.shape) != entry.shape:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)} has shape {tuple(value.shape)}; "
                                    f"the model of this config has {entry.shape}")
-      dtype = getattr(value, "dtype", None)
-      writer.origin = (key, tuple(value.shape), None if dtype is None else np.dtype(dtype).name)
+      writer.origin = (key, tuple(value.shape), np.dtype(value.dtype).name)
       kind = entry.rule.kind
       if kind in hf_names_v4.MHC_KINDS or kind == hf_names_v4.ONES:
         name = target[-2] if target[-1] == "scale" and target[-2] == "mhc_norm" else target[-1]
@@ -172,7 +174,7 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
         continue
       if kind not in _ROWS:
         raise errors.MismatchError(f"MaxText leaf {'.'.join(key)}: no DeepSeek-V4 writer for its kind {kind}")
-      stream = getattr(value, "stream_overhead", None) or 0
+      stream = value.stream_overhead or 0
       row_bytes = max(1, min(write_hf.MAX_ROW_BLOCK_BYTES, (work_bytes - stream) // (budget.SLICE_FACTOR + 2)))
       hf_rows.write_leaf(writer, value, entry, cfg, row_bytes, chunk,
                          work_bytes - budget.SLICE_FACTOR * max(row_bytes, hf_matrices.unit_bytes(entry)), overhead)
@@ -186,6 +188,5 @@ def write_deepseek_v4(arrays: Mapping[tuple[str, ...], Any], cfg, dst_dir: str, 
   write_hf.write_index_and_config(dst_dir, weight_map, writer.total_size, config)
   experts = {name for name in weight_map if ".ffn.experts." in name and name.endswith(".scale")}
   scales = {name for name in weight_map if name.endswith(".scale")}
-  return {"files": sorted(set(weight_map.values())), "num_tensors": len(weight_map),
-          "num_fp8": len(scales - experts), "num_fp4": len(experts), "total_size": writer.total_size,
-          "config": config, "origins": writer.origins}
+  return write_hf.HfWritten(sorted(set(weight_map.values())), len(weight_map), len(scales - experts),
+                            writer.total_size, config, writer.origins, weight_map, num_fp4=len(experts))

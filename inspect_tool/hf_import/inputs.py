@@ -7,6 +7,7 @@ ends in one line and no other process, and before the import's own modules are l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from inspect_tool import errors
@@ -18,24 +19,34 @@ from inspect_tool.streaming import budget
 SUPPORTED = "DeepSeek-V2, V3, V3.2 (decoder_block=deepseek) and V4 (decoder_block=deepseek4) layouts"
 
 
-def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
-  """(keys, config, budget) of an import, every input checked, the budget above what the process holds.
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """An import's inputs, resolved once (the CLI's, handed to the pipeline): the directory (absolute), the MaxText
+  keys and the config they make, the budget in bytes."""
+  path: str
+  keys: list[str]
+  cfg: config_lib.ModelConfig
+  max_memory: int
+
+
+def check_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None) -> Inputs:
+  """An import's `Inputs`, every input checked, the budget above what the process holds.
 
   Raises:
     errors.InputError: the directory, a key or the budget is not acceptable.
   """
-  keys, cfg, max_memory = resolve_inputs(path, tokens, max_memory)
-  budget.check_floor(max_memory)
-  return keys, cfg, max_memory
+  resolved = resolve_inputs(path, tokens, max_memory)
+  budget.check_floor(resolved.max_memory)
+  return resolved
 
 
-def resolve_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None):
+def resolve_inputs(path: str, tokens: Sequence[str] = (), max_memory: int | None = None) -> Inputs:
   """`check_inputs` less the floor: the import itself, once its modules are loaded, refuses a budget too small for
   its smallest read with the figure that works (`streaming.write_orbax.plan_jobs`)."""
-  keys = keys_lib.maxtext_keys(paths.absolute(path), list(tokens))
-  cfg = config_lib.resolve_config(keys)
+  path = paths.absolute(path)
+  keys, cfg = keys_lib.maxtext_keys(path, list(tokens))
   _check_supported(cfg)
-  return keys, cfg, budget.resolve_max_memory(max_memory)
+  return Inputs(path, keys, cfg, budget.resolve_max_memory(max_memory))
 
 
 def _check_supported(cfg) -> None:

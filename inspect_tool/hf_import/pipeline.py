@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from inspect_tool import progress
-from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_names_v4
+from inspect_tool.hf import config as hf_config
+from inspect_tool.hf import names_v4 as hf_names_v4
 from inspect_tool.distributed import runtime as distributed
 from inspect_tool.hf_import import inputs
 from inspect_tool.hf_import import keys as keys_lib
 from inspect_tool.hf_import import source as source_lib
-from inspect_tool.output import atomic
 from inspect_tool.output import destination
 from inspect_tool.output import ours
-from inspect_tool.output import stop
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
 from inspect_tool.streaming import budget
 from inspect_tool.streaming import job_plan
+from inspect_tool.streaming import job_runner
 from inspect_tool.streaming import write_orbax
 
 REPORT_NAME = "import_report.json"
@@ -39,10 +37,42 @@ FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
+class ImportReport:
+  """What an import wrote, from what, by which command (`to_dict()`: its `import_report.json`)."""
+
+  producer: dict
+  created: str
+  command: str | None
+  source: str
+  keys: tuple  # the MaxText keys that load DST
+  cfg: Any  # their `ModelConfig`
+  arrays: dict  # MaxText key (dotted) -> {"shape", "dtype", "source": the release tensors it came from}
+  num_parameters: int
+  bytes_written: int
+  mtp_shared_copies: list  # the MTP block's copies of the embedding and head, checked (`mtp_copies`)
+  unused_tensors: list
+  mtp_not_imported: dict | None
+  not_computed_by_maxtext: list
+  memory: Any  # `job_runner.Memory`
+
+  def to_dict(self) -> dict:
+    return {
+        "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
+        "producer": self.producer, "created": self.created, "command": self.command, "source": self.source,
+        "maxtext_keys": list(self.keys), "model_name": self.cfg.model_name, "weight_dtype": self.cfg.weight_dtype,
+        "scan_layers": self.cfg.scan_layers, "arrays": self.arrays, "num_arrays": len(self.arrays),
+        "num_parameters": self.num_parameters, "bytes_written": self.bytes_written,
+        "mtp_shared_copies": self.mtp_shared_copies, "unused_tensors": self.unused_tensors,
+        "mtp_not_imported": self.mtp_not_imported, "not_computed_by_maxtext": self.not_computed_by_maxtext,
+        "memory": self.memory.to_dict(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class ImportResult:
   source: str  # as given
   dst: str
-  report: dict
+  report: ImportReport | None  # None on the processes but 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +83,19 @@ class _NoQuantization:
 
 
 def import_checkpoint(path: str, dst: str, tokens: Sequence[str] = (), *, overwrite: bool = False,
-                      max_memory: int | None = None, command: str | None = None) -> ImportResult:
+                      max_memory: int | None = None, command: str | None = None,
+                      resolved: inputs.Inputs | None = None) -> ImportResult:
   """Imports the HF DeepSeek directory `path` into a MaxText Orbax checkpoint at `dst` (`dst/0/items`).
 
   `tokens` are MaxText key=value overrides on top of the keys the directory determines (`keys`: `scan_layers`,
   `weight_dtype`, `param_scan_axis` are free; keys contradicting config.json are refused). Under
   `jax.distributed` every process calls this with the same arguments; process 0 claims DST and reports.
+  `resolved`: the `inputs.Inputs` of `path`, `tokens` and `max_memory`, when the caller resolved them (the CLI,
+  before joining a job); otherwise resolved here, once.
   """
-  given, path = path, paths.absolute(path)
-  keys, cfg, max_memory = inputs.resolve_inputs(path, tokens, max_memory)
+  given = path
+  resolved = resolved if resolved is not None else inputs.resolve_inputs(path, tokens, max_memory)
+  path, keys, cfg, max_memory = resolved.path, resolved.keys, resolved.cfg, resolved.max_memory
   max_memory = job_plan.agree_on_inputs(keys, path, dst, overwrite, max_memory)
   args = dict(overwrite=overwrite, max_memory=max_memory, command=command)
   if distributed.process_index() != 0:
@@ -77,46 +111,33 @@ def _leaves(cfg) -> list[tree.Leaf]:
   return [leaf for leaf in params.model_leaves(cfg) if not (leaf.key[:2] == tree.AUX_PREFIX and "rngs" in leaf.key)]
 
 
-def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> dict:
-  """`import_checkpoint` once DST is claimed by process 0; the report (empty on the other processes)."""
+def _import(cfg, keys, path, dst, *, overwrite, max_memory, command) -> ImportReport | None:
+  """`import_checkpoint` once DST is claimed by process 0; the report (None on the other processes)."""
   kept = budget.streaming_allocations(max_memory)
   src = source_lib.HfSource(path, cfg, _leaves(cfg))
-  index = distributed.process_index()
   try:
-    held = int(distributed.broadcast_text(str(budget.current_rss() + kept) if index == 0 else None))  # same cuts
-    jobs = write_orbax.plan_jobs(_NoQuantization(), src, max_memory, held)
-    job_plan.agree_on_plan(jobs)  # every process runs exactly the same plan, or none writes
-    stop.check()
+    jobs = job_runner.plan(_NoQuantization(), src, max_memory, kept)
     unused = src.unused_names()
     differences = hf_config.differences(path)
-    if index == 0:
+    if distributed.process_index() == 0:
       for text in differences:
         progress.note(f"warning: {path} computes what MaxText does not: {text}")
       if unused:
         shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
         progress.note(f"warning: {len(unused)} tensor(s) of {path} are not read by the model of these keys: {shown}")
-    with job_plan.temporary_directory(dst, overwrite) as tmp:
-      atomic.test_point("start")
-      written = write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays",
-                                               step=True)
-      if index != 0:
-        distributed.barrier("committed")  # process 0 has checked, reported and committed (or says why not)
-        return {}
-      stop.check()
-      atomic.test_point("written")
-      copies = mtp_copies(src, cfg)
-      report = _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused, copies=copies,
-                       differences=differences,
-                       memory={"max_memory": max_memory, "slices": sum(job.slicing.count for job in jobs),
-                               "largest_slice_bytes": max((job.slice_bytes for job in jobs), default=0),
-                               "processes": distributed.process_count()})
-      atomic.write_inside(tmp, REPORT_NAME, json.dumps(report, indent=1) + "\n")
-      atomic.test_point("report")
-      stop.check()
-    distributed.barrier("committed")
+
+    def write(tmp):
+      return write_orbax.write_checkpoint(jobs, src, tmp, dst, label=f"importing {len(jobs)} arrays", step=True)
+
+    def report(tmp, written, merged):  # pylint: disable=unused-argument
+      return _report(cfg, keys, src, jobs, written, path=path, command=command, unused=unused,
+                     copies=mtp_copies(src, cfg), differences=differences,
+                     memory=job_runner.Memory.of(jobs, max_memory))
+
+    document = job_runner.run(dst, overwrite, REPORT_NAME, write, report)
   finally:
     src.close()
-  return report
+  return document
 
 
 def mtp_copies(src: source_lib.HfSource, cfg) -> list[dict]:
@@ -154,29 +175,14 @@ def _sources(src: source_lib.HfSource, key: tuple[str, ...]) -> dict:
           "count": len(names), "first": names[0] if names else None}
 
 
-def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences, memory) -> dict:
+def _report(cfg, keys, src, jobs, written, *, path, command, unused, copies, differences,
+            memory: job_runner.Memory) -> ImportReport:
   arrays = {".".join(job.out_key): {"shape": list(job.leaf.shape), "dtype": job.leaf.dtype,
                                     "source": _sources(src, job.leaf.key)} for job in jobs}
-  return {
-      "format": {"version": FORMAT_VERSION, "layout": "orbax", "step": write_orbax.STEP, "item": write_orbax.ITEM},
-      "producer": ours.producer(),
-      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": command,
-      "source": path,
-      "maxtext_keys": list(keys),
-      "model_name": cfg.model_name,
-      "weight_dtype": cfg.weight_dtype,
-      "scan_layers": cfg.scan_layers,
-      "arrays": arrays,
-      "num_arrays": len(arrays),
-      "num_parameters": int(sum(int(np.prod(job.leaf.shape)) for job in jobs)),
-      "bytes_written": written.written_bytes,
-      "mtp_shared_copies": copies,
-      "unused_tensors": unused,
-      "mtp_not_imported": _mtp_not_imported(cfg, src),
-      "not_computed_by_maxtext": differences,
-      "memory": memory,
-  }
+  return ImportReport(ours.producer(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      command, path, tuple(keys), cfg, arrays,
+                      int(sum(int(np.prod(job.leaf.shape)) for job in jobs)), written.written_bytes, copies,
+                      unused, _mtp_not_imported(cfg, src), differences, memory)
 
 
 def _mtp_not_imported(cfg, src: source_lib.HfSource) -> dict | None:
@@ -188,9 +194,9 @@ def _mtp_not_imported(cfg, src: source_lib.HfSource) -> dict | None:
 def format_text(result: ImportResult) -> str:
   """The command's summary, ending with the keys to use with DST."""
   report = result.report
-  keys = " ".join(report["maxtext_keys"])
-  lines = [f"imported {result.source}: {report['num_arrays']} arrays, {report['num_parameters']:,} parameters "
-           f"({report['weight_dtype']}, {'scanned' if report['scan_layers'] else 'unscanned'}) into {result.dst}",
+  keys = " ".join(report.keys)
+  lines = [f"imported {result.source}: {len(report.arrays)} arrays, {report.num_parameters:,} parameters "
+           f"({report.cfg.weight_dtype}, {'scanned' if report.cfg.scan_layers else 'unscanned'}) into {result.dst}",
            f"MaxText keys: {keys}",
            f"use with: inspect_checkpoint forward {keys} --checkpoint {result.dst}"]
   return "\n".join(lines) + "\n"

@@ -1,9 +1,9 @@
 """Import stage 2, reading: a Hugging Face DeepSeek directory as the source arrays of MaxText's leaves.
 
-`HfSource` has the reading interface of the export's sources (`streaming.read`), so the export's writer cuts,
+`HfSource` is an array source as the export's are (`streaming.source.ArraySource`), so the export's writer cuts,
 reads and writes every MaxText array by slices within `--max-memory`. A MaxText leaf is assembled from the
-release's tensors through the one name mapping (`checkpoint.hf_names.leaf_plan`, read backwards by
-`checkpoint.hf_restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
+release's tensors through the one name mapping (`hf.names.leaf_plan`, read backwards by
+`hf.restore.read_block`): a stacked array from one HF tensor per layer (per expert for the routed
 experts), each read when a slice needs it. The "chunk" a slice is aligned to is what one read holds: one layer
 (and one expert) of a stack; a band of rows of the embedding and the output head, which are read row range by row
 range from the shard. FP8 weights are dequantized exactly: value × the `weight_scale_inv` of its 128×128 block.
@@ -17,11 +17,13 @@ import math
 import numpy as np
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf import restore as hf_restore
+from inspect_tool.output import stop
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths
+from inspect_tool.streaming import source as source_lib
 
 ROW_BAND_BYTES = 64 * 2**20  # float32 bytes of the rows one read of the embedding or head holds
 COPIES = 3  # float32 buffers one HF tensor may be held in at once (raw, float32, MaxText layout)
@@ -37,7 +39,7 @@ class _Pending:
     return self._future.result()
 
 
-class HfSource:
+class HfSource(source_lib.ArraySource):
   """The MaxText leaves `leaves` of `cfg`'s model, read from the Hugging Face directory `path`."""
 
   def __init__(self, path: str, cfg, leaves):
@@ -137,7 +139,8 @@ class HfSource:
     return _Pending(self._pool.submit(self.read, key, index))
 
   def close(self) -> None:
-    self._pool.shutdown(wait=True)
+    """Ends the reading thread (after a stop signal without waiting for its read: it may never end)."""
+    self._pool.shutdown(wait=stop.received() is None, cancel_futures=True)
 
   def __contains__(self, key) -> bool:
     return key in self._entries

@@ -11,6 +11,7 @@ JAX itself makes) and without a GPU plugin, with libtpu installed and `JAX_PLATF
 from __future__ import annotations
 
 import glob
+import warnings
 import importlib.util
 import os
 import sys
@@ -53,4 +54,32 @@ def keep_cpu_host_on_cpu(environ=os.environ) -> bool:
       jax.config.update("jax_platforms", "cpu")
     except RuntimeError:  # backends already started: too late to change, nothing probed again
       pass
+  return True
+
+
+# XLA on a TPU keeps bf16 intermediates in float32 where it likes (excess precision) and, with it, drops a rounding to
+# FP8 that a conversion back to bf16 follows; a CPU rounds each. Commands that compute values turn it off on a TPU.
+CPU_ROUNDING_FLAG = "--xla_allow_excess_precision=false"
+VALUE_COMMANDS = ("forward", "export", "import", "diff")
+HUGEPAGES_WARNING = "Transparent hugepages are not enabled"  # JAX's advice on TPU VMs without them, at its import
+
+
+def quiet_tpu_vm_advice() -> None:
+  """JAX's start-up advice on a TPU VM (transparent hugepages) is not the command's output: left out of stderr."""
+  warnings.filterwarnings("ignore", message=HUGEPAGES_WARNING, category=UserWarning)
+
+
+def round_like_a_cpu(argv, environ=os.environ) -> bool:
+  """Before JAX starts on a TPU host, for a command that computes values (not `--compile`): XLA rounds every bf16
+  result and FP8 conversion as a CPU does (`CPU_ROUNDING_FLAG` added to XLA_FLAGS unless they name the flag already).
+  Returns whether it set it."""
+  argv = list(argv)
+  if not argv or argv[0] not in VALUE_COMMANDS or "--compile" in argv:
+    return False
+  flags = environ.get("XLA_FLAGS", "")
+  if "xla_allow_excess_precision" in flags or environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return False
+  if not tpu_chips_present():
+    return False
+  environ["XLA_FLAGS"] = f"{flags} {CPU_ROUNDING_FLAG}".strip()
   return True

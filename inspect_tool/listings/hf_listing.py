@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from inspect_tool.checkpoint import hf_layout
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import layout as hf_layout
+from inspect_tool.hf import safetensors_header
 from inspect_tool.report import listing
 
 

@@ -7,9 +7,10 @@ layout, its count of blocks, and how many of its scales are zero, NaN or inf) an
 largest and mean absolute dequantization error against the source, and the largest relative to the block's
 absmax); a scale tensor names the weight it scales (`scale_of`) with the same counts.
 
-With several processes, each hashes every tensor whose running number is its index modulo the process count and
-process 0 gathers the rest (`distributed.gather_text`). Each process hashes `HASH_WORKERS` tensors at once (one's
-read overlaps another's hashing), each in pieces of its share of the budget.
+The hashes and counts come from the writers as they write (`digests`); an array that several processes wrote parts
+of is read back once the checkpoint is complete (`hashes`: each process hashes every such tensor whose running
+number is its index modulo the process count, `HASH_WORKERS` at once, in pieces of its share of the budget, and
+process 0 gathers the rest, `distributed.gather_text`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import threading
 import numpy as np
 
 from inspect_tool.distributed import runtime as distributed
+from inspect_tool.manifest import digests as digests_lib
 from inspect_tool.manifest import stored as stored_lib
 from inspect_tool.manifest import tally as tally_lib
+from inspect_tool.paramtree import tree
+from inspect_tool.streaming import write_orbax
 
 HASH_WORKERS = 2  # tensors hashed at once by a process
 NAME = "export_manifest.json"
@@ -49,29 +53,23 @@ def source_of(key, shape, dtype) -> dict:
           "dtype": None if dtype is None else np.dtype(dtype).name}
 
 
-def counts(values: np.ndarray) -> list[int]:
-  """[zero, NaN, inf] counts of an array of scales."""
-  values = np.asarray(values, np.float32)
-  return [int(np.count_nonzero(values == 0)), int(np.count_nonzero(np.isnan(values))),
-          int(np.count_nonzero(np.isinf(values)))]
-
-
 def scale_digest(tensors: stored_lib.StoredTensors, name: str, piece_bytes: int,
                  into: np.ndarray | None = None) -> tuple[str, list[int]]:
   """(sha256, [zero, NaN, inf] counts) of the scale tensor `name`, read once (into `into`: `StoredTensors.pieces`)."""
   total = [0, 0, 0]
 
   def add(piece):
-    for i, n in enumerate(counts(piece)):
+    for i, n in enumerate(digests_lib.counts(piece)):
       total[i] += n
 
   return tensors.digest(name, piece_bytes, add, into), total
 
 
-def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], piece_bytes: int) -> dict:
-  """name -> [sha256, zero, NaN, inf scale counts] of every stored tensor, this process's share hashed here
-  (`HASH_WORKERS` at once, each in pieces of at most `piece_bytes` / `HASH_WORKERS`, read into one buffer per
-  worker)."""
+def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], piece_bytes: int,
+           names: list[str]) -> dict:
+  """name -> [sha256, zero, NaN, inf scale counts] of the stored tensors `names` (in the same order on every
+  process), read back, this process's share hashed here (`HASH_WORKERS` at once, each in pieces of at most
+  `piece_bytes` / `HASH_WORKERS`, read into one buffer per worker)."""
   index, count = distributed.process_index(), distributed.process_count()
   share = max(1, piece_bytes // HASH_WORKERS)
   buffers = threading.local()
@@ -82,9 +80,9 @@ def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], p
     if described.get(name, Described()).scale_of is not None:
       digest, found = scale_digest(tensors, name, share, buffers.piece)
       return [digest, *found]
-    return [tensors.digest(name, share, into=buffers.piece)]
+    return [tensors.digest(name, share, into=buffers.piece), 0, 0, 0]
 
-  names = [name for number, name in enumerate(tensors.names()) if number % count == index]
+  names = [name for number, name in enumerate(names) if number % count == index]
   with concurrent.futures.ThreadPoolExecutor(HASH_WORKERS) as pool:
     futures = [pool.submit(one, name) for name in names]
     try:
@@ -99,28 +97,44 @@ def hashes(tensors: stored_lib.StoredTensors, described: dict[str, Described], p
   return out
 
 
-def manifest(tensors: stored_lib.StoredTensors, described: dict[str, Described], tally: tally_lib.Tally,
-             layout: str, piece_bytes: int) -> dict:
-  """The manifest of the export `tensors` (every process calls this; only process 0's result is complete)."""
-  found = hashes(tensors, described, piece_bytes)
+def manifest(catalogue: dict[str, tuple], found: dict[str, list], described: dict[str, Described],
+             tally: tally_lib.Tally, layout: str) -> dict:
+  """The manifest of an export whose stored tensors are `catalogue` (name -> (shape, dtype), in the manifest's
+  order) with `found` (name -> [sha256, zero, NaN, inf counts], `Digests.found` or `hashes`)."""
   entries = []
-  for name in tensors.names():
+  for name, (shape, dtype) in catalogue.items():
     about = described.get(name, Described())
-    entry = {"name": name, "shape": list(tensors.shape(name)), "dtype": tensors.dtype(name).name,
+    entry = {"name": name, "shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name,
              "sha256": found[name][0], "source": about.source, "quantized": about.quantized}
     if about.quantized:
       scale = found.get(about.scale, [None, 0, 0, 0])
       entry["scale"] = {"name": about.scale, "layout": about.layout,
-                        "blocks": math.prod(tensors.shape(about.scale)) if about.scale in found else 0,
+                        "blocks": math.prod(catalogue[about.scale][0]) if about.scale in found else 0,
                         "zero": scale[1], "nan": scale[2], "inf": scale[3]}
       entry["error"] = tally.error(name)
     if about.scale_of is not None:
       entry.update(scale_of=about.scale_of, zero=found[name][1], nan=found[name][2], inf=found[name][3])
     entries.append(entry)
   return {"kind": KIND, "version": VERSION, "layout": layout, "hash": HASH,
-          "totals": {"tensors": len(entries), "bytes": sum(tensors.nbytes(n) for n in tensors.names()),
+          "totals": {"tensors": len(entries),
+                     "bytes": sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in catalogue.values()),
                      "quantized": sum(e["quantized"] for e in entries)},
           "tensors": entries}
+
+
+def orbax_catalogue(jobs) -> dict[str, tuple]:
+  """name -> (shape, dtype) of every array of an Orbax export's plan (`streaming.write_orbax.ArrayJob`s), in the
+  manifest's order (the names sorted)."""
+  arrays = {".".join(key): (tuple(shape), dtype)
+            for job in jobs for key, shape, dtype, *_ in write_orbax.destination_arrays(job)}
+  return dict(sorted(arrays.items()))
+
+
+def safetensors_catalogue(weight_map: dict[str, str], digests: digests_lib.Digests) -> dict[str, tuple]:
+  """name -> (shape, dtype) of every tensor of a safetensors export (`weight_map`: name -> shard file), in the
+  manifest's order: shard by shard, each shard's names in natural order (as its index lists them)."""
+  names = sorted(weight_map, key=lambda name: (weight_map[name], tree.natural_key(name)))
+  return {name: digests.tensor(name) for name in names}
 
 
 # What a hash pass holds beside its pieces: the export's arrays opened and their database's nodes. Measured: a
@@ -146,7 +160,7 @@ def orbax_described(jobs) -> dict[str, Described]:
     weight, scale = ".".join(wq.qvalue_key), ".".join(wq.scale_key)
     shared = [axis for axis in range(len(job.leaf.shape)) if axis not in wq.channel_axes]
     out[weight] = Described(source=source, quantized=True, scale=scale,
-                            layout=f"per channel: one {wq.compute_dtype} scale per index of axes "
+                            layout=f"per channel, {wq.qtype}: one {wq.compute_dtype} scale per index of axes "
                                    f"{list(wq.channel_axes)}, shared over axes {shared} (Qwix PTQ)")
     out[scale] = Described(source=source, scale_of=weight)
   return out

@@ -18,8 +18,8 @@ import tensorstore as ts
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_tensors
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import tensors as hf_tensors
+from inspect_tool.hf import safetensors_header
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
 

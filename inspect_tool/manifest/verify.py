@@ -8,6 +8,7 @@ A manifest that is missing or malformed is a bad input (`errors.CheckpointError`
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
@@ -16,7 +17,8 @@ from inspect_tool.manifest import stored as stored_lib
 from inspect_tool.storage import paths
 
 MAX_MANIFEST_BYTES = 512 << 20
-_FIELDS = {"name": str, "shape": list, "dtype": str, "sha256": str}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_KINDS = {"dir": "a directory", "other": "not a regular file (a FIFO, socket or device)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +34,14 @@ class Verified:
 
 
 def read_manifest(path: str) -> dict:
-  """The manifest of the export at `path`, its structure checked (one line naming what is wrong)."""
+  """The manifest of the export at `path`, its structure and every entry's fields checked (one line naming the
+  manifest, the entry and what is wrong: a malformed manifest is a bad input, never a tensor that differs)."""
   where = paths.join(path, build.NAME)
-  if files.kind(where) != "file":
+  found = files.kind(where)
+  if found != "file":
+    if found in _KINDS:
+      raise errors.CheckpointError(f"{where}: is {_KINDS[found]}; accepted: the {build.NAME} file that "
+                                   "inspect_checkpoint export writes")
     raise errors.CheckpointError(f"{path}: no {build.NAME}; accepted: a directory written by inspect_checkpoint "
                                  "export (version 2026.12 or later)")
   doc = files.parse_json(files.read_bytes(where, MAX_MANIFEST_BYTES, "export manifest"),
@@ -46,14 +53,43 @@ def read_manifest(path: str) -> dict:
                                  f"{build.VERSION}")
   seen = set()
   for i, entry in enumerate(doc["tensors"]):
-    bad = [f for f, kind in _FIELDS.items() if not isinstance(entry, dict) or not isinstance(entry.get(f), kind)]
-    if bad:
-      raise errors.CheckpointError(f"{where}: tensors[{i}] lacks {bad[0]!r} (each entry has name, shape, dtype, "
-                                   "sha256)")
+    why = _malformed(entry)
+    if why:
+      named = f" ({entry['name']!r})" if isinstance(entry, dict) and isinstance(entry.get("name"), str) else ""
+      raise errors.CheckpointError(f"{where}: tensors[{i}]{named} {why}")
     if entry["name"] in seen:
       raise errors.CheckpointError(f"{where}: tensor {entry['name']!r} is listed twice")
     seen.add(entry["name"])
   return doc
+
+
+def _count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _malformed(entry) -> str | None:
+  """What is wrong with one entry of the manifest's tensors (None: nothing)."""
+  if not isinstance(entry, dict):
+    return f"is {type(entry).__name__}, not an object with name, shape, dtype and sha256"
+  accepted = {"name": "a tensor name", "shape": "a list of sizes (integers >= 0)", "dtype": "a dtype name",
+              "sha256": "64 lowercase hex digits"}
+  valid = {"name": lambda v: isinstance(v, str) and v != "",
+           "shape": lambda v: isinstance(v, list) and all(_count(d) for d in v),
+           "dtype": lambda v: isinstance(v, str) and v != "",
+           "sha256": lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None}
+  if "scale_of" in entry:
+    accepted.update(zero="a count (an integer >= 0)", nan="a count (an integer >= 0)", inf="a count (an integer >= 0)")
+    valid.update(zero=_count, nan=_count, inf=_count)
+  for field, check in valid.items():
+    if field not in entry:
+      return f"lacks {field!r} (each entry has name, shape, dtype, sha256; a scale tensor's zero, nan, inf)"
+    if not check(entry[field]):
+      value = entry[field]
+      if field == "sha256" and isinstance(value, str):
+        hex_only = "" if len(value) != 64 else ", not all lowercase hex"
+        return f"has a sha256 of {len(value)} characters{hex_only}; accepted: {accepted[field]}"
+      return f"has {field} {errors.shown(value)}; accepted: {accepted[field]}"
+  return None
 
 
 def verify(path: str, piece_bytes: int) -> Verified:

@@ -60,6 +60,7 @@ class RMSNorm(nnx.Module):
   def __init__(self, cfg, num_features: int, make: inits.VariableFactory):
     self.epsilon = float(cfg.normalization_layer_epsilon)
     self.dtype = compute_dtype(cfg)
+    self.precision = precision(cfg)
     self.scale = make.make((num_features,), inits.ones)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -67,7 +68,7 @@ class RMSNorm(nnx.Module):
     mean2 = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
     y = jnp.asarray(x * jax.lax.rsqrt(mean2 + self.epsilon), self.dtype)
     scale = jnp.asarray(self.scale[...], self.dtype)
-    return jnp.einsum("...k,k->...k", y, scale)
+    return jnp.einsum("...k,k->...k", y, scale, precision=self.precision)
 
 
 class DenseGeneral(nnx.Module):

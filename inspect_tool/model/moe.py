@@ -22,6 +22,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from inspect_tool import errors
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import moe_dispatch
@@ -29,6 +30,7 @@ from inspect_tool.model import partitioning
 from inspect_tool.model import remat
 from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
+from quant.gmm import tiles as gmm_tiles
 
 
 class MoEBiasVar(nnx.Variable):
@@ -51,6 +53,17 @@ def _score(name: str, x: jax.Array) -> jax.Array:
   if name == "softmax":
     return jax.nn.softmax(x)
   return x
+
+
+def gmm_tiles_of(cfg, matmul: str) -> gmm_tiles.Tiles:
+  """The Pallas kernels' tiles of `matmul` ("wi" or "wo"): MaxText's 18 tile keys when any is given (those not given
+  at MaxText's default), else the tilings measured fastest per shape (`quant.gmm.tiles.auto`)."""
+  if not any(key in cfg.passthrough for key in gmm_tiles.KEYS):
+    return gmm_tiles.Tiles()
+  try:
+    return gmm_tiles.from_keys(lambda key: gmm_tiles.check(getattr(cfg, key), key), matmul)
+  except ValueError as e:
+    raise errors.ConfigError(str(e)) from None
 
 
 class GateLogit(nnx.Module):
@@ -98,6 +111,7 @@ class RoutedMoE(nnx.Module):
     self.capacity_factor = float(cfg.capacity_factor)
     self.megablox = bool(cfg.megablox)
     self.gmm_backend = gmm_backends.requested(cfg.gmm_backend, use_tokamax_backend=cfg.use_tokamax_backend)
+    self.wi_tiles, self.wo_tiles = gmm_tiles_of(cfg, "wi"), gmm_tiles_of(cfg, "wo")
     self.activations_limit = float(cfg.mlp_activations_limit)  # > 0: DeepSeek-V4 clips the expert activations
     self.lb_weight = 0.0 if hash_routing else float(cfg.load_balance_loss_weight)
     self.gate = GateLogit(cfg, make, hash_routing)
@@ -136,9 +150,10 @@ class RoutedMoE(nnx.Module):
     return weights, idx
 
   # Experts ---------------------------------------------------------------------------------------------
-  def _grouped_matmul(self, lhs, rhs, group_sizes):
+  def _grouped_matmul(self, lhs, rhs, group_sizes, matmul: str):
     if self.megablox:
-      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype, backend=self.gmm_backend)
+      return gmm_lib.gmm(lhs, rhs, group_sizes, preferred_element_type=self.dtype, backend=self.gmm_backend,
+                         tiles=self.wi_tiles if matmul == "wi" else self.wo_tiles)
     if gmm_lib.prequantized(rhs) is not None:  # an FP8 export's experts: Qwix QT's quantized ragged_dot
       return gmm_lib.prequantized_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=self.dtype)
@@ -156,10 +171,10 @@ class RoutedMoE(nnx.Module):
     order = jnp.argsort(flat)
     rows = jnp.take(jnp.repeat(tokens, self.top_k, axis=0), order, axis=0).astype(self.dtype)
     group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-    up0 = remat.name(self._grouped_matmul(rows, w0, group_sizes), "mlpwi_0", "moe_mlpwi_0")
-    up1 = remat.name(self._grouped_matmul(rows, w1, group_sizes), "moe_mlpwi_1")
+    up0 = remat.name(self._grouped_matmul(rows, w0, group_sizes, "wi"), "mlpwi_0", "moe_mlpwi_0")
+    up1 = remat.name(self._grouped_matmul(rows, w1, group_sizes, "wi"), "moe_mlpwi_1")
     hidden = self._activation(up0, up1)
-    down = remat.name(self._grouped_matmul(hidden, wo, group_sizes), "mlpwo", "moe_mlpwo")
+    down = remat.name(self._grouped_matmul(hidden, wo, group_sizes, "wo"), "mlpwo", "moe_mlpwo")
     down = jnp.take(down, jnp.argsort(order), axis=0)
     down = jnp.reshape(down, (b * s, self.top_k, e))
     weights = jnp.reshape(weights, (b * s, self.top_k))

@@ -9,6 +9,8 @@
 - it removes the temporary directories of earlier runs on this DST whose process is gone (a SIGKILL or power
   loss leaves one behind); only directories carrying this tool's marker are ever removed.
 
+`check_apart(output, others)` is the rule every output of every command obeys: it is not, does not contain and does
+not lie inside any input (or other output) of the command, with or without --overwrite (`cli.options` gathers them).
 `check_output_file(path, overwrite)` is the rule for single-file outputs (`--output_file`, `--html`,
 `--save-logits`): only a regular file is ever replaced (with `overwrite`); a directory, device, FIFO, socket or
 symbolic link is refused. Sibling names (`.<name>.lock`, `.<name>.tmp-*`) are shortened with a hash so that
@@ -30,6 +32,7 @@ from typing import Iterator, Sequence
 from inspect_tool import errors
 from inspect_tool.output import object_store
 from inspect_tool.output import ours
+from inspect_tool.output import stop
 from inspect_tool.output import trees
 from inspect_tool.output.ours import PRODUCER, TMP_MARKER, Claim, names_producer  # noqa: F401  (re-exported)
 from inspect_tool.storage import paths
@@ -104,20 +107,37 @@ def protected_roots(sources: Sequence[str | None]) -> list[tuple[str, str, bool]
   return roots
 
 
+def _check_roots(dst: str, real: str, roots: Sequence[tuple[str, str, bool]], what: str = "output") -> None:
+  """Refuses `real` (the real path of `dst`) when it is, contains or (unless allowed) lies inside one of `roots`."""
+  noun = "directory" if what == "output" else "path"
+  for root, named, inside_ok in roots:
+    if real == root:
+      raise errors.InputError(f"{what} {dst!r} is {named}; choose another {noun}")
+    if _within(root, real):
+      raise errors.InputError(f"{what} {dst!r} contains {named}; choose a {noun} that does not")
+    if _within(real, root) and not inside_ok:
+      raise errors.InputError(f"{what} {dst!r} lies inside {named}; choose a {noun} outside it")
+
+
 def check_clear_of_inputs(dst: str, sources: Sequence[str | None] = ()) -> str:
   """Returns DST's absolute path, or raises when writing it could touch an input or the working directory."""
   if not dst or not dst.strip():
     raise errors.InputError("output path is empty; give the directory to create, e.g. --output fp8-export")
   absolute_path = absolute(dst)
-  real = _real(dst)
-  for root, what, inside_ok in protected_roots(sources):
-    if real == root:
-      raise errors.InputError(f"output {dst!r} is {what}; choose another directory")
-    if _within(root, real):
-      raise errors.InputError(f"output {dst!r} contains {what}; choose a directory that does not")
-    if _within(real, root) and not inside_ok:
-      raise errors.InputError(f"output {dst!r} lies inside {what}; choose a directory outside it")
+  _check_roots(dst, _real(dst), protected_roots(sources))
   return absolute_path
+
+
+def check_apart(output: str, others: Sequence[tuple[str, str | None]], what: str = "output file") -> None:
+  """The rule shared by every output of every command: `output` is not, does not contain and does not lie inside
+  any of `others` ((its description, its path): the command's inputs and its other outputs), with or without
+  --overwrite, so that no output replaces or writes into what the command reads or writes elsewhere. Paths by
+  URL (gs://, http(s)://, hf://) are no place on this machine: they pass here (`object_store` keeps gs:// DSTs
+  apart from gs:// sources)."""
+  if not output or not output.strip() or paths.is_url(output):
+    return
+  roots = [(_real(path), named, False) for named, path in others if path and path.strip() and not paths.is_url(path)]
+  _check_roots(output, _real(output), roots, what)
 
 
 def replaceable(dst: str) -> str | None:
@@ -289,11 +309,17 @@ def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = Fal
     fd = _lock(lock, path)
   except OSError as e:
     raise errors.InputError(f"cannot write {path!r}: cannot lock it ({e.strerror or e})") from None
+  cleanup = stop.add_cleanup(lambda: _unlink(lock))  # if a stop cannot wait for us
   try:
     reclaimed = reclaim_stale_temporaries(path)
     check_replace(path, overwrite)  # again, now that no other run of ours can change it
     yield Claim(path=path, overwrite=overwrite, reclaimed=reclaimed)
   finally:
-    with contextlib.suppress(OSError):
-      os.unlink(lock)  # while still locked: a waiting run re-checks the inode and creates a new file
+    stop.remove_cleanup(cleanup)
+    _unlink(lock)  # while still locked: a waiting run re-checks the inode and creates a new file
     os.close(fd)
+
+
+def _unlink(path: str) -> None:
+  with contextlib.suppress(OSError):
+    os.unlink(path)

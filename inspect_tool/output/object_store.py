@@ -34,6 +34,7 @@ import re
 import secrets
 from typing import Iterator, Sequence
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.output import hooks
 from inspect_tool.output import ours
@@ -60,6 +61,7 @@ _OURS = re.compile(r"""(?x)
   | (?:quantization_report|import_report|export_manifest|model\.safetensors\.index|config)\.json
   | commit_success\.txt""")
 _held: dict[str, tuple[remote_lock.Lock, bool]] = {}  # DST -> (its lock, overwrite) while claimed
+process_state.declare(f"{__name__}:_held", process_state.RUN, lambda: sorted(_held))
 
 
 def staging_prefix(dst: str) -> str:
@@ -129,9 +131,11 @@ def check_replace(dst: str, overwrite: bool) -> list[str]:
 @contextlib.contextmanager
 def claim(dst: str, *, sources: Sequence[str | None] = (), overwrite: bool = False) -> Iterator[ours.Claim]:
   """`destination.claim` for a gs:// DST: checked, locked and cleaned up after dead runs (module docstring)."""
-  path = check_clear_of_inputs(dst, sources)
+  place = paths.place(dst)  # resolved once: the checks, the lock and the writers read it
+  lock_url = commit.lock_url(place.path)
+  path = check_clear_of_inputs(place.path, sources)
   try:  # locked first: a run killed while publishing is completed (`reclaim`) before DST is judged
-    lock = remote_lock.acquire(path, f"{os.getpid()}-{secrets.token_hex(4)}")
+    lock = remote_lock.acquire(path, f"{os.getpid()}-{secrets.token_hex(4)}", url=lock_url)
   except (OSError, ValueError, RuntimeError) as e:
     raise _failure(path, e) from None
   try:

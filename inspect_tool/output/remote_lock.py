@@ -90,13 +90,14 @@ class Lock:
         objects.delete(self.url, if_generation=self.generation)
 
 
-def acquire(dst: str, run_id: str) -> Lock:
-  """Takes the lock of `dst` for the run `run_id`, taking over a stale one.
+def acquire(dst: str, run_id: str, *, url: str | None = None) -> Lock:
+  """Takes the lock of `dst` for the run `run_id` (its object `url`, `lock_url(dst)` unless given), taking over a
+  stale one.
 
   Raises:
     errors.InputError: a live run holds it.
   """
-  url = lock_url(dst)
+  url = url or lock_url(dst)
   content = {"id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "state": "writing",
              "heartbeat": time.time()}
   previous = None

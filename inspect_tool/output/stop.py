@@ -10,10 +10,11 @@ after JAX's distributed runtime, whose preemption notifier would take SIGTERM). 
   callback run by the collector), the `sys.unraisablehook` installed here (again if something replaced it) takes
   the dropped `Interrupted` silently and does the same;
 - `check` raises it again at stage boundaries and before every commit, so a stopped run never commits;
-- the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds):
-  a watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`), removes the outputs in progress
-  (`add_cleanup`), prints the line and exits when the main thread has not taken the signal `GRACE_S` seconds
-  after it, or has not ended `CLEANUP_S` seconds after taking it.
+- the main thread cannot run the handler while it is inside one long C++ call (an XLA compile takes seconds), and
+  once it has, its way out can wait on threads blocked elsewhere (a worker in a network read that never ends): a
+  watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`, which writes before the handler runs: the
+  watchdog records the signal itself), removes the outputs in progress (`add_cleanup`), prints the line and exits
+  when the run has not ended `STOP_S` seconds after the signal, whatever the main thread is doing.
 """
 
 from __future__ import annotations
@@ -21,31 +22,43 @@ from __future__ import annotations
 import _thread
 import gc
 import os
+import select
 import signal
 import sys
 import threading
 import time
 
+from inspect_tool import process_state
 from inspect_tool import errors
 
 NAMES = ("SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT")
-GRACE_S = 3.0  # seconds the main thread has to take the signal (raise `Interrupted`)
-CLEANUP_S = 30.0  # then, seconds it has to remove its outputs and end
+STOP_S = 4.0  # seconds a run has, from the stop signal, to remove its outputs and end: then the watchdog ends it
 _received: list[int] = []  # the first stop signal, kept until the run ends
-_raised: list[bool] = []  # whether the main thread raised `Interrupted` for it
 _cleanups: dict[int, object] = {}  # id -> callable, run by the watchdog before it exits
 _report_lock = threading.Lock()
 _reported: list[bool] = []  # whether the one line was printed
 _watchdog: list[threading.Thread] = []
+_runs = [0]  # bumped when a run ends (`clear`, `run_ended`): a watchdog counting down for it lets go
+_stopped_run = [0]  # the value of `_runs` when the stop in `_received` arrived
+_wakeups: list[int] = []  # the read end of the signals' wakeup pipe
+_wakeup_lock = threading.Lock()  # the watchdog reads a signal's byte and records it as one step; `_drain` waits
+# A run's stop and its cleanups; the watchdog, the run counter and the wakeup pipe are the process's own.
+process_state.declare(f"{__name__}:_received,_cleanups,_reported,_watchdog,_runs,_stopped_run,_wakeups",
+                      process_state.RUN, lambda: {k: v for k, v in (("received", list(_received)),
+                                                                    ("cleanups", len(_cleanups))) if v})
+
+
+def _received_now(signum: int) -> None:
+  if not _received:
+    _stopped_run[0] = _runs[0]
+    _received.append(signum)
 
 
 def _handler(signum, frame):
-  if not _received:
-    _received.append(signum)
+  _received_now(signum)
   if _swallowing(frame) or _importing(frame):  # raised here it would be dropped, or break a C extension's init
     _again_later(signum)
     return
-  _raised.append(True)
   raise errors.Interrupted(signum)
 
 
@@ -76,7 +89,6 @@ def _importing(frame) -> bool:
 
 def _again_later(signum: int) -> None:
   """Delivers `signum` to the main thread again in 50 ms (its first exception was swallowed)."""
-  _raised.clear()
   timer = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))
   timer.daemon = True
   timer.start()
@@ -109,6 +121,8 @@ def install_handlers() -> None:
   if not _watchdog:
     read, write = os.pipe()
     os.set_blocking(write, False)
+    os.set_blocking(read, False)
+    _wakeups.append(read)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     thread = threading.Thread(target=_watch, args=(read,), name="stop-watchdog", daemon=True)
     thread.start()
@@ -126,16 +140,22 @@ def ignore_from_now() -> None:
 def _watch(read: int) -> None:
   stops = {int(getattr(signal, name)) for name in NAMES}
   while True:
-    data = os.read(read, 64)
-    if not data:
-      return
-    signum = next((b for b in data if b in stops), None)
-    if signum is None:
-      continue
-    if not _still_stopping(GRACE_S) or (_raised and not _still_stopping(CLEANUP_S)):
-      continue  # the run ended its own way, or a test went on (`clear`)
+    select.select([read], [], [])
+    with _wakeup_lock:
+      try:
+        data = os.read(read, 64)
+      except BlockingIOError:  # drained by `run_ended` meanwhile
+        continue
+      if not data:
+        return
+      signum = next((b for b in data if b in stops), None)
+      if signum is None:
+        continue
+      _received_now(signum)  # the byte comes before the handler runs: a stop it has not recorded yet is one still
+    if not _still_stopping(STOP_S):
+      continue  # a test went on (`clear`); a run that ended its own way is no longer here
     report(f"interrupted by {signal.Signals(signum).name}; nothing was left half-written")
-    for cleanup in list(_cleanups.values()):
+    for cleanup in reversed(list(_cleanups.values())):  # the innermost output first, its lock last
       try:
         cleanup()
       except Exception:  # pylint: disable=broad-except
@@ -144,13 +164,15 @@ def _watch(read: int) -> None:
 
 
 def _still_stopping(seconds: float) -> bool:
-  """Waits `seconds`; False as soon as the stop is forgotten (`clear`)."""
+  """Waits `seconds`; False as soon as the stopped run has ended (`clear`, `run_ended`), even if a later run in
+  this process was stopped since."""
+  run = _stopped_run[0]
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline:
-    if not _received:
+    if not _received or _runs[0] != run:
       return False
     time.sleep(0.05)
-  return bool(_received)
+  return bool(_received) and _runs[0] == run
 
 
 def report(line: str) -> bool:
@@ -190,6 +212,21 @@ def check() -> None:
 
 def clear() -> None:
   """Forgets a stop signal (a new run in the same process, e.g. tests calling `cli.main`)."""
-  _received.clear()
-  _raised.clear()
-  _reported.clear()
+  run_ended(forget=True)
+
+
+def run_ended(forget: bool = False) -> None:
+  """The run returned its own way (a test's in-process command): a watchdog counting down for it lets go, and the
+  signals' bytes it has not read yet are dropped (read later, they would start a countdown for the next run);
+  `received` still names the stop that ended it unless `forget`."""
+  with _wakeup_lock:
+    for read in _wakeups:
+      try:
+        while os.read(read, 4096):
+          pass
+      except BlockingIOError:
+        pass
+    if forget:
+      _received.clear()
+      _reported.clear()
+    _runs[0] += 1

@@ -1,4 +1,5 @@
-"""The `fp8` size column: what each leaf weighs once the quantization rules have made it FP8.
+"""The `fp8` size column: what each leaf weighs once the quantization rules have made it FP8 (or int8, under
+quantization=int8's rules: the note under the column names the qtype).
 
 A weight the rules quantize (the export plan's selection, `coverage.plan`: every weight a quantizing op consumes)
 counts its values at the rule's weight qtype (1 byte for FP8) plus its scales (scale shape × compute dtype, as
@@ -42,5 +43,6 @@ def from_plan(plan, basis: str) -> Fp8Sizing:
   dtype_bytes = summary_lib.dtype_bytes
   quantized = {key: (dtype_bytes(wq.qtype), math.prod(wq.scale_shape) * dtype_bytes(wq.compute_dtype))
                for key, wq in plan.weights.items()}
-  return Fp8Sizing(quantized, f"{basis}: the {len(quantized)} weights they quantize at their qtype plus their "
-                   "scales, every other array at its stored dtype")
+  qtypes = ", ".join(sorted({wq.qtype for wq in plan.weights.values()}))
+  return Fp8Sizing(quantized, f"{basis}: the {len(quantized)} weights they quantize at their qtype ({qtypes}) plus "
+                   "their scales, every other array at its stored dtype")

@@ -112,7 +112,7 @@ def summarize(leaves: list[tree.Leaf], *, routed_fraction: float | None = None, 
 
   `routed_fraction` (experts per token / experts) turns routed-expert counts into active parameters per token:
   every other parameter is counted as active. `classify` maps a leaf to its (group, part) (MaxText keys by
-  default; `checkpoint.hf_layout.classifier` for Hugging Face names). Leaves whose key is in `scales` count as
+  default; `hf.layout.classifier` for Hugging Face names). Leaves whose key is in `scales` count as
   scales, not parameters (their bytes are counted). `fp8` (`fp8_size.Fp8Sizing`) sizes the fp8 column; None: unknown.
   """
   sums: dict[tuple[str, str], list[float]] = {}  # params, bytes, fp8 bytes, scales

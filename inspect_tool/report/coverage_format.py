@@ -10,23 +10,24 @@ JSON (`to_json_data`) is the stable machine format, schema_version 1:
    "summary": {"provider", "ops", "quantized_ops", "hidden_lowering_ops", "other_params",
                "groups": {name: {...}}, "total": {...},
                "parts": {group: {part: {...}}}, "other_params_by_part": {part: params},
-               "glance": [{"name", "weights", "quantized_weights", "types", "reasons"}]}}
+               "glance": [{"name", "weights", "quantized_weights", "types", "reasons"}],
+               "chip": {"chip", "advice", "groups": [{"name", "speeds": [{"unit", "rate_vs_bf16", "text"}]}]}}}
 `rule` is a rule index or null; qtypes are names such as "float8_e4m3fn" or null. `part`, the two `parts`
 keys and `glance` were added within version 1 (empty when the report has none); each group's parts sum to the
 group. `glance` is the verdict block (`inspect_tool.report.coverage_verdict`): types as "e4m3 · e4m3 · e5m2".
+`chip` (added within version 1; null without `--chip` / `--topology`) is how each quantized group runs on that
+chip's matrix units (`inspect_tool.report.chip_fit`): the unit, its rate over bf16's (null: not published).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import textwrap
 from typing import Any, Sequence
 
 from inspect_tool.report import coverage_report
+from inspect_tool.report import glance_format
 from quant import rules as rules_lib
-
-GLANCE_WIDTH = 100  # the verdict block's lines fit in this many columns
 
 SCHEMA_VERSION = 1
 
@@ -86,6 +87,7 @@ def to_json_data(report: coverage_report.CoverageReport) -> dict[str, Any]:
                     for g in report.groups if any(p.group == g.group for p in report.parts)},
           "other_params_by_part": dict(report.other_params_by_part),
           "glance": [v.to_dict() for v in report.glance],
+          "chip": report.chip.to_dict() if report.chip is not None else None,
       },
   }
 
@@ -115,7 +117,7 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
   """A plain-text report for terminals."""
   lines = [f"Qwix rule coverage ({len(report.rules)} rules, provider {report.provider or 'none'}; first match wins)"]
   if report.glance:
-    lines += [""] + glance_text(report.glance)
+    lines += [""] + glance_format.glance_text(report.glance, report.chip)
   lines.append("")
   lines.append("Rules:")
   if not report.rules:
@@ -161,18 +163,6 @@ def to_text(report: coverage_report.CoverageReport, *, show_einsum: bool = True)
   return "\n".join(lines) + "\n"
 
 
-def glance_text(verdicts) -> list[str]:
-  """The verdict block: one row per group, wrapped to `GLANCE_WIDTH` columns."""
-  lines = ["At a glance (matmul weights quantized / all; types: weights · activations · gradients):"]
-  name_width = max(len(v.name) for v in verdicts)
-  count_width = max(len(v.count) for v in verdicts)
-  for v in verdicts:
-    head = f"  {v.name.ljust(name_width)}  {v.count.ljust(count_width)}  "
-    lines += textwrap.wrap(v.status, GLANCE_WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
-                           break_on_hyphens=False) or [head.rstrip()]
-  return lines
-
-
 def _summary_rows(report: coverage_report.CoverageReport) -> list[coverage_report.GroupSummary]:
   """Each group followed by its parts, then the total."""
   rows = []
@@ -209,12 +199,15 @@ def to_markdown(report: coverage_report.CoverageReport) -> str:
   """A Markdown report (tables) for pull requests and docs; every cell escaped (`md_cell`, `md_code`)."""
   out = ["# Qwix rule coverage", "", f"Provider `{report.provider or 'none'}`; first matching rule wins.", ""]
   if report.glance:
+    chip = report.chip
     out += ["## At a glance", "", "Matmul weights quantized / all; types: weights · activations · gradients.", "",
-            "| group | quantized | types | not quantized because |", "|---|---:|---|---|"]
+            "| group | quantized | types | not quantized because |" + (f" on {md_cell(chip.chip)} |" if chip else ""),
+            "|---|---:|---|---|" + ("---|" if chip else "")]
     for v in report.glance:
       out.append(_md_row([md_cell(v.name), v.count, md_cell(" / ".join(v.types) if v.quantized else ""),
-                          md_cell("; ".join(v.reasons))]))
-    out.append("")
+                          md_cell("; ".join(v.reasons))]
+                         + ([md_cell(chip.text_of(v.name).partition(": ")[2])] if chip else [])))
+    out += ["", md_cell(chip.advice), ""] if chip else [""]
   out += ["## Rules", "", "| # | module_path | op_names | weight | act | bwd | matches |", "|---|---|---|---|---|---|---|"]
   for row in report.rules:
     r = row.rule

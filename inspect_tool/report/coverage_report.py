@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import qwix
 
@@ -121,6 +121,7 @@ class CoverageReport:
   parts: tuple[GroupSummary, ...] = ()  # per (group, part), groups in `groups` order; they sum to their group
   other_params_by_part: tuple[tuple[str, int], ...] = ()  # `other_params` split by part (with `part_of` only)
   glance: tuple = ()  # `inspect_tool.report.coverage_verdict.Verdict`s, the report at a glance (set by the caller)
+  chip: Any = None  # `inspect_tool.report.chip_fit.ChipFit`: the glance on one chip (`rules --chip`), or None
 
   @property
   def unquantized_weights(self) -> tuple[WeightRow, ...]:

@@ -43,6 +43,7 @@ class Verdict:
   quantized: int
   types: tuple[str, ...] = ()  # "e4m3 · e4m3 · e5m2" per distinct (weight, act, bwd) qtypes in use
   reasons: tuple[str, ...] = ()  # distinct reasons of the unquantized weights (or why the group is empty)
+  qtypes: tuple[tuple[str | None, str | None], ...] = ()  # the (weight, activation) qtype names of `types`
 
   @property
   def count(self) -> str:
@@ -108,14 +109,17 @@ def build(report: coverage_report.CoverageReport, label_of: Callable[[coverage_r
   rank = {name: i for i, name in enumerate(order)}
   out = []
   for name in sorted(members, key=lambda n: (rank.get(n, len(rank)), list(members).index(n))):
-    types, reasons = [], []
+    types, qtypes, reasons = [], [], []
     for weight in members[name]:
       ops = ops_of.get(weight.weight, [])
       if weight.quantized:
-        types += [types_text(report.rules[op.rule].rule) for op in ops if report.op_quantized(op)]
+        rules = [report.rules[op.rule].rule for op in ops if report.op_quantized(op)]
+        types += [types_text(rule) for rule in rules]
+        qtypes += [(rules_lib.qtype_name(r.weight_qtype), rules_lib.qtype_name(r.act_qtype)) for r in rules]
       elif ops:
         reason = op_reason(report, ops[0])
         reasons.append(reword(name, reason) if reword else reason.text)
     out.append(Verdict(name=name, weights=len(members[name]), quantized=sum(w.quantized for w in members[name]),
-                       types=tuple(dict.fromkeys(types)), reasons=tuple(dict.fromkeys(reasons))))
+                       types=tuple(dict.fromkeys(types)), reasons=tuple(dict.fromkeys(reasons)),
+                       qtypes=tuple(dict.fromkeys(qtypes))))
   return tuple(out)

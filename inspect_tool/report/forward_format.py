@@ -20,7 +20,7 @@ def _float(x):
 
 def to_dict(result, *, source: str, quantization: str, comparisons=(), grad=None, weights: str | None = None,
             compared: str | None = None) -> dict:
-  """The pass as JSON data; `weights` says which weights ran (`run.weights.describe`; added within version 1)."""
+  """The pass as JSON data; `weights` says which weights ran (`run.weights.Weights.label`; added within version 1)."""
   data = {
       "schema_version": SCHEMA_VERSION, "model": source, "weights": weights, "quantization": quantization or None,
       "batch_shape": list(np.asarray(result.logits).shape[:2]),

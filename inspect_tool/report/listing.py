@@ -15,6 +15,7 @@ from inspect_tool.paramtree import fp8_size
 from inspect_tool.paramtree import select
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.paramtree import tree
+from inspect_tool.report import glance_format
 from inspect_tool.report import sharding_format
 
 SCHEMA_VERSION = 1
@@ -35,6 +36,8 @@ class ParamReport:
   key_filter: select.KeyFilter | None = None  # `--filter`: leaves and totals are those it matched
   collapse: bool = False  # `--collapse`: repeated layers and experts as one line per stack
   xla: Any = None  # `xla_compile.report.XlaVerdict` (`--compile`): XLA's per-device memory and verdict
+  glance: tuple = ()  # `coverage_verdict.Verdict`s of the config's quantization (`maxtext --chip`), () without one
+  chip: Any = None  # `chip_fit.ChipFit` (`maxtext --chip` / `--topology`): how they run on that chip
 
   @property
   def items(self) -> list[str]:
@@ -178,12 +181,22 @@ def summary_lines(s: summary_lib.Summary, key_filter: select.KeyFilter | None = 
   return out
 
 
+def chip_lines(report: ParamReport) -> list[str]:
+  """The config's quantization at a glance on the `--chip` (or `--topology`) chip, or only the advice without one."""
+  if report.chip is None:
+    return []
+  if not report.glance:
+    return [""] + glance_format.advice_text(report.chip)
+  return [""] + glance_format.glance_text(report.glance, report.chip)
+
+
 def format_text(report: ParamReport, *, check_dtype: bool = False, with_summary: bool = False) -> str:
   """MaxText's stdout: key lines, `Total Parameters: N (~X.XX B)`, our totals; optionally the group summary."""
   lines = listing_lines(report, check_dtype)
   lines.extend(total_lines(report))
   if with_summary:
     lines.extend(summary_lines(report.summary, report.key_filter))
+    lines.extend(chip_lines(report))
     if report.memory is not None:
       lines.extend(sharding_format.memory_lines(report.memory, report.sharding))
   if report.xla is not None:
@@ -212,6 +225,8 @@ def to_dict(report: ParamReport) -> dict:
       **({"sharding": report.sharding.to_dict()} if report.sharding is not None else {}),
       **({"device_memory": report.memory.to_dict()} if report.memory is not None else {}),
       **({"xla": report.xla.to_dict()} if report.xla is not None else {}),
+      **({"chip": report.chip.to_dict(), "glance": [v.to_dict() for v in report.glance]}
+         if report.chip is not None else {}),
   }
 
 
@@ -252,6 +267,8 @@ def format_markdown(report: ParamReport, *, check_dtype: bool = True) -> str:
     out += sharding_format.memory_markdown(report.memory, report.sharding)
   if report.xla is not None:
     out += report.xla.markdown_lines()
+  if report.chip is not None:
+    out += ["", f"**On {report.chip.chip}:** " + report.chip.advice.partition(": ")[2]]
   columns = (["key"] + (["count", "shape each"] if report.collapse else ["shape"]) + (["dtype"] if check_dtype else [])
              + (["spec", "shard"] if report.sharding else []) + (["total"] if report.collapse else []))
   out += ["", "## Arrays", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -21,7 +21,7 @@ from inspect_tool import model as model_lib
 from inspect_tool import progress
 from inspect_tool.checkpoint import exports
 from inspect_tool.checkpoint import load_export
-from inspect_tool.checkpoint import hf_restore
+from inspect_tool.hf import restore as hf_restore
 from inspect_tool.checkpoint import restore
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.configuration import validation
@@ -29,6 +29,7 @@ from inspect_tool.coverage import trace as model_coverage
 from inspect_tool.run import batch as batch_lib
 from inspect_tool.run import forward as forward_lib
 from inspect_tool.run import limits
+from inspect_tool.run import weights as weights_lib
 from quant import compat
 from quant import fp8_providers
 
@@ -46,24 +47,26 @@ def quantize_for_training(model, cfg: config_lib.ModelConfig, rules: Sequence | 
   return qwix.quantize_model(model, provider, *args, skip_nnx_init=True, **kwargs)
 
 
-def load_model(cfg: config_lib.ModelConfig, checkpoint: str | None = None, *, mesh=None):
-  """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init.
+def load_model(cfg: config_lib.ModelConfig, checkpoint: str | weights_lib.Weights | None = None, *, mesh=None):
+  """A real model: the checkpoint's weights (straight onto `mesh`'s devices) or a seeded random init; `checkpoint`
+  a path, or the `weights.Weights` its command resolved (then read where they were resolved to, not looked up again).
 
   An FP8 export (`inspect_checkpoint export`) loads into the quantized model (`checkpoint.load_export`): Qwix PTQ for
   dense ops, pre-quantized experts in our gmm.
   """
-  if checkpoint is None:
+  weights = weights_lib.resolve(cfg, checkpoint)
+  if weights.kind == weights_lib.RANDOM:
     with progress.step(f"initialising {cfg.model_name} (seed {cfg.init_weights_seed})"):
       return model_lib.build_model(cfg, abstract=False)
-  if hf_restore.is_hf_checkpoint(checkpoint):  # bf16 or FP8 DeepSeek safetensors, dequantized to float weights
-    with progress.step(f"loading Hugging Face checkpoint {checkpoint}"):
-      return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
-  if exports.is_export(checkpoint):
-    with progress.step(f"loading FP8 export {checkpoint}"):
-      return load_export.load_quantized_model(cfg, checkpoint, mesh=mesh)
+  if weights.kind == weights_lib.HF:  # bf16 or FP8 DeepSeek safetensors, dequantized to float weights
+    with progress.step(f"loading Hugging Face checkpoint {weights.given}"):
+      return hf_restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), weights.given, mesh=mesh)
+  if weights.kind == weights_lib.EXPORT:
+    with progress.step(f"loading {exports.label(weights.given)} {weights.given}"):
+      return load_export.load_quantized_model(cfg, weights.given, mesh=mesh)
 
-  with progress.step(f"loading {checkpoint}"):
-    return restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), checkpoint, mesh=mesh)
+  with progress.step(f"loading {weights.given}"):
+    return restore.load_checkpoint(model_lib.build_model(cfg, abstract=True), weights.resolved, mesh=mesh)
 
 
 def forward(model, batch: batch_lib.Batch, label: str = "forward pass"):
@@ -81,7 +84,8 @@ def grad_step(model, batch: batch_lib.Batch):
   is what the per-device memory estimate is checked against (XLA's `memory_analysis`)."""
 
   if exports.is_quantized_model(model):
-    raise errors.InputError("gradients need float weights; the checkpoint is an FP8 export (use its source)")
+    raise errors.InputError(f"gradients need float weights; the checkpoint is an "
+                            f"{exports.label(getattr(model, exports.MARK))} (use its source)")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p, r):
@@ -116,18 +120,19 @@ class Run:
   compared: str | None = None  # what `compare` compared, in words
 
 
-def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
+def weights_description(cfg: config_lib.ModelConfig, checkpoint: str | weights_lib.Weights | None) -> str:
   """Which weights a run loads, in words: the checkpoint (Orbax, FP8 export, Hugging Face) or the seeded init."""
-  if checkpoint is None:
+  weights = weights_lib.resolve(cfg, checkpoint)
+  if weights.kind == weights_lib.RANDOM:
     return f"the random init (seed {cfg.init_weights_seed})"
-  if hf_restore.is_hf_checkpoint(checkpoint):
-    return f"the Hugging Face checkpoint {checkpoint} (FP8 weights dequantized)"
-  if exports.is_export(checkpoint):
-    return f"the FP8 export {checkpoint}"
-  return f"the checkpoint {checkpoint}"
+  if weights.kind == weights_lib.HF:
+    return f"the Hugging Face checkpoint {weights.given} (FP8 weights dequantized)"
+  if weights.kind == weights_lib.EXPORT:
+    return f"the {exports.label(weights.given)} {weights.given}"
+  return f"the checkpoint {weights.given}"
 
 
-def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | None) -> str:
+def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | weights_lib.Weights | None) -> str:
   """What `--compare` compares; `InputError` when it would compare a model with itself (no quantization rule)."""
   weights = weights_description(cfg, checkpoint)
   if not model_coverage.config_rules(cfg):
@@ -138,16 +143,20 @@ def comparison_description(cfg: config_lib.ModelConfig, checkpoint: str | None) 
   return f"{weights} under quantization={cfg.quantization} (Qwix QT) vs the same weights unquantized"
 
 
-def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *, checkpoint: str | None = None, mesh=None,
-        compare: bool = False, grad: bool = False) -> Run:
-  """Forward pass of the configured model (quantized when `quantization` is set), loading the model once."""
+def run(cfg: config_lib.ModelConfig, batch: batch_lib.Batch, *,
+        checkpoint: str | weights_lib.Weights | None = None, mesh=None, compare: bool = False,
+        grad: bool = False) -> Run:
+  """Forward pass of the configured model (quantized when `quantization` is set), loading the model once;
+  `checkpoint` a path or the `weights.Weights` the command resolved."""
   validation.check_runs(cfg, "forward")
   limits.check_memory(cfg, *batch.tokens.shape, grad=grad)
-  compared = comparison_description(cfg, checkpoint) if compare else None
-  model = load_model(cfg, checkpoint, mesh=mesh)
+  weights = weights_lib.resolve(cfg, checkpoint)
+  compared = comparison_description(cfg, weights) if compare else None
+  model = load_model(cfg, weights, mesh=mesh)
   if (compare or grad) and exports.is_quantized_model(model):
-    raise errors.InputError(f"--compare and --grad need float weights; {checkpoint} is an FP8 export (its "
-                            f"{exports.REPORT_NAME} holds the comparison with its source)")
+    raise errors.InputError(f"--compare and --grad need float weights; {weights.given} is an "
+                            f"{exports.label(weights.given)} (its {exports.REPORT_NAME} holds the comparison with its "
+                            "source)")
   quantized = quantize_for_training(model, cfg)
   main = "forward pass" if quantized is model else f"forward pass ({cfg.quantization}, Qwix QT)"
   return Run(result=forward(quantized, batch, main),

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 
 MARKER = "commit_success.txt"  # Orbax's commit marker name on object stores; DST's, written last
 _own: set[str] = set()  # the DSTs this process writes in place: it reads them back (validation) before the marker
+process_state.declare(f"{__name__}:_own", process_state.RUN, lambda: sorted(_own))
 
 
 @contextlib.contextmanager

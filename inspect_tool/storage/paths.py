@@ -12,9 +12,12 @@ URL (`http://`, `https://`, `hf://ORG/REPO[@REVISION]`: `storage.web`) share the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import posixpath
+
+from inspect_tool.storage import mapped_reads
 
 GS = "gs://"
 WEB = ("http://", "https://", "hf://")  # read-only sources (`storage.web`)
@@ -103,6 +106,24 @@ def kvstore_spec(path: str) -> dict:
     bucket, name = split(path)
     return {"driver": "gcs", "bucket": bucket, "path": f"{name}/" if name else ""}
   return {"driver": "file", "path": os.path.abspath(path) + "/"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Place:
+  """A directory resolved once (`place`): the floors below read its fields and name what lies under it by
+  `f"{place.path}/{name}"`, without parsing the string again."""
+
+  path: str  # absolute local path, or normalized gs:// URL (no trailing slash)
+  remote: bool  # gs://
+  kvstore: dict  # tensorstore's kvstore spec of the directory (`kvstore_spec`)
+  read_kvstore: dict  # the same for reading: a local directory's files mapped where allowed (`mapped_reads`)
+
+
+def place(path: str) -> Place:
+  """`path` resolved: absolute (or normalized), local or remote, and its kvstore specs."""
+  path = absolute(path)
+  spec = kvstore_spec(path)
+  return Place(path, is_remote(path), spec, mapped_reads.kvstore_spec(spec, path))
 
 
 def epath(path: str):

@@ -13,11 +13,21 @@ from typing import NamedTuple
 
 import tensorstore as ts
 
+from inspect_tool import process_state
+
 MAX_DEPTH = 16  # B-tree levels walked at most (Orbax's databases have one: 100 MB nodes)
 CACHED_NODES = 4  # B-tree nodes kept, decoded, for the next lookup (a node's location names immutable bytes)
 
 _nodes: collections.OrderedDict = collections.OrderedDict()  # (database directory, location) -> decoded node
 _nodes_lock = threading.Lock()
+
+
+def _forget_nodes() -> None:
+  with _nodes_lock:
+    _nodes.clear()
+
+
+process_state.declare(f"{__name__}:_nodes", process_state.CACHE, lambda: len(_nodes), _forget_nodes)
 
 
 class Located(NamedTuple):

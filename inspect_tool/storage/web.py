@@ -11,9 +11,11 @@ changes between two reads is refused. Every GET goes through `storage.web_http`.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.storage import paths
 from inspect_tool.storage import web_http
@@ -31,6 +33,16 @@ _whole_files: dict[str, tuple[int | None, bytes | None]] = {}  # path -> (size, 
 _probes: dict[str, tuple[int | None, bytes]] = {}  # path -> (size, its first bytes); (None, b""): no such file
 _redirects: dict[str, tuple[str, float]] = {}  # path -> (where its URL redirected to, when)
 _kept: dict[tuple[str, int, int], bytes] = {}  # (path, start, length) -> bytes: the ranges read with `keep`
+
+
+def _forget() -> None:
+  with _lock:
+    for cache in (_whole_files, _probes, _redirects, _kept):
+      cache.clear()
+
+
+process_state.declare(f"{__name__}:_whole_files,_probes,_redirects,_kept", process_state.CACHE,
+                      lambda: len(_whole_files) + len(_probes) + len(_redirects) + len(_kept), _forget)
 
 
 def _get(path: str, **kwargs) -> web_http.Answer:
@@ -175,3 +187,33 @@ def not_found(directory: str) -> errors.CheckpointError:
   return errors.CheckpointError(f"{directory}: neither {INDEX} nor {SINGLE} is there (HTTP 404 for both); a directory "
                                 "over HTTP is read through these names: name another index or .safetensors file in "
                                 "the URL")
+
+
+def each(function, items: list, workers: int) -> list:
+  """`function` of each item, in order, `workers` at a time in daemon threads. The first failure is raised as soon as
+  it comes, without waiting on reads still in flight: a server that never answers one of them holds neither the
+  error line, nor a stop, nor the process's exit (a thread pool's workers are joined at exit)."""
+  results, done, lock, todo = [None] * len(items), queue.Queue(), threading.Lock(), iter(enumerate(items))
+  failed = threading.Event()
+
+  def work():
+    while not failed.is_set():
+      with lock:
+        index, item = next(todo, (None, None))
+      if index is None:
+        return
+      try:
+        done.put((index, function(item), None))
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller's thread)
+        failed.set()
+        done.put((index, None, e))
+
+  for _ in range(min(workers, len(items))):
+    threading.Thread(target=work, name="web-read", daemon=True).start()
+  for _ in items:
+    index, value, error = done.get()
+    if error is not None:
+      raise error
+    results[index] = value
+  return results
+

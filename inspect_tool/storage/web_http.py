@@ -18,6 +18,7 @@ import re
 import threading
 import urllib.parse
 
+from inspect_tool import process_state
 from inspect_tool import __version__
 from inspect_tool import errors
 from inspect_tool.storage import remote
@@ -37,6 +38,14 @@ _POOL_HOST = re.compile(r"host='([^']+)', port=(\d+)")
 _RESOLVE = re.compile(r"NameResolution|Name or service not known|nodename nor servname|Temporary failure in name "
                       r"resolution|getaddrinfo failed|No address associated", re.I)
 _local = threading.local()
+
+
+def _forget_sessions() -> None:
+  global _local  # pylint: disable=global-statement
+  _local = threading.local()  # every thread's session goes with it (a thread still running keeps its own)
+
+
+process_state.declare(f"{__name__}:_local", process_state.CACHE, lambda: bool(vars(_local)), _forget_sessions)
 
 
 @dataclasses.dataclass

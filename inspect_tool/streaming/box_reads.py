@@ -8,6 +8,7 @@ import collections
 import itertools
 from typing import Sequence
 
+from inspect_tool.output import stop
 from inspect_tool.streaming import budget
 
 MAX_AHEAD = 2  # reads in flight beside the box being processed (tensorstore decodes them in parallel)
@@ -110,8 +111,11 @@ class BoxReads:
     return self._work[self._next - 1][0].read_bytes + queued
 
   def close(self) -> None:
-    """Waits for the reads in flight, ignoring their outcome."""
+    """Waits for the reads in flight, ignoring their outcome; after a stop signal, not for them (a read that never
+    ends, over a network, would hold the run past its stop)."""
     queue, self._queue = self._queue, collections.deque()
+    if stop.received() is not None:
+      return
     for _, pending, _ in queue:
       try:
         pending.result()

@@ -17,6 +17,7 @@ import os
 import resource
 from typing import Iterator, Sequence
 
+from inspect_tool import process_state
 from inspect_tool import errors
 from inspect_tool.configuration import sizes
 from inspect_tool.host import memory as host_memory
@@ -30,6 +31,15 @@ KEPT_BLOCK_MIN = 16 << 20  # ... from this size on (a room of 4 GiB); below it, 
 KEPT_BLOCK_MAX = 32 << 20  # the largest mmap threshold glibc takes on 64-bit hosts (half its heap size)
 KEPT_FACTOR = 16  # memory set aside for the kept blocks, per byte of the threshold (measured: 10-11, bench_gcs)
 _hand_back_above: int | None = None  # the resident size past which kept blocks go back (`keep_within`)
+
+
+def _forget_hand_back() -> None:
+  global _hand_back_above  # pylint: disable=global-statement
+  _hand_back_above = None
+
+
+process_state.declare(f"{__name__}:_hand_back_above", process_state.SETTING, lambda: _hand_back_above,
+                      _forget_hand_back)
 # Compiling and compiled quantizers, tensorstore's buffers, beside the slices of an export or import (`write_orbax`).
 # Measured: `--max-memory 600MB` on the benchmark's embedding source holds 0.26 GB when slicing starts and peaks at
 # 0.39 GB (bench/bench_export.py).

@@ -23,7 +23,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import objects
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
@@ -50,14 +49,16 @@ def ts_context():
                      "file_io_concurrency": {"limit": 16}, "gcs_request_retries": remote.REQUEST_RETRIES})
 
 
-def _ocdbt(path: str, mapped: bool = False, writing: bool = False) -> dict:
-  """The OCDBT database at the directory `path` (local or gs://); `mapped`: a local one's files read by mapping them
-  where allowed (`storage.mapped_reads`); `writing` on gs://: data files of `REMOTE_DATA_FILE_BYTES`."""
-  base = paths.kvstore_spec(path)
-  if mapped and not paths.is_remote(path):
-    base = mapped_reads.kvstore_spec(base, path)
+def _under(kvstore: dict, name: str) -> dict:
+  """The kvstore spec of the directory `name` under the directory of `kvstore`."""
+  return dict(kvstore, path=f"{kvstore['path']}{name}/")
+
+
+def _ocdbt(base: dict, writing: bool = False) -> dict:
+  """The OCDBT database on the kvstore `base` (a directory, local or gs://); `writing` on gs://: data files of
+  `REMOTE_DATA_FILE_BYTES`."""
   spec = {"driver": "ocdbt", "base": base}
-  if writing and paths.is_remote(path):
+  if writing and base.get("driver") == "gcs":
     spec["target_data_file_size"] = REMOTE_DATA_FILE_BYTES
   return spec
 
@@ -65,10 +66,13 @@ def _ocdbt(path: str, mapped: bool = False, writing: bool = False) -> dict:
 class OrbaxArrayWriter:
   """Creates the zarr3 arrays of one Orbax pytree in this process's OCDBT database and writes them by slices."""
 
-  def __init__(self, items_dir: str, *, process_index: int = 0, context=None):
-    self.items_dir = paths.absolute(items_dir)
+  def __init__(self, items_dir: str, *, process_index: int = 0, context=None, digests=None):
+    self.place = paths.place(items_dir)
+    self.items_dir = self.place.path
     self.process_index = process_index
     self._context = context or ts_context()
+    self._digests = digests  # `manifest.digests.Digests`: what it tracks is hashed as it is written
+    self._names: dict[int, str] = {}  # id of a created array's handle -> its name (the key joined by dots)
     self._entries: dict[tuple[str, ...], tuple[int, ...]] = {}  # key -> chunk shape, every array of the pytree
     self._specs: dict[tuple[str, ...], tuple] = {}  # key -> (shape, dtype name, chunk), checked after the merge
     self._created: set[tuple[str, ...]] = set()  # the arrays this process writes
@@ -93,7 +97,7 @@ class OrbaxArrayWriter:
       shape, chunk = [int(d) for d in shape], [max(1, int(c)) for c in chunk]
       self._entries[key] = tuple(chunk)
       self._specs[key] = (tuple(shape), np.dtype(dtype).name, tuple(chunk))
-      kvstore = dict(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(self.process_index)), writing=True),
+      kvstore = dict(_ocdbt(_under(self.place.kvstore, PROCESS_DIR.format(self.process_index)), writing=True),
                      path=".".join(key) + "/")
       metadata = {"shape": shape, "data_type": np.dtype(dtype).name,
                   "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
@@ -106,9 +110,12 @@ class OrbaxArrayWriter:
                     "store_data_equal_to_fill_value": True})  # Orbax reads a missing chunk as an error
     try:
       futures = [ts.open(spec, create=True, open=True, context=self._context) for spec in specs]
-      return [future.result() for future in futures]
+      stores = [future.result() for future in futures]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
+    for store, spec in zip(stores, specs):
+      self._names[id(store)] = spec["kvstore"]["path"][:-1]
+    return stores
 
   def write_scalar(self, key: Sequence[str], value, dtype) -> None:
     """A scalar of the pytree (Orbax's `scalar` value type; MaxText's converter writes `step` so), written now."""
@@ -134,31 +141,48 @@ class OrbaxArrayWriter:
     all on disk)."""
     values = [np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value) for _, _, value in parts]
     nbytes = sum(value.nbytes for value in values)  # (the former is >= 1-D)
-    self._start(nbytes, room, lambda: [store[index].write(value) if index else store.write(value)
-                                       for (store, index, _), value in zip(parts, values)])
+    hashed = [(self._hashed(store), index, value) for (store, index, _), value in zip(parts, values)]
+    hashed = [(name, index, value) for name, index, value in hashed if name is not None]
+    self._start(IN_FLIGHT_FACTOR * nbytes + sum(value.nbytes for _, _, value in hashed), room,
+                lambda: [store[index].write(value) if index else store.write(value)
+                         for (store, index, _), value in zip(parts, values)]
+                + [self._digests.add(name, index, value) for name, index, value in hashed])
     self.written_bytes += nbytes
 
   def write_stored(self, store, chunks: Sequence[tuple[str, bytes]], nbytes: int, room: int = 0) -> None:
     """Writes stored (encoded) chunks [(key, bytes)] of `store` as they are, in the background like
-    `write_slice`; `nbytes`: their decoded size."""
-    self._start(sum(len(value) for _, value in chunks), room,
-                lambda: [store.kvstore.write(key, value) for key, value in chunks])
+    `write_slice`; `nbytes`: their decoded size (decoded once more in the background, from these bytes, where the
+    array is hashed)."""
+    encoded, name = sum(len(value) for _, value in chunks), self._hashed(store)
+    hashes = []
+    if name is not None:
+      index = _chunks_box(store, chunks)
+      hashes = [lambda: self._digests.add(name, index, lambda: _decoded(store, chunks, index))]
+    self._start(IN_FLIGHT_FACTOR * encoded + (nbytes if hashes else 0), room,
+                lambda: [store.kvstore.write(key, value) for key, value in chunks] + [h() for h in hashes])
     self.written_bytes += nbytes
 
-  def _start(self, nbytes: int, room: int, writes) -> None:
-    """Makes room for a write of `nbytes` (`write_slice`), then starts it: `writes()` gives its futures."""
-    self.make_room(room - IN_FLIGHT_FACTOR * nbytes)
+  def _hashed(self, store) -> str | None:
+    """The name of `store` when its values are hashed as they are written (`digests`), else None."""
+    name = self._names.get(id(store))
+    return name if self._digests is not None and name is not None and self._digests.tracks(name) else None
+
+  def _start(self, held: int, room: int, writes) -> None:
+    """Makes room for a write that holds `held` bytes while in flight (`write_slice`), then starts it: `writes()`
+    gives its futures."""
+    self.make_room(room - held)
     budget.keep_within()
     try:
-      futures = writes()
+      futures = [future for future in writes() if future is not None]
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
-    self._in_flight.append((futures, IN_FLIGHT_FACTOR * nbytes))
+    self._in_flight.append((futures, held))
 
   @property
   def in_flight_bytes(self) -> int:
-    """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each."""
-    return sum(held for _, held in self._in_flight)
+    """What the writes in flight hold: `IN_FLIGHT_FACTOR` times the bytes given to each, and the bytes of each
+    while it is hashed; and what the hashes keep of arrays written out of C order (`digests.held_bytes`)."""
+    return sum(held for _, held in self._in_flight) + (self._digests.held_bytes if self._digests else 0)
 
   def make_room(self, room: int) -> None:
     """Waits for the oldest writes in flight until the rest hold at most `room` bytes (`in_flight_bytes`)."""
@@ -204,34 +228,63 @@ class OrbaxArrayWriter:
     """
 
     self.wait()
-    verify.check_databases(self.items_dir, PROCESS_DIR, process_count)
+    verify.check_databases(self.place.kvstore, self.items_dir, PROCESS_DIR, process_count, self._context)
     try:
       self._merge(process_count)
-      merged = ts.KvStore.open(_ocdbt(self.items_dir, mapped=True), context=self._context).result()
+      merged = ts.KvStore.open(_ocdbt(self.place.read_kvstore), context=self._context).result()
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
     verify.check_merged(merged, self._specs, self._context, complete=complete)
     try:
-      _write_json(paths.join(self.items_dir, "_METADATA"), tree_metadata(self._entries, self._scalars))
+      self._write_json(f"{self.items_dir}/_METADATA", tree_metadata(self._entries, self._scalars))
       arrays = {key: chunk for key, chunk in self._entries.items() if key not in self._scalars}
-      _write_json(paths.join(self.items_dir, "_sharding"), _default_shardings(arrays))
+      self._write_json(f"{self.items_dir}/_sharding", _default_shardings(arrays))
       now = time.time_ns()
-      _write_json(paths.join(step_dir, "_CHECKPOINT_METADATA"),
-                  {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
-                   "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+      self._write_json(f"{step_dir}/_CHECKPOINT_METADATA",
+                       {"item_handlers": {item: compat.ORBAX_PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+                        "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
     except Exception as e:  # pylint: disable=broad-except
       raise _write_error(self.items_dir, e) from None
+
+  def _write_json(self, path: str, doc: dict) -> None:
+    """`doc` as the file `path`: on gs:// one object written whole, locally a temporary file renamed into place."""
+    data = json.dumps(doc)
+    if self.place.remote:
+      objects.write(path, data.encode())
+      return
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.write(data)
+    os.replace(path + ".tmp", path)
 
   def _merge(self, process_count: int) -> None:
     """Copies every process's OCDBT database into the root database of the pytree (as Orbax does): the root's
     B-tree refers to the processes' data files, which stay where they are."""
-    parent = ts.KvStore.open(_ocdbt(self.items_dir), context=self._context).result()
+    parent = ts.KvStore.open(_ocdbt(self.place.kvstore), context=self._context).result()
     txn = ts.Transaction(atomic=True)
     for index in range(process_count):
-      store = ts.KvStore.open(_ocdbt(paths.join(self.items_dir, PROCESS_DIR.format(index))),
+      store = ts.KvStore.open(_ocdbt(_under(self.place.kvstore, PROCESS_DIR.format(index))),
                               context=self._context).result()
       store.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
+
+
+def _chunks_box(store, chunks: Sequence[tuple[str, bytes]]) -> tuple[slice, ...]:
+  """The box of `store` that its stored chunks [(key "c/i/j", bytes)] cover (regular grid, default keys)."""
+  chunk = store.spec().to_json()["metadata"]["chunk_grid"]["configuration"]["chunk_shape"]
+  grid = [[int(i) for i in key.split("/")[1:]] for key, _ in chunks]
+  return tuple(slice(min(g[a] for g in grid) * c, min(d, (max(g[a] for g in grid) + 1) * c))
+               for a, (c, d) in enumerate(zip(chunk, store.shape)))
+
+
+def _decoded(store, chunks: Sequence[tuple[str, bytes]], index: tuple[slice, ...]) -> np.ndarray:
+  """The values of the stored chunks of `store` that cover `index`, decoded from their bytes in memory (an array
+  of `store`'s metadata on tensorstore's memory kvstore, in a context of its own)."""
+  spec = store.spec().to_json()
+  twin = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory", "path": "twin/"}, "metadata": spec["metadata"]},
+                 create=True, context=ts.Context()).result()
+  for future in [twin.kvstore.write(key, value) for key, value in chunks]:
+    future.result()
+  return twin[index].read().result()
 
 
 def tree_metadata(entries: dict[tuple[str, ...], tuple[int, ...]], scalars=frozenset()) -> dict:
@@ -253,16 +306,6 @@ def _default_shardings(entries) -> dict:
   """Orbax's `_sharding` file: each array restores onto this process's first device unless told otherwise."""
   device = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(jax.local_devices()[0])})
   return {base64.urlsafe_b64encode(".".join(key).encode()).decode(): device for key in sorted(entries)}
-
-
-def _write_json(path: str, doc: dict) -> None:
-  if paths.is_remote(path):  # one object, written whole
-    objects.write(path, json.dumps(doc).encode())
-    return
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(doc, f)
-  os.replace(tmp, path)
 
 
 def remove_share(tmp: str, items_dir: str, index: int) -> None:

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
@@ -24,6 +25,7 @@ import tensorstore as ts
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import exports
+from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata
 from inspect_tool.checkpoint import restore
 from inspect_tool.paramtree import params
@@ -32,6 +34,7 @@ from inspect_tool.storage import mapped_reads
 from inspect_tool.storage import paths
 from inspect_tool.streaming import chunk_stream
 from inspect_tool.streaming import read_plan
+from inspect_tool.streaming import source as source_lib
 
 # Source chunks tensorstore decodes at once (its copy threads). Measured: a box read holds the box and, per chunk
 # being decoded, its decoded bytes (its stored bytes are freed before it is copied into the box, whose pages are
@@ -58,10 +61,12 @@ def nbytes(leaf: tree.Leaf) -> int:
   return leaf.size * np.dtype(leaf.dtype).itemsize
 
 
-class CheckpointSource:
+class CheckpointSource(source_lib.ArraySource):
   """The arrays of an Orbax checkpoint for a model's leaves, opened lazily and read by slices."""
 
-  def __init__(self, path: str, leaves, context=None):
+  cached_reads = True
+
+  def __init__(self, path: str | locate.ResolvedPath, leaves, context=None):
     self._listing = orbax_metadata.read_listing(path)
     self.items_dir = paths.absolute(self._listing.resolved.items_dir)
     self._pairs = {p.model.key: p for p in restore.plan(self._listing, leaves, report_unused=True)}
@@ -246,6 +251,9 @@ class CheckpointSource:
     """The array of model leaf `key` as a lazy array whose indexing reads (and counts) through `read`."""
     return ArrayView(self, self.open(key))
 
+  def decoded(self) -> dict[tuple[str, ...], list[int]]:
+    return self.decodes
+
   def __iter__(self):
     return iter(self._pairs)
 
@@ -256,9 +264,11 @@ class CheckpointSource:
     return key in self._pairs
 
 
-class ArrayView:
+class ArrayView(source_lib.View):
   """A source array, or the box `origin` of it (indices relative to the box; reads not counted: `cached_box`),
   that reads the part it is indexed by (slices and integers) through `CheckpointSource.read`."""
+
+  cached_reads = True
 
   def __init__(self, source: CheckpointSource, store, origin: tuple[slice, ...] | None = None):
     self._source, self._store, self._origin = source, store, origin
@@ -322,12 +332,20 @@ def aligned_empty(shape, dtype) -> np.ndarray:
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def compute_device():
+  """Where an export's blocks are quantized: JAX's first local device, the accelerator on a TPU (or GPU) host, the
+  CPU elsewhere (or under `JAX_PLATFORMS=cpu`)."""
+  return jax.local_devices()[0]
+
+
 def to_jax(value: np.ndarray):
-  """`value` as a jax array on the CPU, sharing its memory when it is aligned (DLPack), else copied."""
-  if (value.dtype in (np.float32, np.float64, np.float16) and value.flags.c_contiguous and value.flags.writeable
-      and value.ctypes.data % ALIGNMENT == 0):
+  """`value` as a jax array on `compute_device()`: on the CPU sharing its memory when it is aligned (DLPack), else
+  copied there."""
+  device = compute_device()
+  if (device.platform == "cpu" and value.dtype in (np.float32, np.float64, np.float16)
+      and value.flags.c_contiguous and value.flags.writeable and value.ctypes.data % ALIGNMENT == 0):
     return jnp.from_dlpack(value)
-  return jnp.asarray(value)
+  return jax.device_put(value, device)
 
 
 class _StoredChunks:
@@ -362,7 +380,7 @@ class PendingRead:
                                    f"truncated or corrupt ({errors.first_line(e)})") from None
 
 
-class InitSource:
+class InitSource(source_lib.ArraySource):
   """The seeded random init of the config's model (the whole model is built: for small models)."""
 
   def __init__(self, cfg, leaves):
@@ -414,14 +432,17 @@ class InitSource:
 
 
 def check_source(source: str) -> None:
-  """Refuses a source that is itself an FP8 export."""
+  """Refuses a source that is itself an export (FP8 or int8)."""
   if exports.find_report(source):
-    raise errors.InputError(f"source {source!r} is already an FP8 export; export from the float checkpoint")
+    raise errors.InputError(f"source {source!r} is already an {exports.label(source)}; export from the float "
+                            "checkpoint")
 
 
-def open_source(cfg, source: str | None, leaves) -> Any:
-  """`CheckpointSource` of `source`, or `InitSource` of the config's seeded init when `source` is None."""
+def open_source(cfg, source: str | locate.ResolvedPath | None, leaves) -> Any:
+  """`CheckpointSource` of `source` (a path, or where its caller resolved it to), or `InitSource` of the config's
+  seeded init when `source` is None."""
   if source is None:
     return InitSource(cfg, leaves)
-  check_source(source)
+  if not isinstance(source, locate.ResolvedPath):
+    check_source(source)
   return CheckpointSource(source, leaves)

@@ -47,9 +47,10 @@ def _write_error(path: str, e: OSError) -> errors.InputError:
 class Region:
   """One tensor's bytes in a shard, filled in order by `write`."""
 
-  def __init__(self, shard: "_Shard", name: str, dtype: np.dtype, begin: int, nbytes: int):
+  def __init__(self, shard: "_Shard", name: str, dtype: np.dtype, begin: int, nbytes: int, digests=None):
     self.shard, self.name, self.dtype = shard, name, dtype
     self.position, self.end = begin, begin + nbytes
+    self.digests = digests  # `manifest.digests.Digests` hashing the tensor's bytes as they are written (or None)
 
   @property
   def complete(self) -> bool:
@@ -64,6 +65,8 @@ class Region:
       raise AssertionError(f"{self.name}: more bytes than its shape holds")
     budget.keep_within()
     self.shard.pwrite(data, self.position)
+    if self.digests is not None:
+      self.digests.add(self.name, None, block)
     self.position += len(data)
     if self.complete:
       self.shard.region_done()
@@ -132,12 +135,12 @@ class _Shard:
   def fits_header(self, member: str) -> bool:
     return 8 + self.header_length + 1 + len(member.encode()) <= self.header_reserve
 
-  def add(self, name: str, dtype: np.dtype, shape: Sequence[int], nbytes: int) -> Region:
+  def add(self, name: str, dtype: np.dtype, shape: Sequence[int], nbytes: int, digests=None) -> Region:
     member = self.member(name, dtype, shape, nbytes)
     self.entries.append(member)
     self.names.append(name)
     self.header_length += 1 + len(member.encode())
-    region = Region(self, name, dtype, self.size, nbytes)
+    region = Region(self, name, dtype, self.size, nbytes, digests)
     self.size += nbytes
     with self._lock:
       self.pending += 1
@@ -180,12 +183,15 @@ class ShardedWriter:
   of a shard may be filled in any order, and a shard's regions may still be filled after later shards were
   started; different regions may be filled from different threads (`reserve` and `close` stay in one). Use as a
   context manager: files are closed on failure (the caller removes the directory, after its threads are done).
+  `digests` (`manifest.digests.Digests`, hashing in the writing thread) hashes every tensor as it is written.
   """
 
-  def __init__(self, dst_dir: str, max_shard_bytes: int, *, header_reserve: int = DEFAULT_HEADER_RESERVE):
+  def __init__(self, dst_dir: str, max_shard_bytes: int, *, header_reserve: int = DEFAULT_HEADER_RESERVE,
+               digests=None):
     if header_reserve % 8 or header_reserve < 64:
       raise ValueError(f"header_reserve {header_reserve} must be a multiple of 8, at least 64")
     self.dst_dir, self.max_shard_bytes, self.header_reserve = dst_dir, max_shard_bytes, header_reserve
+    self.digests = digests
     self.shards: list[_Shard] = []
     self.total_size = 0
     self.seen: set[str] = set()
@@ -224,7 +230,9 @@ class ShardedWriter:
     if not shard.fits_header(shard.member(name, dtype, shape, nbytes)):
       raise ValueError(f"header_reserve {self.header_reserve} cannot hold the header entry of {name!r}")
     self.total_size += nbytes
-    return shard.add(name, dtype, shape, nbytes)
+    if self.digests is not None:
+      self.digests.track(name, shape, dtype)
+    return shard.add(name, dtype, shape, nbytes, self.digests)
 
   def add(self, name: str, array: np.ndarray) -> None:
     """Writes a tensor computed whole."""

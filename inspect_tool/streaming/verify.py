@@ -15,20 +15,23 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 
 import numpy as np
 import tensorstore as ts
 
 from inspect_tool import errors
-from inspect_tool.storage import objects
-from inspect_tool.storage import paths
 
 
-def check_databases(items_dir: str, process_dir: str, count: int) -> None:
-  """Every process's database (`process_dir.format(i)`, i < `count`) exists and has its manifest (local or gs://)."""
-  exists = objects.exists if paths.is_remote(items_dir) else os.path.isfile
-  missing = [i for i in range(count) if not exists(paths.join(items_dir, process_dir.format(i), "manifest.ocdbt"))]
+def check_databases(kvstore: dict, items_dir: str, process_dir: str, count: int, context) -> None:
+  """Every process's database (`process_dir.format(i)`, i < `count`) under the items' directory (its kvstore spec,
+  local or gs://; `items_dir` names it) exists and has its manifest."""
+  try:
+    store = ts.KvStore.open(kvstore, context=context).result()
+    found = [store.read(f"{process_dir.format(i)}/manifest.ocdbt") for i in range(count)]
+    missing = [i for i, read in enumerate(found) if read.result().state != "value"]
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.CheckpointError(f"the databases of {items_dir} cannot be listed ({errors.first_line(e)}); nothing "
+                                 "was committed") from None
   if missing:
     raise errors.CheckpointError(f"the databases of process(es) {', '.join(map(str, missing))} are missing from "
                                  f"the checkpoint being written ({count} processes); nothing was committed")

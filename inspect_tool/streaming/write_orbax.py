@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ from inspect_tool.streaming import orbax_writer
 from inspect_tool.streaming import read as read_lib
 from inspect_tool.streaming import read_plan
 from quant import errors as quant_errors
+from quant import fp8
 from quant import ptq_weights
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Written:
   source_bytes: int
   written_bytes: int
   boxes_read_ahead: int = 0  # boxes whose read started while an earlier one was processed (`box_reads`)
+  items_dir: str = ""  # where the arrays went: the items' directory, absolute (or a normalized gs:// URL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +167,8 @@ def _plan_jobs(plan, source, max_memory: int, held: int) -> list[ArrayJob]:
     args = dict(channel_axes=channels, two_pass_allowed=wq is not None and ptq_weights.gathers_absmax(wq),
                 overhead=lambda box, store=store: source.read_overhead(store, box),
                 stored=(lambda box, store=store: source.cached_overhead(store, box))
-                if align and hasattr(source, "cached_box") else None,  # a source with cached reads
-                stream=source.stream_overhead(store) if hasattr(source, "stream_overhead") else None)
+                if align and source.cached_reads else None,  # a source with cached reads
+                stream=source.stream_overhead(store))
     found = read_plan.plan_reads(leaf.shape, itemsize, align, max_memory - held, **args)
     if found is None:
       chunk_bytes = source.chunk_bytes(store)
@@ -215,7 +218,7 @@ def _scale_chunk(block: tuple[int, ...], wq) -> tuple[int, ...]:
   return tuple(b if axis in wq.channel_axes else 1 for axis, b in enumerate(block))
 
 
-def _outputs(job: ArrayJob) -> list[tuple]:
+def destination_arrays(job: ArrayJob) -> list[tuple]:
   """(key, shape, dtype, chunk[, metadata]) of the destination arrays of `job`: the copy (with the source's
   metadata when its stored chunks are copied), or the qvalue and the scale."""
   wq, leaf, block = job.quant, job.leaf, job.chunk or job.slicing.block
@@ -239,7 +242,7 @@ def _work(job: ArrayJob, unit: list[tuple[slice, ...]]) -> list[tuple[ArrayJob, 
 
 def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_index: int = 0,
                  process_count: int = 1, on_slice: Callable[[int, int], None] | None = None,
-                 quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None, tally=None):
+                 quantizers: Callable[[Sequence[ArrayJob]], Any] | None = None, tally=None, digests=None):
   """Reads, quantizes and writes every unit of work of `jobs` that this process owns into `items_dir`'s arrays.
 
   `quantizers(jobs)` gives the quantizers of the quantized jobs (`fp8_export.quantize.Quantizers`: `quantize`,
@@ -254,7 +257,8 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   `on_slice(source_bytes, arrays_done)` is called after each slice (half the bytes per pass of a two-pass job) and
   array (progress). The checkpoint is complete once every process has returned and process 0 has called
   `finalize` on the returned writer. With several processes, process `i` owns every unit whose running number is
-  `i` modulo the process count. `tally` (`manifest.tally.Tally`) sees every quantized slice, its source beside it.
+  `i` modulo the process count. `tally` (`manifest.tally.Tally`) gets the quantizer's error figures of every
+  quantized slice; `digests` (`manifest.digests.Digests`) hashes every array written whole here as it is written.
 
   Returns:
     (`orbax_writer.OrbaxArrayWriter`, Written).
@@ -263,26 +267,29 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
     quant.errors.QuantError: a write failed (e.g. disk full) or a weight cannot be quantized.
     errors.CheckpointError: the source cannot be read.
   """
-  writer = orbax_writer.OrbaxArrayWriter(items_dir, process_index=process_index)
+  writer = orbax_writer.OrbaxArrayWriter(items_dir, process_index=process_index, digests=digests)
   copied, running, owned = [], 0, []
   for job in jobs:
     if job.quant is None:
       copied.append(tree.Leaf(job.out_key, job.leaf.shape, job.leaf.dtype))
-    for key, shape, dtype, chunk, *_ in _outputs(job):
-      writer.register(key, chunk, shape, dtype)
     units = job.units()
     owned.append([unit for i, unit in enumerate(units) if (running + i) % process_count == process_index])
+    for key, shape, dtype, chunk, *_ in destination_arrays(job):
+      writer.register(key, chunk, shape, dtype)
+      if digests is not None and len(owned[-1]) == len(units):  # all of it written here
+        digests.track(".".join(key), shape, dtype, _spare_room(job))  # boxes out of C order kept there
     running += len(units)
   reads = None
   progress = on_slice or (lambda nbytes, arrays: None)
   mine = [job for job, units in zip(jobs, owned) if units]
   if quantizers is None and any(job.quant is not None for job in mine):
     raise ValueError("write_arrays: quantized jobs need their quantizers")
-  quantizers = (quantizers or _Copies)(mine)
+  # an import quantizes nothing: nothing to compile, nothing to close
+  quantizers = quantizers(mine) if quantizers else types.SimpleNamespace(close=lambda: None)
   ahead = absmax_ahead.AbsmaxAhead(source, mine, quantizers)
   try:
-    stores = iter(writer.create_many([spec for job in mine for spec in _outputs(job)]))
-    outputs = {id(job): [next(stores) for _ in _outputs(job)] for job in mine}
+    stores = iter(writer.create_many([spec for job in mine for spec in destination_arrays(job)]))
+    outputs = {id(job): [next(stores) for _ in destination_arrays(job)] for job in mine}
     work = [item for job, units in zip(jobs, owned) for unit in units for item in _work(job, unit)]
     reads = box_reads.BoxReads(source, work, lambda: writer.in_flight_bytes)
     source_bytes = 0
@@ -305,19 +312,9 @@ def write_arrays(jobs: Sequence[ArrayJob], source, items_dir: str, *, process_in
   finally:
     ahead.close()
     quantizers.close()
-    if hasattr(source, "close_stream"):
-      source.close_stream()
-  return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0)
-
-
-class _Copies:
-  """The quantizers of a write that quantizes nothing (an import): nothing to compile, nothing to close."""
-
-  def __init__(self, jobs):
-    del jobs
-
-  def close(self) -> None:
-    pass
+    source.close_stream()
+  return writer, Written(copied, source_bytes, writer.written_bytes, reads.read_ahead if reads is not None else 0,
+                         writer.items_dir)
 
 
 def _write_room(job: ArrayJob, reads: box_reads.BoxReads) -> int:
@@ -326,6 +323,11 @@ def _write_room(job: ArrayJob, reads: box_reads.BoxReads) -> int:
   quantizes nothing: its box once more). 0 when none is left (a write then waits for the earlier ones)."""
   work = job.slice_bytes if job.stored is not None else budget_lib.SLICE_FACTOR * job.slice_bytes
   return max(0, job.room - reads.held() - work)
+
+
+def _spare_room(job: ArrayJob) -> int:
+  """The room the plan of `job` leaves beside its boxes (two, read ahead) and its slice's work."""
+  return max(0, job.room - (1 + job.ahead) * job.read_bytes - budget_lib.SLICE_FACTOR * job.slice_bytes)
 
 
 def _slice_bytes(job: ArrayJob, index: tuple[slice, ...]) -> int:
@@ -355,10 +357,10 @@ def _one_slice(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, write
     if wq is None:
       writer.write_slice([(outputs[0], index, part)], _write_room(job, reads))
     else:
-      qvalue, scale = quantizers.quantize(read_lib.to_jax(part), wq)  # one call: the slice is within budget
+      qvalue, scale, error = quantizers.quantize(read_lib.to_jax(part), wq)  # one call: the slice is within budget
       qvalue, scale = np.asarray(qvalue), np.asarray(scale)
       if tally is not None:
-        tally.observe_shared(".".join(wq.qvalue_key), part, qvalue, scale)
+        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, fp8.bound(qvalue.dtype))
       part = None
       writer.write_slice([(outputs[0], index, qvalue), (outputs[1], _scale_index(index, wq), scale)],
                          _write_room(job, reads))
@@ -397,10 +399,10 @@ def _two_pass(job: ArrayJob, unit, reads: box_reads.BoxReads, quantizers, writer
     for index in job.slices_in(box):
       channels = _channels(index, wq)
       part = value[_relative(index, box)]
-      qvalue, scale = quantizers.quantize_block(read_lib.to_jax(part), amax[channels], wq)
+      qvalue, scale, error = quantizers.quantize_block(read_lib.to_jax(part), amax[channels], wq)
       qvalue, scale = np.asarray(qvalue), np.asarray(scale)
       if tally is not None:
-        tally.observe_shared(".".join(wq.qvalue_key), part, qvalue, scale)
+        tally.add(".".join(wq.qvalue_key), *error, part.size, scale, fp8.bound(qvalue.dtype))
       parts = [(outputs[0], index, qvalue)]
       if channels not in scaled:
         scaled.add(channels)
@@ -415,20 +417,22 @@ STEP, ITEM = 0, "items"  # MaxText's converter layout: DST/0/items
 
 
 def write_checkpoint(jobs: Sequence[ArrayJob], source, tmp: str, dst: str, *, label: str,
-                     step: bool = False, quantizers: Callable | None = None, tally=None) -> Written:
+                     step: bool = False, quantizers: Callable | None = None, tally=None, digests=None) -> Written:
   """Writes the arrays of `jobs` as the Orbax checkpoint `tmp/0/items`, every process its share, process 0 the
   metadata once all have written (and, with `step`, MaxText's scalar `step` = 0 as its converter does); a progress
-  bar named `label`; `quantizers` and `tally` as `write_arrays` takes them. A write error names `dst`, not `tmp`."""
+  bar named `label`; `quantizers`, `tally` and `digests` as `write_arrays` takes them. A write error names `dst`,
+  not `tmp`."""
   index, count = distributed.process_index(), distributed.process_count()
-  step_dir = paths.join(tmp, str(STEP))
-  items_dir = paths.join(step_dir, ITEM)
-  if not paths.is_remote(items_dir):  # a gs:// prefix needs no directories
+  place = paths.place(tmp)
+  step_dir = f"{place.path}/{STEP}"
+  items_dir = f"{step_dir}/{ITEM}"
+  if not place.remote:  # a gs:// prefix needs no directories
     os.makedirs(items_dir, exist_ok=True)
   total = sum(math.prod(job.leaf.shape) * np.dtype(job.leaf.dtype).itemsize for job in jobs)
   try:
     with progress.ByteProgress(label, total, len(jobs)) as bar:
       writer, written = write_arrays(jobs, source, items_dir, process_index=index, process_count=count,
-                                     on_slice=bar.update, quantizers=quantizers, tally=tally)
+                                     on_slice=bar.update, quantizers=quantizers, tally=tally, digests=digests)
     distributed.barrier("checkpoint written")
     if index == 0:
       if step:

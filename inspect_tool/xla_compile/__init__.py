@@ -2,8 +2,9 @@
 
 Modules: `libtpu` (installed at JAX's pin? its start-up environment), `topology` (MaxText's TPU slice names → the
 devices to compile for), `state` (abstract parameters, optimizer state and batch with MaxText's shardings), `step`
-(the training step and the forward pass), `build` (trace, lower, compile; XLA's memory), `memory` (the record,
-its peak and verdict), `report` (text and JSON beside the analytic plan).
+(the training step and the forward pass), `sizes` (what the traced program and this host can hold, checked first),
+`build` (trace, lower, compile; XLA's memory), `memory` (the record, its peak and verdict), `report` (text and JSON
+beside the analytic plan).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.xla_compile import build
 from inspect_tool.xla_compile import libtpu
 from inspect_tool.xla_compile import report as report_lib
+from inspect_tool.xla_compile import sizes
 
 
 def judge(cfg, topology: str, *, train: str | None = None, device_memory: str | None = None, leaves=None,
@@ -20,6 +22,7 @@ def judge(cfg, topology: str, *, train: str | None = None, device_memory: str | 
   """XLA's verdict on `cfg` for `topology`: the compiled program's memory, beside `plan_memory` (the analytic plan
   of `leaves`, when given), with advice calibrated to XLA when its peak does not fit."""
   limit, source = invocation_lib.limit_of(device_memory, topology)
+  sizes.check(cfg, topology)
   version = libtpu.require()
   result = build.compile_program(cfg, topology, train=train, limit=limit)
   devices = mesh_lib.topology_devices(topology) * mesh_lib.num_slices(cfg)

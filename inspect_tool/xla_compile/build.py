@@ -81,7 +81,8 @@ def lower(cfg, devices: list, *, train: str | None = None):
   plan = placement.plan(leaves, cfg, len(devices))
   mesh = state_lib.device_mesh(plan, devices)
   abstract = state_lib.abstract(model, cfg, plan, mesh)
-  with partitioning.partitioned(state_lib.activation_partitioning(cfg, plan, mesh)), target.compiling_for("tpu"):
+  with (partitioning.partitioned(state_lib.activation_partitioning(cfg, plan, mesh)),
+        target.compiling_for("tpu", devices[0].device_kind)):
     return _lower(cfg, train, abstract), abstract
 
 

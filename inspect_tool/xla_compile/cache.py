@@ -17,11 +17,14 @@ import importlib.metadata
 import json
 import os
 
+from inspect_tool import process_state
 from inspect_tool.output import atomic
 from inspect_tool.run import compile_cache
 
 SUBDIRECTORY = "xla_memory"
 _enabled = [True]
+process_state.declare(f"{__name__}:_enabled", process_state.SETTING, lambda: not _enabled[0],
+                      lambda: _enabled.__setitem__(0, True))
 
 
 def set_enabled(enabled: bool) -> None:

@@ -36,6 +36,7 @@ from quant import errors
 from quant import fp8
 from quant.gmm import backends as gmm_backends
 from quant.gmm import tiled as gmm_tiled
+from quant.gmm import tiles as tiles_lib
 
 DEFAULT_TILE_ROWS = 128
 STRATEGIES = gmm_tiled.STRATEGIES
@@ -98,10 +99,11 @@ class _Spec:
   tile_rows: int
   strategy: str
   backend: str = "reference"
+  tiles: tiles_lib.Tiles = tiles_lib.Tiles()
 
 
 def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, tile_rows=None, strategy=None,
-                  backend="reference"):
+                  backend="reference", tiles: tiles_lib.Tiles | None = None):
   """Grouped matmul `[M,K] x [G,K,N] -> [M,N]` of row-sorted tokens, FP8-quantized per `rule`.
 
   Args:
@@ -114,6 +116,7 @@ def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, t
     strategy: "loop" (default: one tile matmul per work item in a loop, no extra memory) or "batched" (one
       batched matmul over all work items; gathers a [K, N] weight copy per item, so only for small weights).
     backend: the kernel (`quant.gmm.backends.KERNELS`; resolve "auto" with `gmm_backends.resolve`).
+    tiles: the Pallas kernels' tilings of the forward and the two gradients (default: `tiles.Tiles()`).
 
   Returns:
     [M, N] array of `preferred_element_type`.
@@ -122,7 +125,7 @@ def quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type=None, *, t
   _check_shapes(lhs, rhs, group_sizes)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
   spec = _Spec(config_from_rule(rule), out_dtype.name, lhs.dtype.name, rhs.dtype.name,
-               _tile_rows(lhs.shape[0], tile_rows), _strategy(strategy), _kernel(backend))
+               _tile_rows(lhs.shape[0], tile_rows), _strategy(strategy), _kernel(backend), tiles or tiles_lib.Tiles())
   if lhs.shape[0] == 0 or rhs.shape[0] == 0:  # no rows or no groups: nothing to multiply
     return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
   return compat.disable_interceptions(_gmm_jit)(lhs, rhs, _fit_rows(group_sizes, lhs.shape[0]), spec)
@@ -180,9 +183,18 @@ def _quantize(x, qtype, axis: int, calibration: str, channelwise: bool):
   return fp8.quantize(x, qtype, [axis] if channelwise else [], calibration, scale_dtype=jnp.float32)
 
 
-def _matmul(spec: _Spec, lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
+def _matmul(spec: _Spec, lhs, rhs, group_sizes, *, tiling, transpose_rhs=False, row_scale=None, col_scale=None,
+            out_dtype=jnp.float32):
   return gmm_backends.matmul(spec.backend, lhs, rhs, group_sizes, tile_rows=spec.tile_rows, strategy=spec.strategy,
-                             transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+                             tiling=tiling, transpose_rhs=transpose_rhs, row_scale=row_scale, col_scale=col_scale,
+                             out_dtype=out_dtype)
+
+
+def _masked(spec: _Spec, out, group_sizes):
+  """`out` with zeros in the rows past the groups (already there from a kernel of `gmm_backends.ZERO_TAIL`)."""
+  if spec.backend in gmm_backends.ZERO_TAIL:
+    return out
+  return jnp.where(_rows_in_groups(group_sizes, out.shape[0]), out, jnp.zeros((), out.dtype))
 
 
 def _fwd(lhs, rhs, group_sizes, spec: _Spec):
@@ -200,15 +212,11 @@ def _fwd_with_rhs(lhs, rhs, rhs_scale, group_sizes, spec: _Spec):
     lhs = act_tiles.fake_quantize(lhs, (1,), cfg.act_tile, cfg.act_qtype)
   elif cfg is not None and cfg.act_qtype is not None:
     lhs, lhs_scale = _quantize(lhs, cfg.act_qtype, 0, cfg.act_calibration, cfg.channelwise)  # scale [M|1, 1]
-  # Without scales to apply, the kernel rounds to the output dtype itself (no float32 [M, N] in memory).
-  unscaled = lhs_scale is None and rhs_scale is None
-  acc = _matmul(spec, lhs, rhs, group_sizes, out_dtype=spec.out_dtype if unscaled else jnp.float32)
-  if lhs_scale is not None:
-    acc = acc * lhs_scale
-  if rhs_scale is not None:
-    acc = acc * rhs_scale.reshape(1, -1)
-  acc = jnp.where(_rows_in_groups(group_sizes, acc.shape[0]), acc, jnp.zeros((), acc.dtype))
-  return acc.astype(spec.out_dtype), lhs, lhs_scale
+  # The scales multiply the float32 products (row scale, then column scale) before the one rounding to the output
+  # dtype: inside the Pallas kernel (no float32 [M, N] in memory), after the other kernels.
+  out = _matmul(spec, lhs, rhs, group_sizes, tiling=spec.tiles.fwd, row_scale=lhs_scale, col_scale=rhs_scale,
+                out_dtype=spec.out_dtype)
+  return _masked(spec, out, group_sizes), lhs, lhs_scale
 
 
 def _bwd(spec: _Spec, residuals, grad):
@@ -223,11 +231,9 @@ def _bwd(spec: _Spec, residuals, grad):
   dlhs_scale = None
   if bwd_qtype is not None:
     dlhs_dout, dlhs_scale = _quantize(dlhs_dout, bwd_qtype, 0, cfg.bwd_calibration, cfg.channelwise)
-  dlhs = _matmul(spec, dlhs_dout, rhs, group_sizes, transpose_rhs=True,
-                 out_dtype=spec.lhs_dtype if dlhs_scale is None else jnp.float32)
-  if dlhs_scale is not None:
-    dlhs = dlhs * dlhs_scale
-  dlhs = jnp.where(in_groups, dlhs, jnp.zeros((), dlhs.dtype))
+  dlhs = _matmul(spec, dlhs_dout, rhs, group_sizes, tiling=spec.tiles.dlhs, transpose_rhs=True, row_scale=dlhs_scale,
+                 out_dtype=spec.lhs_dtype)
+  dlhs = _masked(spec, dlhs, group_sizes)
 
   # drhs[g] = lhs[rows of g]^T @ (g * lhs_scale), the gradient quantized per output column.
   drhs_dout = grad if lhs_scale is None else jnp.where(in_groups, grad * lhs_scale.astype(grad.dtype), 0)
@@ -235,9 +241,8 @@ def _bwd(spec: _Spec, residuals, grad):
   if bwd_qtype is not None:
     drhs_dout, drhs_scale = _quantize(drhs_dout, bwd_qtype, 1, cfg.bwd_calibration, cfg.channelwise)
   drhs = gmm_backends.outer(spec.backend, lhs, drhs_dout, group_sizes, tile_rows=spec.tile_rows,
-                            strategy=spec.strategy, out_dtype=spec.rhs_dtype if drhs_scale is None else jnp.float32)
-  if drhs_scale is not None:
-    drhs = drhs * drhs_scale.reshape(1, 1, -1)
+                            strategy=spec.strategy, tiling=spec.tiles.drhs, col_scale=drhs_scale,
+                            out_dtype=spec.rhs_dtype)
   return dlhs.astype(spec.lhs_dtype), drhs.astype(spec.rhs_dtype), None
 
 
@@ -251,7 +256,7 @@ _gmm_jit = jax.jit(_gmm_vjp, static_argnums=(3,))  # one compilation per shape a
 
 
 def prequantized_gmm(lhs, rhs_qvalue, rhs_scale, group_sizes, rule, preferred_element_type=None, *, tile_rows=None,
-                     strategy=None, backend="reference"):
+                     strategy=None, backend="reference", tiles: tiles_lib.Tiles | None = None):
   """Forward-only FP8 grouped matmul with a weight quantized ahead of time (e.g. loaded from an FP8 export).
 
   Computes what `quantized_gmm` computes when its on-the-fly weight quantization gives `rhs_qvalue` and
@@ -264,7 +269,7 @@ def prequantized_gmm(lhs, rhs_qvalue, rhs_scale, group_sizes, rule, preferred_el
     group_sizes: [G] integer row counts.
     rule: a `qwix.QtRule` that quantizes weights (its act_qtype and calibrations apply).
     preferred_element_type: output dtype (default: lhs's dtype).
-    tile_rows, strategy, backend: as for `quantized_gmm`.
+    tile_rows, strategy, backend, tiles: as for `quantized_gmm`.
   """
   lhs, rhs_qvalue, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs_qvalue), jnp.asarray(group_sizes)
   _check_shapes(lhs, rhs_qvalue, group_sizes)
@@ -278,7 +283,7 @@ def prequantized_gmm(lhs, rhs_qvalue, rhs_scale, group_sizes, rule, preferred_el
                             f"{rhs_qvalue.shape}; accepted: [1, 1, N] or one scale")
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   spec = _Spec(cfg, out_dtype.name, lhs.dtype.name, rhs_qvalue.dtype.name, _tile_rows(lhs.shape[0], tile_rows),
-               _strategy(strategy), _kernel(backend))
+               _strategy(strategy), _kernel(backend), tiles or tiles_lib.Tiles())
   if lhs.shape[0] == 0 or rhs_qvalue.shape[0] == 0:
     return jnp.zeros((lhs.shape[0], rhs_qvalue.shape[2]), out_dtype)
   return compat.disable_interceptions(_prequantized_jit)(lhs, rhs_qvalue, scale.reshape(1, 1, -1),

@@ -4,8 +4,8 @@
 `gmm`, it asks Qwix for the rule of the calling module (`qwix.pallas.get_current_rule("gmm")`, which Qwix
 answers only while it intercepts a model call and never logs) and hands the work to the grouped matmul of
 `quant.gmm.fp8`: FP8 for what the rule quantizes (weights, activations, gradients: each on its own, as in
-Megablox), plain without a rule. `backend` picks the kernel (`quant.gmm.backends`: "auto" is Pallas Megablox
-on TPU, ragged_dot on GPU, the tiled reference on CPU).
+Megablox), plain without a rule. `backend` picks the kernel (`quant.gmm.backends`: "auto" is our Pallas kernel
+on TPU, ragged_dot on GPU, the tiled reference on CPU), `tiles` its tilings (MaxText's tile keys).
 
 The weight may also come quantized ahead of time (an FP8 export loaded under Qwix PTQ): a `QArray`, or a PTQ
 `WithAux` of one, holding fp8 `qvalue` [G, K, N] and a per-column `scale`. With a quantizing rule the FP8 grouped
@@ -26,6 +26,7 @@ import qwix.pallas
 from quant import compat
 from quant.gmm import backends as gmm_backends
 from quant.gmm import fp8 as gmm_fp8
+from quant.gmm import tiles as gmm_tiles
 
 
 def current_rule(op_name: str = "gmm"):
@@ -37,7 +38,7 @@ def current_rule(op_name: str = "gmm"):
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
-        rule=None, backend: str = "auto") -> jax.Array:
+        rule=None, backend: str = "auto", tiles: gmm_tiles.Tiles | None = None) -> jax.Array:
   """Grouped matmul of row-sorted tokens `lhs` [M, K] with expert weights `rhs` [G, K, N] → [M, N].
 
   Args:
@@ -47,6 +48,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
     preferred_element_type: output dtype (default: the promoted input dtype).
     rule: a Qwix rule to use instead of asking Qwix for the calling module's "gmm" rule.
     backend: a `quant.gmm.backends.BACKENDS` name; "auto" by JAX's default backend.
+    tiles: the Pallas kernels' tilings (forward, dlhs, drhs); default `quant.gmm.tiles.Tiles()`.
 
   Returns:
     [M, N]; with a rule that quantizes anything, the FP8 grouped matmul's result.
@@ -64,10 +66,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
   if stored is not None:
     qvalue, scale = stored
     if getattr(rule, "weight_qtype", None) is not None:
-      return gmm_fp8.prequantized_gmm(lhs, qvalue, scale, group_sizes, rule, preferred_element_type, backend=kernel)
+      return gmm_fp8.prequantized_gmm(lhs, qvalue, scale, group_sizes, rule, preferred_element_type, backend=kernel,
+                                      tiles=tiles)
     rhs = (qvalue.astype(jnp.float32) * scale.astype(jnp.float32)).astype(lhs.dtype)
   # Every path runs in `gmm_fp8` with Qwix interception off; a rule that quantizes nothing is the plain one.
-  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type, backend=kernel)
+  return gmm_fp8.quantized_gmm(lhs, rhs, group_sizes, rule, preferred_element_type, backend=kernel, tiles=tiles)
 
 
 def prequantized(rhs):

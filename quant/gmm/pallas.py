@@ -1,18 +1,19 @@
-"""The Pallas Megablox grouped matmul (JAX's TPU kernel): compiled by Mosaic for a TPU target, Pallas interpret mode
-elsewhere (the target is `quant.gmm.target.platform()`: a TPU topology compiled from any host counts as TPU).
+"""Our Pallas grouped matmul (`gmm_backend=pallas`, `auto` on TPU): `quant.gmm.kernel` compiled by Mosaic for a TPU
+target, Pallas interpret mode elsewhere (the target is `quant.gmm.target.platform()`: a TPU topology compiled from
+any host counts as TPU).
 
-Megablox multiplies bfloat16 or float32 tiles with float32 accumulation. FP8 operands enter as bfloat16, which
-holds every float8_e4m3fn and float8_e5m2 value exactly, so each tile product is the exact product of the fp8
-values, as on an FP8 matrix unit; the caller applies the scales to the float32 result. Shapes: the row count is
-padded to a multiple of the row tile (Megablox requires it); K and N may be ragged against their tiles (`tile`).
+Operands enter in their own dtype (bf16, fp8, int8 or float32); the scales of a quantized product are applied by the
+kernel to its float32 accumulator. The row count is padded to a multiple of the row tile, which is capped to the
+problem (`kernel.Tiling.fit`); K and N may be ragged against their tiles.
 """
+
+from __future__ import annotations
 
 import jax.numpy as jnp
 
-from quant import compat
+from quant.gmm import kernel
 from quant.gmm import target
-
-DEFAULT_TILE = 128  # Megablox's default tile on each of M, K, N
+from quant.gmm import tiles as tiles_lib
 
 
 def interpret() -> bool:
@@ -20,42 +21,45 @@ def interpret() -> bool:
   return target.platform() != "tpu"
 
 
-def _operand(x, other):
-  """bfloat16 when both operands are bfloat16 or fp8 (fp8 is exact in bfloat16), else float32."""
-  narrow = (jnp.dtype(jnp.bfloat16),)
-  small = lambda d: jnp.dtype(d) in narrow or jnp.dtype(d).itemsize == 1
-  return x.astype(jnp.bfloat16 if small(x.dtype) and small(other.dtype) else jnp.float32)
+def _pad_rows(x, rows: int):
+  return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) if rows > x.shape[0] else x
 
 
-def _tiling(m: int, k: int, n: int, tile_rows: int, tile: int) -> tuple[int, int, int]:
-  tm = min(tile_rows, -(-m // 16) * 16)
-  return tm, min(tile, k), min(tile, n)
+def _fitted(tiling: kernel.Tiling | None, m: int, k: int, n: int, *dtypes) -> tuple[kernel.Tiling, int]:
+  """The tiling (`tiles.auto` for the target chip's VMEM for None) capped to the problem, and the rows padded to
+  its row tile."""
+  if tiling is None:
+    tiling = tiles_lib.auto(m, k, n, vmem=target.vmem_bytes() if not interpret() else None,
+                            dtypes=(dtypes[0], dtypes[1], jnp.float32))
+  fitted = tiling.fit(m, k, n, kernel.row_multiple(*dtypes))
+  return fitted, -(-m // fitted.tm) * fitted.tm
 
 
-def _pad_rows(x, tm: int):
-  pad = -x.shape[0] % tm
-  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-
-
-def matmul(lhs, rhs, group_sizes, *, tile_rows: int, transpose_rhs: bool = False, tile: int = DEFAULT_TILE,
-           out_dtype=jnp.float32):
-  """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs), accumulated in float32 and stored as `out_dtype` by the kernel
-  (as MaxText's Megablox call stores bf16); rows past the groups are undefined (mask them)."""
-  kernels = compat.megablox_kernels()
+def matmul(lhs, rhs, group_sizes, *, tiling: kernel.Tiling | None, transpose_rhs: bool = False, row_scale=None,
+           col_scale=None, out_dtype=jnp.float32):
+  """`lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs) times `row_scale[r]` and `col_scale[n]`, rounded once to
+  `out_dtype` by the kernel, which also stores the zeros of the rows past the groups (`kernel.gmm`'s `zero_tail`)."""
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  tiling = _tiling(m, k, n, tile_rows, tile)
-  out = kernels.gmm(_pad_rows(_operand(lhs, rhs), tiling[0]), _operand(rhs, lhs), group_sizes, out_dtype, tiling,
-                    transpose_rhs=transpose_rhs, interpret=interpret())
+  fitted, rows = _fitted(tiling, m, k, n, lhs.dtype, rhs.dtype)
+  if row_scale is not None:
+    row_scale = _pad_rows(jnp.reshape(row_scale, (-1, 1)), rows) if row_scale.size > 1 else (
+        jnp.broadcast_to(jnp.reshape(row_scale, (1, 1)), (rows, 1)))
+  if col_scale is not None:
+    col_scale = jnp.broadcast_to(jnp.reshape(col_scale, (1, -1)), (1, n))
+  out = kernel.gmm(_pad_rows(lhs, rows), rhs, group_sizes.astype(jnp.int32), row_scale, col_scale,
+                   out_dtype=jnp.dtype(out_dtype), tiling=fitted, transpose_rhs=transpose_rhs, interpret=interpret(),
+                   zero_tail=True)
   return out[:m]
 
 
-def outer(lhs, grad, group_sizes, *, tile_rows: int, tile: int = DEFAULT_TILE, out_dtype=jnp.float32):
-  """`sum over rows r of group g: lhs[r]^T grad[r]` -> [G, K, N], accumulated in float32, stored as `out_dtype`;
+def outer(lhs, grad, group_sizes, *, tiling: kernel.Tiling | None, col_scale=None, out_dtype=jnp.float32):
+  """Per group `lhs[rows of g]^T grad[rows of g]` -> [G, K, N] times `col_scale[n]`, rounded once to `out_dtype`;
   empty groups give 0."""
-  kernels = compat.megablox_kernels()
   m, k = lhs.shape
-  tiling = _tiling(m, k, grad.shape[1], tile_rows, tile)
-  lhs_t = _pad_rows(_operand(lhs, grad), tiling[0]).swapaxes(0, 1)
-  return kernels.tgmm(lhs_t, _pad_rows(_operand(grad, lhs), tiling[0]), group_sizes, out_dtype, tiling,
-                      num_actual_groups=group_sizes.shape[0], interpret=interpret())
+  n = grad.shape[1]
+  fitted, rows = _fitted(tiling, m, k, n, lhs.dtype, grad.dtype)
+  if col_scale is not None:
+    col_scale = jnp.broadcast_to(jnp.reshape(col_scale, (1, -1)), (1, n))
+  return kernel.tgmm(_pad_rows(lhs, rows), _pad_rows(grad, rows), group_sizes.astype(jnp.int32), col_scale,
+                     out_dtype=jnp.dtype(out_dtype), tiling=fitted, interpret=interpret())

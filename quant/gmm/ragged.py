@@ -41,6 +41,9 @@ def native_fp8() -> bool:
 def _operands(lhs, rhs):
   if _is_fp8(lhs) and _is_fp8(rhs) and native_fp8():
     return lhs, rhs
+  # fp8 values stay fp8 up to their widening: XLA on a TPU would otherwise fold the rounding to fp8 and the widening
+  # to bf16 into one conversion that skips the rounding (measured: the unquantized product).
+  lhs, rhs = (jax.lax.optimization_barrier(x) if _is_fp8(x) else x for x in (lhs, rhs))
   float_dtype = lambda x, other: other.dtype if _is_fp8(x) and not _is_fp8(other) else (
       jnp.bfloat16 if _is_fp8(x) else x.dtype)
   lhs, rhs = lhs.astype(float_dtype(lhs, rhs)), rhs.astype(float_dtype(rhs, lhs))
@@ -52,13 +55,19 @@ def xla_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False):
   """float32 `lhs[r] @ rhs[g(r)]` (`.T` with transpose_rhs) with XLA's ragged_dot."""
   lhs, rhs = _operands(lhs, rhs)
   return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, TRANSPOSED if transpose_rhs else FORWARD,
-                                    preferred_element_type=jnp.float32)
+                                    preferred_element_type=jnp.float32, precision=_precision(lhs))
 
 
 def xla_outer(lhs, grad, group_sizes):
   """float32 per-group `lhs^T grad` -> [G, K, N] with XLA's ragged_dot."""
   lhs, grad = _operands(lhs, grad)
-  return jax.lax.ragged_dot_general(lhs, grad, group_sizes, OUTER, preferred_element_type=jnp.float32)
+  return jax.lax.ragged_dot_general(lhs, grad, group_sizes, OUTER, preferred_element_type=jnp.float32,
+                                    precision=_precision(lhs))
+
+
+def _precision(x):
+  """HIGHEST for float32 operands (every bit, on an accelerator too), the default for narrower ones."""
+  return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _tokamax_operand(x):

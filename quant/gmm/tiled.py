@@ -58,14 +58,16 @@ def matmul(lhs, rhs, group_sizes, *, tile: int, strategy: str, compute_dtype, tr
   if strategy == "batched":  # one batched matmul over all work items (gathers a weight copy per item)
     batched = (((2,), (rhs_contract + 1,)), ((0,), (0,)))
     y = jax.lax.dot_general(lhs_tiles[tile_idx].astype(compute_dtype), rhs[group].astype(compute_dtype), batched,
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32,
+                            precision=_precision(compute_dtype))
     y = jnp.where(_item_row_mask(tile_idx, row_lo, row_hi, tile)[:, :, None], y, 0.0)
     out = jax.ops.segment_sum(y, tile_idx, num_segments=lhs_tiles.shape[0], indices_are_sorted=True)
     return out.reshape(-1, n)[:m]
 
   def body(i, out):  # one work item per iteration, accumulated into its output tile
     y = jax.lax.dot_general(lhs_tiles[tile_idx[i]].astype(compute_dtype), rhs[group[i]].astype(compute_dtype),
-                            (((1,), (rhs_contract,)), ((), ())), preferred_element_type=jnp.float32)
+                            (((1,), (rhs_contract,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(compute_dtype))
     mask = _item_row_mask(tile_idx[i, None], row_lo[i, None], row_hi[i, None], tile)[0]
     return out.at[tile_idx[i]].add(jnp.where(mask[:, None], y, 0.0))
 
@@ -83,18 +85,25 @@ def outer(lhs, grad, group_sizes, *, tile: int, strategy: str, compute_dtype):
     mask = _item_row_mask(tile_idx, row_lo, row_hi, tile)[:, :, None]
     x = jnp.where(mask, lhs_tiles[tile_idx].astype(compute_dtype), 0)  # [W, tile, K]
     g = jnp.where(mask, grad_tiles[tile_idx].astype(compute_dtype), 0)  # [W, tile, N]
-    p = jax.lax.dot_general(x, g, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    p = jax.lax.dot_general(x, g, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32,
+                            precision=_precision(compute_dtype))
     return jax.ops.segment_sum(p, group, num_segments=num_groups, indices_are_sorted=True)
 
   def body(i, out):
     mask = _item_row_mask(tile_idx[i, None], row_lo[i, None], row_hi[i, None], tile)[0][:, None]
     x = jnp.where(mask, lhs_tiles[tile_idx[i]].astype(compute_dtype), 0)
     g = jnp.where(mask, grad_tiles[tile_idx[i]].astype(compute_dtype), 0)
-    p = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    p = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(compute_dtype))
     return out.at[group[i]].add(p)
 
   out = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), jnp.float32)
   return jax.lax.fori_loop(0, _num_valid_items(group_sizes, m, tile), body, out)
+
+
+def _precision(compute_dtype):
+  """HIGHEST for float32 products (every bit of them, on an accelerator too), the default for narrower ones."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _num_valid_items(group_sizes, m: int, tile: int):

@@ -30,8 +30,8 @@ import numpy as np
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import safetensors_header
 from inspect_tool.host import memory as host_memory
 from inspect_tool.storage import paths
 from inspect_tool.storage import remote
@@ -68,7 +68,8 @@ def quantization(path: str) -> dict:
   block = quantization.get("weight_block_size")
   if block is None:
     block = hf_names.BLOCK
-  elif not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+  elif not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
     raise errors.CheckpointError(f"{path}/{CONFIG_NAME}: weight_block_size {str(block)[:40]} is not two positive "
                                  "integers")
   found = {"block": tuple(block), "scale_fmt": quantization.get("scale_fmt"),

@@ -13,7 +13,7 @@ import shlex
 from typing import Any, Callable, Sequence
 
 from inspect_tool import errors
-from inspect_tool.checkpoint import hf_config
+from inspect_tool.hf import config as hf_config
 from inspect_tool.checkpoint import infer_keys
 from inspect_tool.checkpoint import locate
 from inspect_tool.checkpoint import orbax_metadata

@@ -38,9 +38,10 @@ def diff_config_checkpoint(tokens, path: str):
   if export and not result.agree:
     hint = exports.export_keys_hint(resolved.items_dir)
     if not quantized:
-      result.causes.append(diff.Cause("quantization", "the checkpoint is an FP8 export but the model has no "
-                                      "quantization", hint or "quantization=fp8_full"))
+      result.causes.append(diff.Cause("quantization", f"the checkpoint is an {exports.label(resolved.items_dir)} but "
+                                      "the model has no quantization", hint or "quantization=fp8_full"))
     elif hint and not set(hint.split()) <= set(tokens):
-      result.causes.append(diff.Cause("quantization", f"the checkpoint is an FP8 export made with {hint}", hint))
-  source = config_lib.model_source(tokens) + (" (FP8 export layout)" if quantized else "")
+      result.causes.append(diff.Cause("quantization", f"the checkpoint is an {exports.label(resolved.items_dir)} "
+                                      f"made with {hint}", hint))
+  source = config_lib.model_source(tokens) + (f" ({exports.label(resolved.items_dir)} layout)" if quantized else "")
   return source, result

@@ -26,12 +26,12 @@ import numpy as np
 from inspect_tool import errors
 from inspect_tool import progress
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint import hf_tensors
+from inspect_tool.hf import config as hf_config
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf import tensors as hf_tensors
 from inspect_tool.checkpoint import restore
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import safetensors_header
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree
 from inspect_tool.storage import paths

@@ -8,7 +8,6 @@ Keys are the Hugging Face names split on '.'.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
 import struct
@@ -31,6 +30,7 @@ DTYPES = {
 _BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "U32": 32, "I32": 32, "U64": 64, "I64": 64, "F16": 16,
          "BF16": 16, "F32": 32, "F64": 64, "C64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6,
          "F6_E3M2": 6, "F4": 4}
+_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -83,26 +83,25 @@ def read_header(path: str) -> dict[str, dict]:
   Each entry is `{"dtype", "shape", "start"}`, `start` the file offset of the tensor's first data byte.
 
   Refused: unknown dtypes, shapes that are not lists of integers in [0, 2^63), offsets that are not
-  integers, lie outside the data, overlap, or hold a different byte count than dtype × shape.
+  integers, lie outside the data, overlap, or hold a different byte count than dtype × shape. The entries are
+  parsed and checked one by one (`files.object_members`): a bad one is refused before the rest is parsed.
   """
   size, length, raw = _read_prefix(path)
-  header = files.parse_json(raw, lambda why: _bad(path, f"header is {why}"))
-  if not isinstance(header, dict):
-    raise _bad(path, "header is not a JSON object")
   data_size = size - 8 - length
-  entries, spans = {}, []
-  for name, entry in header.items():
+  entries, spans, last_end, ordered = {}, [], 0, True
+  for name, entry in files.object_members(raw, lambda why: _bad(path, f"header is {why}")):
     if name == "__metadata__":
       continue
-    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)):
+    if not (isinstance(entry, dict) and _FIELDS <= entry.keys()):
       raise _bad(path, f"entry {name!r} lacks dtype/shape/data_offsets")
     dtype = entry["dtype"]
     if not isinstance(dtype, str) or dtype not in _BITS:
       raise _bad(path, f"tensor {name!r} has unknown dtype {str(dtype)[:40]!r}; known: {', '.join(_BITS)}")
-    shape = files.dims(entry["shape"], lambda why, n=name: _bad(path, f"tensor {n!r}: {why}"))
+    shape = entry["shape"]
+    if type(shape) is not list or not all(type(d) is int and 0 <= d <= files.MAX_DIM for d in shape):
+      shape = files.dims(shape, lambda why, n=name: _bad(path, f"tensor {n!r}: {why}"))  # names what is wrong
     offsets = entry["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int):
       raise _bad(path, f"tensor {name!r} data_offsets {str(offsets)[:60]} is not a pair of integers")
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
@@ -112,11 +111,13 @@ def read_header(path: str) -> dict[str, dict]:
     if end - begin != expected:
       raise _bad(path, f"tensor {name!r} holds {end - begin} bytes; {dtype} {list(shape)} needs {expected}")
     spans.append((begin, end, name))
+    ordered, last_end = ordered and begin >= last_end, max(last_end, end)  # in order: no overlap, no sort
     entries[name] = {"dtype": dtype, "shape": list(shape), "start": 8 + length + begin}  # start: file offset
-  spans.sort()
-  for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-    if begin < end:
-      raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data (offsets {begin} < {end})")
+  if not ordered:
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+      if begin < end:
+        raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data (offsets {begin} < {end})")
   return entries
 
 
@@ -162,23 +163,39 @@ def _read_index(index_path: str) -> list[tuple[str, str, dict]]:
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise errors.CheckpointError(f"{index_path}: {len(missing)} shard file(s) missing: {shown}")
-  found = []
+  found, held = [], {}
   for shard_path, header in zip(ordered, _each(read_header, ordered)):
     names = shards[shard_path]
     absent = [n for n in names if n not in header]
     if absent:
       raise errors.CheckpointError(
           f"{shard_path}: lacks {len(absent)} tensor(s) the index assigns to it, e.g. {absent[0]!r}")
+    _held_once(held, header, shard_path, weight_map, checked)
     found.extend((n, shard_path, header[n]) for n in names)
+  known = {paths.normalize(shard) for shard in shards}  # and the files beside them that the index does not name
+  others = [] if paths.is_web(index_path) else [
+      f for f in files.list_suffix(directory or ".", ".safetensors") if paths.normalize(f) not in known]
+  for other, header in zip(others, _each(read_header, others)):
+    _held_once(held, header, other, weight_map, checked)
   return found
+
+
+def _held_once(held: dict[str, str], header: dict, path: str, weight_map: dict, shard_paths: dict) -> None:
+  """Records the tensors of `path`'s header in `held` (name -> file); a name another file holds too is refused,
+  whatever the index says: which copy a reader takes would be up to the reader."""
+  for name in header:
+    first = held.setdefault(name, path)
+    if first != path:
+      named = shard_paths.get(weight_map.get(name))
+      says = f"; the index names {named}" if named else "; the index names neither"
+      raise errors.CheckpointError(f"tensor {name!r} is stored twice: in {first} and {path}{says}")
 
 
 def _each(function, shard_paths: list[str]) -> list:
   """`function` of each shard, in order; over HTTP `WEB_READERS` at a time (each a round trip or two)."""
   if not shard_paths or not paths.is_web(shard_paths[0]):
     return [function(p) for p in shard_paths]
-  with concurrent.futures.ThreadPoolExecutor(min(WEB_READERS, len(shard_paths))) as pool:
-    return list(pool.map(function, shard_paths))
+  return web.each(function, shard_paths, WEB_READERS)
 
 
 def _relative(path: str, directory: str) -> str:

@@ -14,6 +14,7 @@ from inspect_tool import errors
 
 NAMES = ("deepseek-fp8", "deepseek-bf16", "deepseek-v4")
 SCALE_FORMATS = ("float", "ue8m0")
+INTEGER_MODES = ("int8", "int4")  # MaxText quantization modes whose weights are integers: Qwix's layout only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +75,15 @@ def resolve(name: str, scale_fmt: str | None = None) -> HfLayout:
                             "accepted: --scale-fmt ue8m0 or none")
   fmt = "ue8m0" if name == "deepseek-v4" or scale_fmt == "ue8m0" else None
   return HfLayout(name, fmt)
+
+
+def check_quantization(layout: HfLayout, quantization: str) -> None:
+  """A FP8 layout quantizes as DeepSeek's release does, whatever the config's rules say: a config trained with
+  integer weights (quantization=int8) is refused (one line, exit 2) rather than written as FP8 blocks."""
+  if layout.fp8 and quantization in INTEGER_MODES:
+    what = " ".join(layout.options())
+    release = ("DeepSeek-V4's release (FP4 experts, e4m3 blocks)" if layout.v4
+               else "DeepSeek's FP8 release (e4m3 blocks)")
+    raise errors.InputError(f"quantization={quantization} with {what}: that layout stores {release}, not "
+                            f"{quantization}; accepted: --layout orbax (Qwix's {quantization} layout), or {what} with "
+                            "quantization=fp8_full or none")

@@ -29,8 +29,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint.hf_names import BF16, BF16_LINEAR, EXPERTS_FP8, F32, F32_LINEAR, FP8, Entry, Rule
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf.names import BF16, BF16_LINEAR, EXPERTS_FP8, F32, F32_LINEAR, FP8, Entry, Rule
 from inspect_tool.paramtree import tree
 
 GROUPED_FP8 = "grouped_fp8"  # o_a_proj (G, I, O) -> (G*O, I), quantized in the release

@@ -31,9 +31,9 @@ from typing import Any
 
 from inspect_tool import errors
 from inspect_tool.checkpoint import files
-from inspect_tool.checkpoint import hf_config_v4
-from inspect_tool.checkpoint import hf_tensors
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import config_v4 as hf_config_v4
+from inspect_tool.hf import tensors as hf_tensors
+from inspect_tool.hf import safetensors_header
 from inspect_tool.configuration import config as config_lib
 
 CONFIG_NAME = hf_tensors.CONFIG_NAME
@@ -401,10 +401,11 @@ def _conflicts_v4(cfg, want, keys: dict[str, Any], path: str) -> list[tuple[str,
   return found
 
 
-def check_keys(cfg, path: str) -> None:
-  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`), naming
-  the config.json value; fewer MTP layers than stored is allowed (the rest is unused)."""
-  keys = derive_keys(path)
+def check_keys(cfg, path: str, derived: dict[str, Any] | None = None) -> None:
+  """Refuses a model that computes differently from the directory's config.json (`hf_config.conflicts`; `derived`:
+  its `derive_keys`, when the caller has them), naming the config.json value; fewer MTP layers than stored is
+  allowed (the rest is unused)."""
+  keys = derive_keys(path) if derived is None else derived
   found = [(key, text) for key, text in conflicts(cfg, keys, path)
            if not (key == "mtp_num_layers" and cfg.mtp_num_layers < keys["mtp_num_layers"])]
   if found:

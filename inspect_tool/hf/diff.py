@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from inspect_tool import model as model_lib
 from inspect_tool.checkpoint import diff
-from inspect_tool.checkpoint import hf_config
-from inspect_tool.checkpoint import hf_names
-from inspect_tool.checkpoint import hf_names_v4
-from inspect_tool.checkpoint import hf_restore
-from inspect_tool.checkpoint import safetensors_header
+from inspect_tool.hf import config as hf_config
+from inspect_tool.hf import names as hf_names
+from inspect_tool.hf import names_v4 as hf_names_v4
+from inspect_tool.hf import restore as hf_restore
+from inspect_tool.hf import safetensors_header
 from inspect_tool.configuration import config as config_lib
 from inspect_tool.paramtree import params
 from inspect_tool.paramtree import tree

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from inspect_tool.checkpoint import hf_names_v4
+from inspect_tool.hf import names_v4 as hf_names_v4
 
 TYPES = {"head_dim": "int", "o_groups": "int", "o_lora_rank": "int", "sliding_window": "int", "hc_mult": "int",
          "hc_sinkhorn_iters": "int", "hc_eps": "float", "swiglu_limit": "float", "compress_rope_theta": "float",

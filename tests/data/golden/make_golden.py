@@ -1,9 +1,11 @@
-"""How d_fp8full_mtptrue_megablox_false.npz was made: MaxText 0.2.5's own forward pass, fp8_full, megablox=false.
+"""How the goldens made for these tests were made: MaxText 0.2.5's own forward pass on the reference checkpoint.
 
-Run with MaxText 0.2.5 (PyPI wheel) on its pinned stack (../shared/reference/maxtext_0.2.5_pins.txt), on CPU:
+Run with MaxText 0.2.5 (PyPI wheel) on its pinned stack (../shared/reference/maxtext_0.2.5_pins.txt), on CPU, the
+output's name first, then MaxText keys:
 
-    JAX_PLATFORMS=cpu python make_golden_d.py quantization=fp8_full quantize_mtp=true megablox=false \
-        use_qwix_quantization=true
+    JAX_PLATFORMS=cpu python make_golden.py d_fp8full_mtptrue_megablox_false.npz quantization=fp8_full \
+        quantize_mtp=true megablox=false use_qwix_quantization=true
+    JAX_PLATFORMS=cpu python make_golden.py e_int8.npz quantization=int8 use_qwix_quantization=true
 
 MaxText loads the reference checkpoint itself (`from_pretrained`, `load_parameters_path`), quantizes with Qwix (its
 `maybe_quantize_model`) and runs the model under `nnx.jit` on the inputs of golden/README (batch (2, 16)). MaxText does
@@ -30,7 +32,7 @@ KEYS = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "override_model_config=
         "base_output_directory=/tmp/golden_d", "dataset_type=synthetic", "enable_dropout=false"]
 
 
-def main(extra):
+def main(out, extra):
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   config = pyconfig.initialize(["golden", base, *KEYS, f"load_parameters_path={os.path.abspath(CKPT)}", *extra])
   seen = []
@@ -55,11 +57,11 @@ def main(extra):
   targets = np.roll(tokens, -1, axis=1)
   logits, mtp_logits = forward(model, *(jnp.asarray(a) for a in (tokens, positions, ones, targets)))
   logits, mtp_logits = np.asarray(logits, np.float32), np.asarray(mtp_logits, np.float32)
-  np.savez_compressed(os.path.join(HERE, "d_fp8full_mtptrue_megablox_false.npz"), tokens=tokens,
+  np.savez_compressed(os.path.join(HERE, out), tokens=tokens,
                       positions=positions, segment_ids=ones, targets=targets, target_mask=ones, logits=logits,
                       top1=logits.argmax(-1).astype(np.int32), mtp_logits=mtp_logits,
                       mtp_top1=mtp_logits.argmax(-1).astype(np.int32))
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main(sys.argv[1], sys.argv[2:])
