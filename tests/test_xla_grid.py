@@ -20,7 +20,7 @@ import pytest
 from inspect_tool import cli
 from inspect_tool.listings import grid_plan
 from inspect_tool.listings import grid_table
-from inspect_tool.model import remat
+from inspect_tool.configuration import remat_policies
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import mesh as mesh_lib
 from inspect_tool.sharding import xla_grid
@@ -51,7 +51,7 @@ def test_the_grid_spans_the_family_chips_optimizers_batches_lengths_policies_and
   assert {k.get("opt_type", "adamw") for k in keys} >= {"adamw", "adam_pax", "sgd"}
   assert {int(k.get("per_device_batch_size", 12)) for k in keys} >= {1, 16}
   assert {int(k.get("max_target_length", 2048)) for k in keys} >= {256, 8192}
-  assert {k.get("remat_policy", "full") for k in keys} >= set(remat.POLICIES) - {"none", "minimal_flash"}
+  assert {k.get("remat_policy", "full") for k in keys} >= set(remat_policies.POLICIES) - {"none", "minimal_flash"}
   assert REFUSED, "no grid point where XLA refused the step"
 
 
@@ -59,6 +59,7 @@ def test_at_least_a_third_of_the_grid_is_held_out_of_the_fit():
   assert 3 * len(HELD_OUT) >= len(COMPILED), (len(HELD_OUT), len(COMPILED))
 
 
+@pytest.mark.parametrize("name", COMPILED)
 def test_the_state_sized_in_tpu_tiles_is_xlas_arguments(name):
   mem = _plan(RESULTS[name]["keys"])
   state = mem.total.params + mem.total.optimizer + mem.activations.layout.state_padding

@@ -89,9 +89,9 @@ def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positio
   Returns (y, new stack or None). With `dynamic` (Qwix's first, initialising call, when a provider such as
   PTQ may replace variables inside the layers) the layers' whole updated state is scanned out and a new
   stack module is returned, as MaxText's `_apply_layers_sequentially` does; otherwise only the non-Param
-  state is written back into `stack`. `remat_policy` (MaxText's, `remat.POLICIES`; `cfg` gives `custom`'s names)
-  wraps the layer in `jax.checkpoint` with that policy's saved names, without preventing common subexpression
-  elimination, as MaxText's scanned layers do; None or `none`: no `jax.checkpoint`.
+  state is written back into `stack`. `remat_policy` (MaxText's, `remat_policies.POLICIES`; `cfg` gives
+  `custom`'s names) wraps the layer in `jax.checkpoint` with that policy's saved names, without preventing
+  common subexpression elimination, as MaxText's scanned layers do; None or `none`: no `jax.checkpoint`.
   """
   graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
   params = _move_layer_axis(params, param_scan_axis, to_front=True)
@@ -120,8 +120,8 @@ class Decoder(nnx.Module):
   """MaxText's `NNXDecoder` for the DeepSeek block.
 
   `remat_policy` is None: the layers are not rematerialised (a forward pass has nothing to save). Set to one of
-  MaxText's policies (`remat.POLICIES`), a scanned stack saves for the backward pass what that policy names, as
-  MaxText's training step does (`remat_cfg` gives `custom`'s names).
+  MaxText's policies (`remat_policies.POLICIES`), a scanned stack saves for the backward pass what that policy
+  names, as MaxText's training step does (`remat_cfg` gives `custom`'s names).
   """
 
   remat_policy: str | None = None

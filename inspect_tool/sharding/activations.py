@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from inspect_tool.model import remat
+from inspect_tool.configuration import remat_policies
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import tpu_layout
 
@@ -158,10 +158,10 @@ def moe_rows(cfg, mesh: dict, tokens: float) -> int:
 def saved_names(cfg, policy: str) -> frozenset[str]:
   """The checkpoint names `remat_policy` keeps on the device (`model.remat`; offloaded ones go to host memory)."""
   if policy == "custom":
-    return frozenset(remat.custom_names(cfg)[0])
-  if policy == "none" or policy not in remat.POLICIES:  # nothing rematerialised: an upper bound
-    return frozenset(remat.CUSTOM_NAMES)
-  return frozenset(remat.SAVED.get(policy, ()))
+    return frozenset(remat_policies.custom_names(cfg)[0])
+  if policy == "none" or policy not in remat_policies.POLICIES:  # nothing rematerialised: an upper bound
+    return frozenset(remat_policies.CUSTOM_NAMES)
+  return frozenset(remat_policies.SAVED.get(policy, ()))
 
 
 def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float:

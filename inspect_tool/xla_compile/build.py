@@ -18,9 +18,9 @@ import jax
 from inspect_tool import errors
 from inspect_tool import model as model_lib
 from inspect_tool import progress
+from inspect_tool.configuration import remat_policies
 from inspect_tool.coverage import trace as coverage_trace
 from inspect_tool.model import partitioning
-from inspect_tool.model import remat
 from inspect_tool.paramtree import params as params_lib
 from inspect_tool.run import runner
 from inspect_tool.sharding import mesh as mesh_lib
@@ -40,9 +40,9 @@ _OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory in memory space hbm", r
 
 def _check(cfg, train: str | None) -> None:
   policy = str(cfg.remat_policy)
-  if train and policy not in remat.POLICIES:
+  if train and policy not in remat_policies.POLICIES:
     raise errors.ConfigError(f"remat_policy={errors.shown(policy)}: not one of MaxText's policies; accepted: "
-                             f"remat_policy={', '.join(remat.POLICIES)}")
+                             f"remat_policy={', '.join(remat_policies.POLICIES)}")
   if not bool(cfg.scan_layers):
     raise errors.ConfigError("scan_layers=false: --compile builds MaxText's scanned decoder only; accepted: "
                              "scan_layers=true")
