@@ -6,7 +6,7 @@ figures of our training step beside MaxText 0.2.5's `train_compile` of the same 
 
 A case line is MaxText's: `NAME compile_topology=T compile_topology_num_slices=1 KEYS...` (blank lines and `#`
 comments skipped); `compile_topology=T` becomes `--topology T`, `opt_type=X` (default adamw) `--train X`. CASES
-default to tests/data/xla_ref/family_cases.txt; DIR to tests/data/xla_ours. Each case runs the installed command in
+default to tests/data/xla_family/family_cases.txt; DIR to tests/data/xla_ours. Each case runs the installed command in
 a process of its own (`python -m inspect_tool maxtext ... --summary --format json`) and leaves DIR/NAME.json: the
 keys, the command, our XLA figures (`xla`: `CompiledMemoryStats` fields, `peak_bytes`, `tpu_custom_calls`), the
 plan's needed bytes, the exit status and wall time; a case already written is skipped unless --force. A program
@@ -24,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CASES = os.path.join(ROOT, "tests", "data", "xla_ref", "family_cases.txt")
+CASES = os.path.join(ROOT, "tests", "data", "xla_family", "family_cases.txt")
 OUT = os.path.join(ROOT, "tests", "data", "xla_ours")
 
 

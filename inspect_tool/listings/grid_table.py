@@ -1,7 +1,8 @@
 """The grid's table (docs/xla-grid.md, written by scripts/xla_grid_table.py): at every point, MaxText 0.2.5's XLA
 figures for its own `train_compile`, ours for `maxtext KEYS --topology T --compile --train OPT`, and the plan's.
 
-A point is a MaxText result (tests/data/xla_ref/NAME.json: compiled, or refused by XLA for lack of HBM); ours is
+A point is a MaxText result (tests/data/xla_ref/NAME.json, the grid the plan is held to, and
+tests/data/xla_family/NAME.json, the family grid: compiled, or refused by XLA for lack of HBM); ours is
 tests/data/xla_ours/NAME.json when it was compiled (scripts/ours_compile_cases.py). Ratios are over MaxText's
 figures: our peak (code + arguments + outputs - aliases + temporaries) and arguments, and the plan's needed bytes.
 Points `xla_grid.held_out` names are kept out of the estimate's fit and summarised apart.
@@ -61,11 +62,13 @@ class Row:
     return self.ratio(self.plan.needed)
 
 
-def rows(maxtext_dir: str, ours_dir: str | None) -> list[Row]:
-  """The grid's rows: every MaxText result that compiled or that XLA refused for lack of HBM."""
+def rows(maxtext_dirs, ours_dir: str | None) -> list[Row]:
+  """The grid's rows: every MaxText result in `maxtext_dirs` (one directory or several) that compiled or that XLA
+  refused for lack of HBM."""
   ours = grid_plan.results(ours_dir) if ours_dir and os.path.isdir(ours_dir) else {}
+  dirs = [maxtext_dirs] if isinstance(maxtext_dirs, str) else list(maxtext_dirs)
   out = []
-  for name, record in grid_plan.results(maxtext_dir).items():
+  for name, record in grid_plan.results(*dirs).items():
     if record["ok"] or record.get("oom"):
       out.append(Row(name, record, ours.get(name), grid_plan.plan(record["keys"])))
   return out

@@ -120,7 +120,7 @@ class ActivationEstimate:
   batch: float
   seq: int
   remat_policy: str
-  phase: str  # "backward" or "loss"
+  phase: str  # "backward", "loss" or "step without a loss"
   parts: tuple[tuple[str, float], ...]
   layout: StepLayout | None = None
   with_state: float = 0.0  # of `total`, what is proportional to the per-device state (shrinks as it is sharded)
@@ -216,6 +216,12 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
   batch = float(cfg.per_device_batch_size if batch is None else batch)
   seq = int(cfg.max_target_length if seq is None else seq)
   policy = str(remat_policy if remat_policy is not None else getattr(cfg, "remat_policy", "full"))
+  if not has_loss(cfg):  # nothing to differentiate: XLA keeps neither the forward, nor the backward, nor gradients
+    parts = [("gradients (none: the step has no loss term, its zero gradients are folded away)", -gradients),
+             ("generated code", CODE_BASE)] + ([("TPU tile padding of the state", layout.state_padding)]
+                                               if layout.state_padding else [])
+    return ActivationEstimate(batch, seq, policy, "step without a loss", _whole(parts), layout,
+                              round(layout.state_padding - gradients))
   a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
   tokens, e, v = batch * seq, cfg.emb_dim, cfg.vocab_size
   depths = int(cfg.mtp_num_layers)
@@ -259,6 +265,13 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
   return ActivationEstimate(batch, seq, policy, "loss", _whole(loss + fixed), layout, round(state - gradients))
 
 
+def has_loss(cfg) -> bool:
+  """Whether MaxText's step has a loss term at all: the main loss, an MTP depth or the MoE load-balance loss (an
+  indexer's dense warm-up of a model without MTP or load balancing has none: deepseek-custom, V3.2 without MTP)."""
+  return bool(main_loss(cfg) or int(cfg.mtp_num_layers) or (cfg.num_moe_layers
+                                                           and float(cfg.load_balance_loss_weight) > 0))
+
+
 def main_loss(cfg) -> int:
   """1 when MaxText's step computes the main loss, 0 in an indexer's dense warm-up (`use_indexer`,
   `indexer_sparse_training=false`), where it leaves it out (`xla_compile.step`)."""
@@ -285,7 +298,9 @@ def _held(cfg, layout: StepLayout, batch: float, tokens: float, depths: int, a: 
   """What each output head leaves for the decoder's backward: its logits gradient (T·V) when XLA defers the head's
   weight gradient past the layer loop (seen with per_device_batch_size=1 and 1024 tokens or more), else that weight
   gradient (E·V, gathered)."""
-  heads, v = 1 + depths, cfg.vocab_size
+  heads, v = main_loss(cfg) + depths, cfg.vocab_size
+  if not heads:  # an indexer's dense warm-up without MTP: no output head enters the loss
+    return "output heads' gradients (none: no head in the loss)", 0.0
   if batch == 1 and tokens >= HELD_LOGITS_TOKENS:
     return f"logits gradients held for {heads} output head(s)", heads * layout.size((tokens, v), a)
   return f"output head kernel gradients ({heads} head(s), gathered)", heads * layout.size((cfg.emb_dim, v), a)
