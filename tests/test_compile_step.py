@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from inspect_tool.configuration import config
+from inspect_tool.xla_compile import build
 from inspect_tool.xla_compile import loss
 from inspect_tool.xla_compile import optimizers
 
@@ -182,3 +183,13 @@ def test_offloading_policies_keep_their_activations_in_host_memory():
   kept = _scan_residuals("qkv_proj_offloaded")
   assert sorted(shape for shape, where in kept if where == "host") == sorted(QKV)
   assert [shape for shape, where in kept if where == "device"] == [TOKENS]
+
+
+@pytest.mark.parametrize("keys, kernel", [([], "megablox"), (["gmm_backend=pallas"], "pallas"),
+                                          (["gmm_backend=xla"], "xla"), (["use_tokamax_backend=true"], "auto")])
+def test_the_compiled_step_runs_maxtexts_kernel_unless_the_keys_name_one(keys, kernel):
+  """`--compile` compiles the grouped matmul MaxText does (JAX's Megablox, MaxText's kernel's origin) where the keys
+  leave it to `auto`; a kernel the keys name, or Tokamax, is kept."""
+  cfg = config.resolve_config(["model_name=deepseek3-tiny", *keys])
+  assert build.maxtexts_kernel(cfg).gmm_backend == kernel
+  assert build.maxtexts_kernel(cfg).use_tokamax_backend == cfg.use_tokamax_backend
