@@ -39,7 +39,7 @@ def _case(batch: int, length: int) -> dict:
   from inspect_tool import model as model_lib  # pylint: disable=import-outside-toplevel
   from inspect_tool.configuration import config  # pylint: disable=import-outside-toplevel
   from inspect_tool.xla_compile import build  # pylint: disable=import-outside-toplevel
-  from inspect_tool.xla_compile import state as state_lib  # pylint: disable=import-outside-toplevel
+  from inspect_tool.xla_compile import optimizers  # pylint: disable=import-outside-toplevel
 
   cfg = config.resolve_config([*KEYS, f"per_device_batch_size={batch}", f"max_target_length={length}"])
   chip = jax.devices("tpu")[0]  # the chip's runtime first, then the compile-only topology beside it
@@ -67,14 +67,14 @@ def _case(batch: int, length: int) -> dict:
                 "targets_position": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
                 "inputs_segmentation": np.ones((rows, length), np.int32),
                 "targets_segmentation": np.ones((rows, length), np.int32)}
-  tx = state_lib.optimizer(cfg, "adamw")
+  tx = optimizers.optimizer(cfg, "adamw")
   params = jax.device_put(params, abstract.params_sharding)
   rest = jax.device_put(rest, abstract.rest_sharding)
   batch_on_chip = {k: jax.device_put(v, abstract.batch_sharding[k]) for k, v in host_batch.items()}
   opt_state = jax.jit(tx.init)(params)
   try:
-    _, _, loss = compiled(params, opt_state, rest, batch_on_chip)
-    out["loss"] = float(jnp.asarray(loss))
+    _, _, metrics = compiled(params, opt_state, rest, batch_on_chip)
+    out["loss"] = float(jnp.asarray(metrics["loss"]))
   except Exception as e:  # pylint: disable=broad-except  (an out-of-memory run)
     out["run_error"] = str(e).splitlines()[0][:300]
   out["run_peak"] = chip.memory_stats().get("peak_bytes_in_use")

@@ -40,9 +40,10 @@ def test_the_tensors_each_remat_policy_saves_are_sized_in_tpu_tiles(cfg):
   qk = tokens * 256 * 4 * 2  # (heads 4, 192 -> 256 lanes) per token
   v = tokens * 128 * 4 * 2
   moe = 3 * rows * 128 * 2 * 2  # wi_0 (R·M) and wo (R·E), 64 -> 128 lanes, in the 3 MoE layers
-  dense = tokens * 128 * 2 * 3  # wi_0, wi_1, wo of the dense layer
-  minimal = layers * 2 * layer_input + layers * (2 * qk + v) + moe + dense
-  assert activations.saved(cfg, _layout(True), 2, 256, "minimal") == minimal == 24_510_464
+  shared = 3 * tokens * 128 * 2 * 2  # the shared expert's wi_0 and wi_1 outputs (its output, like any MLP's, not kept)
+  dense = tokens * 128 * 2 * 2  # wi_0 and wi_1 of the dense layer
+  minimal = layers * 2 * layer_input + layers * (2 * qk + v) + moe + shared + dense
+  assert activations.saved(cfg, _layout(True), 2, 256, "minimal") == minimal == 25_165_824
   assert activations.saved(cfg, _layout(True), 2, 256, "save_qkv_proj") == layers * (layer_input + 2 * qk + v)
 
 
@@ -80,3 +81,21 @@ def test_the_layout_holds_the_stacks_weights_in_bf16_and_their_float32_gradients
   assert layout.padding == 0
   tiled = activations.layout_of(leaves, plan, cfg, optimizer="adamw", tpu=True)
   assert tiled.stack_copies > layout.stack_copies and tiled.state_padding > 0
+
+
+def test_a_step_without_a_loss_holds_no_activations_and_no_gradients(cfg):
+  """An indexer's dense warm-up leaves the main loss out (MaxText 0.2.5); without MTP and load balancing the step then
+  has no loss term at all, and XLA keeps neither the forward nor the gradients (deepseek-custom: temporaries of
+  15.5 MiB at 2048 tokens, tests/data/xla_family): the estimate is the code and the state's padding, less the
+  gradients the plan counts apart."""
+  warmup = config.resolve_config(["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]",
+                                   "attention=dot_product"])
+  layout = _layout(True, grads=6e6, state_padding=1e6)
+  est = activations.estimate(warmup, layout, gradients=6e6)
+  assert not activations.has_loss(warmup) and est.phase == "step without a loss"
+  assert est.total == activations.CODE_BASE + 1e6 - 6e6
+  for keys in (["mtp_num_layers=1"], ["load_balance_loss_weight=0.01"], ["indexer_sparse_training=true"]):
+    with_loss = config.resolve_config(["model_name=deepseek-custom", "override_model_config=true", "engram_layers=[]",
+                                       "attention=dot_product", *keys])
+    assert activations.has_loss(with_loss)
+    assert activations.estimate(with_loss, layout, gradients=6e6).phase != est.phase

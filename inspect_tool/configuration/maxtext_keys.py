@@ -86,6 +86,7 @@ SHARDING_KEYS = frozenset({
     "override_logical_axis_rules", "shard_exp_on_fsdp", "use_2d_fsdp_sharding", "use_batch_split_schedule",
     "use_lineage", "shard_optimizer_over_data", "mu_dtype", "opt_type",
     "per_device_batch_size", "remat_policy",  # the activation estimate of the fit check (--train)
+    "indexer_sparse_training",  # ... whether the step has a main loss (an indexer's dense warm-up has none)
 })
 # Fields of `quant.settings.QuantSettings` that choose a kernel, not a rule.
 _KERNEL_FIELDS = frozenset({"gmm_backend", "use_tokamax_backend"})

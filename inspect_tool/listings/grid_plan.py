@@ -1,6 +1,7 @@
-"""Our plan for the keys of a MaxText `train_compile` run (`compile_topology=T` becomes `--topology T`, the AdamW
-training step, as `maxtext KEYS --topology T --train adamw` plans it), and the result files that run leaves
-(scripts/maxtext_compile_memory.py): what scripts/xla_grid_table.py and tests/test_xla_grid.py set side by side.
+"""Our plan for the keys of a MaxText `train_compile` run (`compile_topology=T` becomes `--topology T`, `opt_type=X`
+(default adamw) `--train X`, as `maxtext KEYS --topology T --train X` plans it), and the result files that run
+leaves (scripts/maxtext_compile_memory.py; ours: scripts/ours_compile_cases.py): what scripts/xla_grid_table.py and
+tests/test_xla_grid.py set side by side.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from inspect_tool import sharding
 from inspect_tool.configuration import config
 from inspect_tool.listings import model_listing
 
-RUN_KEYS = ("per_device_batch_size", "max_target_length", "remat_policy")  # the same model, planned again
+RUN_KEYS = ("per_device_batch_size", "max_target_length", "remat_policy", "opt_type")  # same model, planned again
 
 
 def results(*paths: str) -> dict:
@@ -34,6 +35,11 @@ def topology_of(keys) -> str:
   return next(k.split("=", 1)[1] for k in keys if k.startswith("compile_topology="))
 
 
+def optimizer_of(keys) -> str:
+  """MaxText's `opt_type` of the keys (its default, adamw, when they do not set it)."""
+  return next((k.split("=", 1)[1] for k in keys if k.startswith("opt_type=")), "adamw")
+
+
 @functools.lru_cache(maxsize=8)
 def _listing(model_keys: tuple[str, ...]):
   cfg = config.resolve_config(list(model_keys))
@@ -47,4 +53,4 @@ def plan(keys):
   cfg = config.resolve_config(overrides)
   listing = _listing(tuple(k for k in overrides if k.split("=", 1)[0] not in RUN_KEYS))
   devices = sharding.devices_for(cfg, None, topology)
-  return sharding.annotate(listing, cfg, devices=devices, train="adamw", topology=topology).memory
+  return sharding.annotate(listing, cfg, devices=devices, train=optimizer_of(keys), topology=topology).memory

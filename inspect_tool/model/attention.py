@@ -18,6 +18,7 @@ import numpy as np
 from inspect_tool.model import indexer as indexer_lib
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
+from inspect_tool.model import remat
 from inspect_tool.model import rope
 from inspect_tool.model import splash
 
@@ -109,22 +110,24 @@ class MLA(nnx.Module):
     if self.q_lora_rank == 0:
       q = self.query(x)
     else:
-      q_latent = self.q_norm(self.wq_a(x))
+      q_latent = remat.name(self.q_norm(remat.name(self.wq_a(x), "query_wa_proj")), "mla_q")
       q = self.wq_b(q_latent)
     q_nope, q_pe = jnp.split(q, [self.nope_dim], axis=-1)
     q_pe = self.rotary_embedding(q_pe, positions)
     query = jnp.concatenate([q_nope, q_pe], axis=-1) * self.softmax_scale
 
-    low_rank = self.wkv_a(x)
+    low_rank = remat.name(self.wkv_a(x), "kv_wa_proj")
     c_kv, k_pe = jnp.split(low_rank, [self.kv_lora_rank], axis=-1)
-    c_kv = self.kv_norm(c_kv)
+    c_kv = remat.name(self.kv_norm(c_kv), "mla_kv")
     k_pe = self.rotary_embedding(jnp.expand_dims(k_pe, axis=2), positions)
     k_nope, value = jnp.split(self.wkv_b(c_kv), [self.nope_dim], axis=-1)
     k_pe = jnp.broadcast_to(k_pe, (k_nope.shape[0], k_nope.shape[1], self.num_heads, k_pe.shape[3]))
     key = jnp.concatenate([k_nope, k_pe], axis=-1)
+    query, key, value = (remat.name(query, "query_proj"), remat.name(key, "key_proj"),
+                         remat.name(value, "value_proj"))
 
     keep = None
     if self.indexer is not None:
       keep = self.indexer(x, q_latent, positions, allowed_keys(x.shape[1], x.shape[1], segment_ids))
-    out = self.attention_op(query, key, value, segment_ids, keep)
-    return self.out(out)
+    out = remat.name(self.attention_op(query, key, value, segment_ids, keep), "attention_out")
+    return remat.name(self.out(out), "out_proj")

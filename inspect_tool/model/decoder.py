@@ -19,6 +19,7 @@ from inspect_tool.model import layers
 from inspect_tool.model import mhc
 from inspect_tool.model import moe
 from inspect_tool.model import partitioning
+from inspect_tool.model import remat
 
 EMBED_ACTIVATION = ("activation_batch", "activation_norm_length", "activation_embed")  # MaxText's layer activations
 LOGITS = ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
@@ -41,7 +42,7 @@ class DeepSeekLayer(nnx.Module):
     """Attention then `mlp`, each with its pre-norm and residual (or mHC mixing of the k streams of x)."""
     if self.mhc_attention is None:
       pin = lambda a: partitioning.constrain(a, EMBED_ACTIVATION)  # pylint: disable=unnecessary-lambda-assignment
-      x = pin(x)
+      x = remat.name(pin(x), "decoder_layer_input")
       attended = pin(self.self_attention(pin(self.pre_self_attention_layer_norm(x)), positions, segment_ids))
       residual = x + attended
       return pin(pin(mlp(pin(self.post_self_attention_layer_norm(residual)))) + residual)
@@ -82,14 +83,15 @@ def _move_layer_axis(state, param_scan_axis: int, to_front: bool):
 
 
 def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positions, *, dynamic: bool = False,
-                remat: bool = False):
+                remat_policy: str | None = None, cfg=None):
   """Runs a scanned stack of layers over `x` (the stack's variables carry the layer axis).
 
   Returns (y, new stack or None). With `dynamic` (Qwix's first, initialising call, when a provider such as
   PTQ may replace variables inside the layers) the layers' whole updated state is scanned out and a new
   stack module is returned, as MaxText's `_apply_layers_sequentially` does; otherwise only the non-Param
-  state is written back into `stack`. `remat` wraps the layer in `jax.checkpoint` with nothing saved but its
-  input (MaxText's `remat_policy=full`).
+  state is written back into `stack`. `remat_policy` (MaxText's, `remat_policies.POLICIES`; `cfg` gives
+  `custom`'s names) wraps the layer in `jax.checkpoint` with that policy's saved names, without preventing
+  common subexpression elimination, as MaxText's scanned layers do; None or `none`: no `jax.checkpoint`.
   """
   graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
   params = _move_layer_axis(params, param_scan_axis, to_front=True)
@@ -104,8 +106,8 @@ def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positio
       return y, (layer_params, layer_rest)
     return y, layer_rest
 
-  if remat and not dynamic:
-    body = jax.checkpoint(body)
+  if remat_policy not in (None, "none") and not dynamic:
+    body = jax.checkpoint(body, policy=remat.policy(remat_policy, cfg), prevent_cse=False)
   y, scanned = jax.lax.scan(body, x, (params, rest))
   if dynamic:
     new_params, new_rest = scanned
@@ -117,12 +119,13 @@ def apply_stack(stack: nnx.Module, param_scan_axis: int, x, segment_ids, positio
 class Decoder(nnx.Module):
   """MaxText's `NNXDecoder` for the DeepSeek block.
 
-  `remat_policy` is None: the layers are not rematerialised (a forward pass has nothing to save). Set to "full",
-  a scanned stack saves only each layer's input for the backward pass, as MaxText's training step does
-  (`sharding.activations` checks its estimate against that step).
+  `remat_policy` is None: the layers are not rematerialised (a forward pass has nothing to save). Set to one of
+  MaxText's policies (`remat_policies.POLICIES`), a scanned stack saves for the backward pass what that policy
+  names, as MaxText's training step does (`remat_cfg` gives `custom`'s names).
   """
 
   remat_policy: str | None = None
+  remat_cfg = None
 
   def __init__(self, cfg, make: inits.VariableFactory):
     self._init_head(cfg, make)
@@ -170,7 +173,7 @@ class Decoder(nnx.Module):
       logits = self.logits_dense(y)
     if self.cast_logits_to_fp32:
       logits = logits.astype(jnp.float32)
-    return partitioning.constrain(logits, LOGITS)
+    return logits  # unconstrained, as MaxText leaves its main logits (the MTP block pins its own: `mtp`)
 
   def __call__(self, embedder, tokens, positions, segment_ids=None):
     """Returns (logits, hidden state before `decoder_norm`)."""
@@ -182,7 +185,7 @@ class Decoder(nnx.Module):
       layer = getattr(self, name)
       if self.scan_layers:
         y, new_stack = apply_stack(layer, self.param_scan_axis, y, segment_ids, positions, dynamic=dynamic,
-                                   remat=self.remat_policy == "full")
+                                   remat_policy=self.remat_policy, cfg=self.remat_cfg)
         if new_stack is not None:
           setattr(self, name, new_stack)
       else:

@@ -83,7 +83,7 @@ class Decoder(decoder_lib.Decoder):
     if self.scanned_blocks is not None:
       dynamic = bool(getattr(self, "disable_quant_stats_update", False))  # set by Qwix for its first call
       y, new_stack = decoder_lib.apply_stack(self.scanned_blocks, self.param_scan_axis, y, segment_ids, positions,
-                                             dynamic=dynamic)
+                                             dynamic=dynamic, remat_policy=self.remat_policy, cfg=self.remat_cfg)
       if new_stack is not None:
         self.scanned_blocks = new_stack
     y = self.hc_head(y)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from inspect_tool.model import initializers as inits
+from inspect_tool.model import remat
 
 
 def compute_dtype(cfg) -> jnp.dtype:
@@ -118,6 +119,6 @@ class MlpBlock(nnx.Module):
     self.wo = DenseGeneral(cfg, intermediate, in_features, make)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate = jax.nn.silu(self.wi_0(x))
-    up = self.wi_1(x)
-    return self.wo((gate * up).astype(self.dtype))
+    gate = jax.nn.silu(remat.name(self.wi_0(x), "mlpwi_0"))
+    up = remat.name(self.wi_1(x), "mlpwi_1")
+    return remat.name(self.wo((gate * up).astype(self.dtype)), "mlpwo")

@@ -27,6 +27,7 @@ from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
 from inspect_tool.model import moe_dispatch
 from inspect_tool.model import partitioning
+from inspect_tool.model import remat
 from quant.gmm import backends as gmm_backends
 from quant.gmm import op as gmm_lib
 from quant.gmm import tiles as gmm_tiles
@@ -38,6 +39,10 @@ class MoEBiasVar(nnx.Variable):
 
 class Tid2EidVar(nnx.Variable):
   """DeepSeek-V4's token id → expert ids table of a hash-routed layer (vocab, K), float32, not a Param."""
+
+
+class moe_lb_loss(nnx.Intermediate):  # pylint: disable=invalid-name
+  """A routed layer's load-balance loss (MaxText's intermediate of that name), with `load_balance_loss_weight`."""
 
 
 def _score(name: str, x: jax.Array) -> jax.Array:
@@ -108,6 +113,7 @@ class RoutedMoE(nnx.Module):
     self.gmm_backend = gmm_backends.requested(cfg.gmm_backend, use_tokamax_backend=cfg.use_tokamax_backend)
     self.wi_tiles, self.wo_tiles = gmm_tiles_of(cfg, "wi"), gmm_tiles_of(cfg, "wo")
     self.activations_limit = float(cfg.mlp_activations_limit)  # > 0: DeepSeek-V4 clips the expert activations
+    self.lb_weight = 0.0 if hash_routing else float(cfg.load_balance_loss_weight)
     self.gate = GateLogit(cfg, make, hash_routing)
     # DeepSeek-V4's first layers route by token id (`first_num_hash_layers`).
     self.tid2eid = (make.make((cfg.vocab_size, cfg.num_experts_per_tok), inits.zeros, kind=Tid2EidVar,
@@ -165,10 +171,10 @@ class RoutedMoE(nnx.Module):
     order = jnp.argsort(flat)
     rows = jnp.take(jnp.repeat(tokens, self.top_k, axis=0), order, axis=0).astype(self.dtype)
     group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-    up0 = self._grouped_matmul(rows, w0, group_sizes, "wi")
-    up1 = self._grouped_matmul(rows, w1, group_sizes, "wi")
+    up0 = remat.name(self._grouped_matmul(rows, w0, group_sizes, "wi"), "mlpwi_0", "moe_mlpwi_0")
+    up1 = remat.name(self._grouped_matmul(rows, w1, group_sizes, "wi"), "moe_mlpwi_1")
     hidden = self._activation(up0, up1)
-    down = self._grouped_matmul(hidden, wo, group_sizes, "wo")
+    down = remat.name(self._grouped_matmul(hidden, wo, group_sizes, "wo"), "mlpwo", "moe_mlpwo")
     down = jnp.take(down, jnp.argsort(order), axis=0)
     down = jnp.reshape(down, (b * s, self.top_k, e))
     weights = jnp.reshape(weights, (b * s, self.top_k))
@@ -211,10 +217,21 @@ class RoutedMoE(nnx.Module):
     down = jnp.einsum("EBCH,EHM->EBCM", hidden, wo, precision=self.precision)
     return jnp.einsum("EBCM,BSEC->BSM", down, combine, precision=self.precision).astype(self.dtype)
 
+  def load_balance_loss(self, idx: jax.Array, probs: jax.Array) -> jax.Array:
+    """MaxText's per-sequence load-balance loss: mean over sequences and experts of (the share of the sequence's
+    top-k picks an expert got) × (its mean router probability), × experts² × `load_balance_loss_weight`."""
+    picks = jnp.sum(jax.nn.one_hot(idx, self.num_experts, dtype=jnp.int32), axis=2)
+    density = jnp.mean(picks, axis=1) / self.top_k
+    return jnp.mean(density * jnp.mean(probs, axis=1)) * self.num_experts**2 * self.lb_weight
+
   def __call__(self, x: jax.Array, input_ids: jax.Array | None = None) -> jax.Array:
     x = x.astype(self.dtype)
     scores, unbiased = self.gate(x)
     weights, idx = self.route(scores, unbiased, input_ids)
+    if self.lb_weight > 0:  # on the scores before the gate bias (the bias takes no gradient from it)
+      pre_bias = scores if unbiased is None else unbiased
+      probs = jax.nn.softmax(pre_bias.astype(jnp.float32), axis=-1).astype(self.dtype)
+      self.lb_loss = moe_lb_loss(self.load_balance_loss(idx, probs))
     w0 = layers.kernel_value(self.wi_0, self.dtype)  # a WithAux of fp8 values when loaded from an FP8 export
     w1 = layers.kernel_value(self.wi_1, self.dtype)
     wo = layers.kernel_value(self.wo, self.dtype)

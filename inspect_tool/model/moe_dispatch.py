@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from inspect_tool.model import partitioning
+from inspect_tool.model import remat
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -93,11 +94,13 @@ def routed_experts(moe, part: partitioning.Partitioning, x, weights, idx, w0, w1
     if ep > 1:
       lhs, sizes, back = _route_to_experts(rows, group_sizes, num_experts=num_experts, top_k=top_k, ep=ep,
                                            axes=ep_axes)
-    hidden = moe._activation(moe._grouped_matmul(lhs, w0, sizes, "wi"),  # pylint: disable=protected-access
-                             moe._grouped_matmul(lhs, w1, sizes, "wi"))  # pylint: disable=protected-access
-    down = moe._grouped_matmul(hidden, wo, sizes, "wo")  # pylint: disable=protected-access
+    matmul = moe._grouped_matmul  # pylint: disable=protected-access
+    up0 = remat.name(matmul(lhs, w0, sizes, "wi"), "mlpwi_0", "moe_mlpwi_0")
+    up1 = remat.name(matmul(lhs, w1, sizes, "wi"), "moe_mlpwi_1")
+    down = matmul(moe._activation(up0, up1), wo, sizes, "wo")  # pylint: disable=protected-access
     if mlp_axes:
       down = jax.lax.psum(down, mlp_axes)
+    down = remat.name(down, "mlpwo", "moe_mlpwo")
     if ep > 1:
       down = _route_back(down, back, rows.shape[0], ep_axes)
     down = jnp.reshape(jnp.take(down, jnp.argsort(order), axis=0), (b * s, top_k, e))

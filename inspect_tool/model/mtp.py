@@ -19,6 +19,10 @@ import jax.numpy as jnp
 from inspect_tool.model import decoder as decoder_lib
 from inspect_tool.model import initializers as inits
 from inspect_tool.model import layers
+from inspect_tool.model import partitioning
+
+PER_TOKEN = ("activation_embed_and_logits_batch", "activation_length")  # MaxText's sharding of per-token losses
+NORMED = ("activation_batch", "activation_length", "activation_embed")  # ... of the MTP head's input
 
 
 class mtp_losses(nnx.Intermediate):  # pylint: disable=invalid-name
@@ -98,8 +102,10 @@ class MultiTokenPredictionBlock(nnx.Module):
       embedding = embedder(ids).astype(self.decoder.dtype)
       layer = getattr(self, f"mtp_layer_{k}")
       hidden = layer(hidden, embedding, positions, segment_ids)
-      logits = self.decoder.apply_output_head(embedder, layer.part("final_norm")(hidden), normalize=False)
-      xent = cross_entropy(logits, tgt)
+      normed = partitioning.constrain(layer.part("final_norm")(hidden), NORMED)
+      logits = partitioning.constrain(self.decoder.apply_output_head(embedder, normed, normalize=False),
+                                      decoder_lib.LOGITS)
+      xent = partitioning.constrain(cross_entropy(logits, tgt), PER_TOKEN)
       losses.append(jnp.sum(xent * msk))
       weights.append(jnp.sum(msk).astype(jnp.float32))
       all_logits.append(logits)

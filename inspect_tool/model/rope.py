@@ -1,6 +1,8 @@
 """YaRN rotary position embedding as MaxText applies it to MLA's rope dimensions (no parameters).
 
-Frequencies are computed in float32 exactly as MaxText does; pairs are read interleaved
+Frequencies are computed in float32 exactly as MaxText does, and so is the table: MaxText builds exp(i·t·f) for
+every t < max_position_embeddings and reads it at the positions, and its compiled training step holds that table
+(two float32 arrays of max_position_embeddings × dims/2 on TPU), so ours does the same. Pairs are read interleaved
 (`rope_interleave=true`: x[2i], x[2i+1]) or split in halves, and the output is always in concatenated
 layout [real parts, imaginary parts], cast to the compute dtype. All arithmetic is elementwise.
 """
@@ -39,6 +41,7 @@ class YarnRotaryEmbedding(nnx.Module):
     self.interleave = bool(cfg.rope_interleave)
     self.attention_scaling = bool(cfg.rope_attention_scaling)
     self.dtype = jnp.dtype(cfg.dtype)
+    self.max_position_embeddings = int(cfg.max_position_embeddings)
 
   def frequencies(self) -> jax.Array:
     half = self.dims // 2
@@ -55,8 +58,8 @@ class YarnRotaryEmbedding(nnx.Module):
       raise errors.ConfigError(f"rope_type={self.rope_type!r} is not supported by this MLA forward pass; "
                                "accepted: 'yarn'")
     b, s, n, h = inputs.shape
-    angles = positions.astype(jnp.int32).astype(jnp.float32)[:, :, None, None] * self.frequencies()
-    cis = jnp.exp(1j * angles)  # [B, S, 1, half] complex64, as MaxText's table lookup gives
+    table = jnp.exp(1j * jnp.outer(jnp.arange(self.max_position_embeddings, dtype=jnp.float32), self.frequencies()))
+    cis = table[positions.astype(jnp.int32)][:, :, None, :]  # [B, S, 1, half] complex64
     if self.interleave:
       pairs = inputs.reshape(b, s, n, h // 2, 2)
       real, imag = pairs[..., 0], pairs[..., 1]

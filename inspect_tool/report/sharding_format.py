@@ -25,7 +25,7 @@ def _verdict(memory) -> list[str]:
     out.append(f"Plus {activations.describe(memory.activations)} = {hb(memory.needed)} needed per device:")
     out += [f"  {hb(b):>10s}  {part}" for part, b in memory.activations.parts if b]
     if memory.grid_point is not None:
-      out.append(f"Against XLA at the nearest calibration point: {memory.grid_point.describe()}.")
+      out.append(f"Against XLA at the nearest grid point: {memory.grid_point.describe()}.")
   else:
     out.append("Not counted: activations (add --train for the training step's estimate), XLA temporaries.")
   if memory.limit is not None:

@@ -3,7 +3,8 @@
 `run_forward` jits one pure function per model graph (the graph is static, the variables are inputs), so a
 Qwix-quantized model (whose class intercepts `__call__`) is traced with its interception. Losses follow
 MaxText's training step: main loss = Σ xent·mask / Σ mask; MTP loss = λ·Σ_k L_k / (Σ_k W_k + 1e-8) with
-λ = `mtp_loss_scaling_factor`; `total_loss` = main + MTP loss.
+λ = `mtp_loss_scaling_factor`; `total_loss` = main + MTP loss; with `load_balance_loss_weight` > 0, `moe_lb_loss`
+is the mean of the routed layers' load-balance losses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from inspect_tool.model import moe
 from inspect_tool.model import mtp
 
 MTP_EPS = 1e-8
@@ -35,6 +37,7 @@ class ForwardResult:
   mtp_weights: Any | None = None  # (P,) token counts per depth
   mtp_loss: Any | None = None  # () λ·ΣL/(ΣW + 1e-8)
   total_loss: Any | None = None  # () loss + mtp_loss
+  moe_lb_loss: Any | None = None  # () the mean of the routed layers' load-balance losses (load_balance_loss_weight > 0)
 
 
 def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, target_mask, mtp_scale):
@@ -49,6 +52,9 @@ def pure_forward(graphdef, state, tokens, positions, segment_ids, targets, targe
     xent = mtp.cross_entropy(logits, targets) * mask
     out["xent"] = xent
     out["loss"] = jnp.sum(xent) / jnp.sum(mask)
+  balance = [jnp.ravel(leaf) for leaf in jax.tree.leaves(nnx.state(model, moe.moe_lb_loss))]
+  if balance:
+    out["moe_lb_loss"] = jnp.mean(jnp.concatenate(balance))
   block = getattr(model, "mtp_block", None)
   if block is not None:
     out["mtp_logits"] = block.logits[...]

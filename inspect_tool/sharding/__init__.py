@@ -35,7 +35,8 @@ def annotate(report, cfg, *, devices: int, train: str | None = None, device_memo
   mem = memory.device_memory(report.leaves, plan, cfg, optimizer=optimizer, limit=limit, limit_source=limit_source,
                              tpu=invocation.on_tpu(topology))
   if optimizer is not None and overrides is not None:
-    mem = dataclasses.replace(mem, grid_point=xla_grid.nearest(overrides, topology))
+    keys = [k for k in overrides if not k.startswith("opt_type=")] + [f"opt_type={optimizer}"]
+    mem = dataclasses.replace(mem, grid_point=xla_grid.nearest(keys, topology))
   if mem.fits is False:
     call = None
     if overrides is not None:

@@ -38,24 +38,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from inspect_tool.configuration import remat_policies
 from inspect_tool.paramtree import summary as summary_lib
 from inspect_tool.sharding import tpu_layout
 
 F32 = 4
-SAVED = {  # what each remat_policy saves per layer besides the layer input (MaxText 0.2.5's checkpoint names)
-    "full": (),
-    "save_out_proj": ("out",),
-    "save_qkv_proj": ("q", "k", "v"),
-    "qkv_proj_offloaded": (),
-    "minimal_offloaded": (),
-    "save_dot_except_mlp": ("q", "k", "v", "out"),
-    "save_dot_except_mlpwi": ("q", "k", "v", "out", "wo"),
-    "save_dot_with_context_except_mlp": ("q", "k", "v", "out", "context"),
-    "minimal": ("q", "k", "v", "out", "wi_0", "wi_1", "wo"),
-    "minimal_with_context": ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context"),
-    "minimal_flash": ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context"),
-}
-ALL_SAVED = ("q", "k", "v", "out", "wi_0", "wi_1", "wo", "context")  # `none` / unknown policies: an upper bound
 MOE_E, MOE_M = 5, 3  # R·E and R·M buffers live in a MoE layer's backward (XLA's buffer assignment, v5p)
 MTP_E, MTP_M = 1, 2  # the MTP block's MoE buffers held through the decoder's backward, per depth
 HELD_LOGITS_TOKENS = 1024  # from this many tokens (at batch 1) XLA holds the logits gradients through the backward
@@ -133,7 +120,7 @@ class ActivationEstimate:
   batch: float
   seq: int
   remat_policy: str
-  phase: str  # "backward" or "loss"
+  phase: str  # "backward", "loss" or "step without a loss"
   parts: tuple[tuple[str, float], ...]
   layout: StepLayout | None = None
   with_state: float = 0.0  # of `total`, what is proportional to the per-device state (shrinks as it is sharded)
@@ -168,26 +155,47 @@ def moe_rows(cfg, mesh: dict, tokens: float) -> int:
   return int(tokens * cfg.num_experts_per_tok * factor)
 
 
+def saved_names(cfg, policy: str) -> frozenset[str]:
+  """The checkpoint names `remat_policy` keeps on the device (`model.remat`; offloaded ones go to host memory)."""
+  if policy == "custom":
+    return frozenset(remat_policies.custom_names(cfg)[0])
+  if policy == "none" or policy not in remat_policies.POLICIES:  # nothing rematerialised: an upper bound
+    return frozenset(remat_policies.CUSTOM_NAMES)
+  return frozenset(remat_policies.SAVED.get(policy, ()))
+
+
 def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float:
-  """Bytes the scanned layers save for the backward pass under `policy` (stacked over the layers)."""
+  """Bytes the scanned layers save for the backward pass under `policy` (stacked over the layers): each layer's
+  input, and the named activations the policy keeps (MaxText's names, `model.remat`): the q, k, v projections
+  T·H·(dq|dv), out_proj T·E, splash attention's `context` residuals, the MLPs' `mlpwi_0` / `mlpwi_1` outputs (a
+  dense layer's of width mlp_dim, a MoE layer's shared experts'), the routed experts' `mlpwi_0` R·M and `mlpwo` R·E
+  in expert-sorted rows, and `custom`'s MLA latents. A value no step of the backward needs is not kept, named or not
+  (an MLP's output, which goes into the residual sum)."""
   a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
   b, e, h = max(1, round(batch)), cfg.emb_dim, cfg.num_query_heads
   dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-  names = SAVED.get(policy, ALL_SAVED)
+  names = saved_names(cfg, policy)
+  has = lambda *ns: sum(n in names for n in ns)  # pylint: disable=unnecessary-lambda-assignment
   rows = moe_rows(cfg, mesh, batch * seq)
   m = cfg.moe_mlp_dim // mesh.get("tensor", 1)
+  shared = cfg.shared_experts * cfg.moe_mlp_dim // mesh.get("tensor", 1)
+  splash = layout.tpu and str(cfg.attention) in ("flash", "autoselected") and seq >= 128  # its residuals: `context`
   total = 0.0
   for n, moe in ((cfg.first_num_dense_layers, False), (cfg.num_moe_layers, True)):
     if not n:
       continue
-    total += size((n, b, seq, e), a) * (1 + ("out" in names))
-    total += size((n, b, seq, h, dq), a) * (("q" in names) + ("k" in names))
-    total += size((n, b, seq, h, dv), a) * (("v" in names) + ("context" in names))
+    total += size((n, b, seq, e), a) * (1 + has("out_proj"))
+    total += size((n, b, seq, h, dq), a) * has("query_proj", "key_proj")
+    total += size((n, b, seq, h, dv), a) * (has("value_proj", "attention_out") + ("context" in names and splash))
+    total += size((n, b, seq, cfg.q_lora_rank), a) * has("query_wa_proj", "mla_q") if cfg.q_lora_rank else 0
+    total += size((n, b, seq, cfg.kv_lora_rank + cfg.qk_rope_head_dim), a) * has("kv_wa_proj")
+    total += size((n, b, seq, cfg.kv_lora_rank), a) * has("mla_kv")
+    width = shared if moe else cfg.mlp_dim
+    if width:  # an MLP's output (`mlpwo`) goes into the residual sum: no step of the backward keeps it
+      total += size((n, b, seq, width), a) * has("mlpwi_0", "mlpwi_1")
     if moe:
-      total += size((n, rows, m), a) * ("wi_0" in names) + size((n, rows, e), a) * ("wo" in names)
-    else:
-      total += size((n, b, seq, cfg.mlp_dim), a) * (("wi_0" in names) + ("wi_1" in names))
-      total += size((n, b, seq, e), a) * ("wo" in names)
+      total += size((n, rows, m), a) * (bool(has("mlpwi_0", "moe_mlpwi_0")) + has("moe_mlpwi_1"))
+      total += size((n, rows, e), a) * bool(has("mlpwo", "moe_mlpwo"))
   return total
 
 
@@ -201,12 +209,19 @@ def rope_tables(cfg, layout: StepLayout) -> float:
 
 
 def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | None = None,
-             seq: int | None = None, remat_policy: str | None = None) -> ActivationEstimate:
+             seq: int | None = None, remat_policy: str | None = None, room: float | None = None) -> ActivationEstimate:
   """The estimate for `cfg` on `layout` (batch, seq and policy default to the config's keys); `gradients`: the
-  exact gradient bytes, which the loss phase, before they exist, subtracts."""
+  exact gradient bytes, which the loss phase, before they exist, subtracts; `room`: what the device leaves beside
+  the exact state and gradients, past which XLA rematerialises what it can of the loss."""
   batch = float(cfg.per_device_batch_size if batch is None else batch)
   seq = int(cfg.max_target_length if seq is None else seq)
   policy = str(remat_policy if remat_policy is not None else getattr(cfg, "remat_policy", "full"))
+  if not has_loss(cfg):  # nothing to differentiate: XLA keeps neither the forward, nor the backward, nor gradients
+    parts = [("gradients (none: the step has no loss term, its zero gradients are folded away)", -gradients),
+             ("generated code", CODE_BASE)] + ([("TPU tile padding of the state", layout.state_padding)]
+                                               if layout.state_padding else [])
+    return ActivationEstimate(batch, seq, policy, "step without a loss", _whole(parts), layout,
+                              round(layout.state_padding - gradients))
   a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
   tokens, e, v = batch * seq, cfg.emb_dim, cfg.vocab_size
   depths = int(cfg.mtp_num_layers)
@@ -230,16 +245,37 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
        (MOE_E * size((rows, e), a) + MOE_M * size((rows, m), a) + layout.layer_gathered) if rows else 0.0),
       _held(cfg, layout, batch, tokens, depths, a), rope,
       ("scoped HBM of the layer loop", _loop_scoped(cfg, layout, batch, seq) if layout.tpu else 0.0)]
-  extra = size((tokens, v), a) if depths and batch > 1 else 0.0
-  loss = common + [
-      (f"logits of the loss (float32 and {cfg.dtype})", size((tokens, v), F32) + size((tokens, v), a) + extra),
-      ("output head's kernel gathered", size((e, v), a)),
-      ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths else [])
+  heads = main_loss(cfg) + depths  # the output heads whose logits the loss holds
+  extra = size((tokens, v), a) if heads > 1 and batch > 1 else 0.0
+  logits = (size((tokens, v), F32) + size((tokens, v), a)) if heads else 0.0
+
+  def loss_parts(second):
+    return common + [
+        (f"logits of the loss (float32 and {cfg.dtype})", logits + second),
+        ("output head's kernel gathered", size((e, v), a) if heads else 0.0),
+        ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths else [])
+
+  loss = loss_parts(extra)
+  if extra and room is not None and sum(b for _, b in loss + fixed) > room:
+    loss = loss_parts(0.0)  # XLA rematerialises the second bf16 copy to fit the device (v5e-1, 8 × 2048 tokens)
   state = layout.stack_copies + layout.padding
   if sum(b for _, b in backward) >= sum(b for _, b in loss):
     state += _scoped_grads(layout) if layout.tpu else 0.0
     return ActivationEstimate(batch, seq, policy, "backward", _whole(backward + fixed), layout, round(state))
   return ActivationEstimate(batch, seq, policy, "loss", _whole(loss + fixed), layout, round(state - gradients))
+
+
+def has_loss(cfg) -> bool:
+  """Whether MaxText's step has a loss term at all: the main loss, an MTP depth or the MoE load-balance loss (an
+  indexer's dense warm-up of a model without MTP or load balancing has none: deepseek-custom, V3.2 without MTP)."""
+  return bool(main_loss(cfg) or int(cfg.mtp_num_layers) or (cfg.num_moe_layers
+                                                           and float(cfg.load_balance_loss_weight) > 0))
+
+
+def main_loss(cfg) -> int:
+  """1 when MaxText's step computes the main loss, 0 in an indexer's dense warm-up (`use_indexer`,
+  `indexer_sparse_training=false`), where it leaves it out (`xla_compile.step`)."""
+  return int(not (bool(cfg.use_indexer) and not bool(cfg.indexer_sparse_training)))
 
 
 def _whole(parts) -> tuple[tuple[str, float], ...]:
@@ -262,7 +298,9 @@ def _held(cfg, layout: StepLayout, batch: float, tokens: float, depths: int, a: 
   """What each output head leaves for the decoder's backward: its logits gradient (T·V) when XLA defers the head's
   weight gradient past the layer loop (seen with per_device_batch_size=1 and 1024 tokens or more), else that weight
   gradient (E·V, gathered)."""
-  heads, v = 1 + depths, cfg.vocab_size
+  heads, v = main_loss(cfg) + depths, cfg.vocab_size
+  if not heads:  # an indexer's dense warm-up without MTP: no output head enters the loss
+    return "output heads' gradients (none: no head in the loss)", 0.0
   if batch == 1 and tokens >= HELD_LOGITS_TOKENS:
     return f"logits gradients held for {heads} output head(s)", heads * layout.size((tokens, v), a)
   return f"output head kernel gradients ({heads} head(s), gathered)", heads * layout.size((cfg.emb_dim, v), a)

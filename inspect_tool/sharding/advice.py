@@ -180,7 +180,8 @@ def _batch_changes(cfg, room: float, mem) -> list[tuple[str, dict]]:
   policy = str(getattr(cfg, "remat_policy", "full"))
 
   def fits(**kw):
-    return activations.estimate(cfg, mem.activations.layout, gradients=mem.total.gradients, **kw).total <= room
+    return activations.estimate(cfg, mem.activations.layout, gradients=mem.total.gradients, room=room,
+                                **kw).total <= room
 
   out = []
   smaller = _largest(lambda b: fits(batch=b), 1, math.ceil(batch) - 1)

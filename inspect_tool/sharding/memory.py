@@ -147,7 +147,8 @@ def device_memory(leaves, plan, cfg, *, optimizer: str | None = None, limit: int
   estimate = None
   if optimizer:
     layout = activations.layout_of(leaves, plan, cfg, optimizer=optimizer, tpu=tpu, mu_dtype=mu_dtype)
-    estimate = activations.estimate(cfg, layout, gradients=total.gradients)
+    room = None if limit is None else limit - total.total
+    estimate = activations.estimate(cfg, layout, gradients=total.gradients, room=room)
   return DeviceMemory(rows, total, optimizer, mu_dtype if optimizer == "adamw" else None, tuple(contributors),
                       limit, estimate, limit_source or ("--device-memory" if limit is not None else None))
 

@@ -18,7 +18,6 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
-import optax
 
 from inspect_tool import errors
 from inspect_tool.model import partitioning
@@ -90,15 +89,6 @@ def abstract(model, cfg, plan: placement.ShardingPlan, mesh: Mesh) -> Abstract:
   batch = {k: jax.ShapeDtypeStruct((rows, int(cfg.max_target_length)), jnp.int32) for k in BATCH_KEYS}
   return Abstract(graphdef, params, rest, _shardings(params, plan, mesh), _shardings(rest, plan, mesh), batch,
                   {k: NamedSharding(mesh, batch_spec) for k in BATCH_KEYS}, mesh)
-
-
-def optimizer(cfg, name: str):
-  """MaxText's optimizer `name` (adamw, adam_pax, sgd) with the config's hyper-parameters."""
-  if name == "sgd":
-    return optax.sgd(float(cfg.learning_rate))
-  mu_dtype = str(cfg.mu_dtype or cfg.weight_dtype) if name == "adamw" else None
-  return optax.adamw(float(cfg.learning_rate), b1=float(cfg.adam_b1), b2=float(cfg.adam_b2), eps=float(cfg.adam_eps),
-                     eps_root=float(cfg.adam_eps_root), weight_decay=float(cfg.adam_weight_decay), mu_dtype=mu_dtype)
 
 
 def optimizer_sharding(opt_state, params, params_sharding, mesh: Mesh):
