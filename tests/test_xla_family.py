@@ -29,9 +29,11 @@ OURS = grid_plan.results(os.path.join(ROOT, "tests", "data", "xla_ours"))
 COMPARED = sorted(name for name, d in OURS.items() if MAXTEXT.get(name, {}).get("ok") and d.get("ok"))
 LIVE = ["tiny_v5e-8_b1_s256_mtp1", "tiny_v6e-8_b1_s256_mtp1_sgd", "v32tiny_v5e-8_b1_s256_mtp1",
         "custom_v5e-8_b1_s256"]  # v5p: tests/test_xla_compile.py compiles its point; V4 tiny's 43 layers take minutes
-# Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: the same
-# buffers placed otherwise by XLA's heap, and JAX's Megablox's backward beside MaxText's own (remat_policy=minimal).
-APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "tiny_v5p-8_b1_s256_mtp1_minimal": 1.125}
+# Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: on v6e-8
+# the same buffers placed otherwise by XLA's heap; on v5p-8, JAX's Megablox's backward beside MaxText's own kernel.
+APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "tiny_v6e-8_b16_s256_mtp1_sgd": 1.053,
+         "tiny_v6e-8_b2_s1024_mtp1_minimal_with_context": 1.057,
+         "tiny_v6e-8_b2_s1024_mtp1_save_dot_except_mlpwi": 1.068, "tiny_v5p-8_b1_s256_mtp1_minimal": 1.125}
 PINNED = 0.005
 
 
@@ -52,7 +54,7 @@ def test_the_compared_points_span_the_family_chips_optimizers_and_policies():
                                              "deepseek-custom"}
   assert {k["compile_topology"].split("-")[0] for k in keys} >= {"v5e", "v5p", "v6e"}
   assert {k.get("opt_type", "adamw") for k in keys} >= {"adamw", "sgd", "adam_pax"}
-  assert len({k.get("remat_policy", "full") for k in keys}) >= 2  # every policy in MaxText's figures (test_xla_grid)
+  assert len({k.get("remat_policy", "full") for k in keys}) >= 7  # every policy in MaxText's figures (test_xla_grid)
   assert set(LIVE) <= set(COMPARED) and not set(LIVE) & set(APART)
   assert 5 * len(APART) < len(COMPARED)  # the exceptions stay few
 
