@@ -152,12 +152,17 @@ def _ours(rule, grad: bool):
                                                                   backend=gmm_backends.resolve("auto")), grad)
 
 
+def _zeros_past_groups(x, groups):
+  """`x` [M, N] with zeros in the rows past the groups (the masking pass the op ran before zero_tail)."""
+  return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(groups))[:, None], x, jnp.zeros((), x.dtype))
+
+
 def _ours_masked(rule, grad: bool):
   """Ours with a masking pass over the output after the op, as the op ran before the kernel stored the zeros past
   the groups itself (`--masked`: both in one run, on the same chip)."""
   def op(lhs, rhs, groups):
     out = gmm_fp8.quantized_gmm(lhs, rhs, groups, rule, jnp.bfloat16, backend=gmm_backends.resolve("auto"))
-    return jnp.where((jnp.arange(out.shape[0]) < jnp.sum(groups))[:, None], out, jnp.zeros((), out.dtype))
+    return _zeros_past_groups(out, groups)
   return _with_vjp(op, grad)
 
 
@@ -175,7 +180,7 @@ def _quantization_only(rule, grad: bool):
 
   def fwd_bwd(lhs, rhs, groups, cot):
     w, w_scale, a, a_scale = forward(lhs, rhs)
-    cot = jnp.where((jnp.arange(cot.shape[0]) < jnp.sum(groups))[:, None], cot, jnp.zeros((), cot.dtype))
+    cot = _zeros_past_groups(cot, groups)
     dl = fp8.quantize(cot * w_scale.astype(cot.dtype).reshape(1, -1), rule.bwd_qtype, [0], scale_dtype=jnp.float32)
     dr = fp8.quantize(cot * a_scale.astype(cot.dtype), rule.bwd_qtype, [1], scale_dtype=jnp.float32)
     return w, w_scale, a, a_scale, dl, dr
