@@ -1,8 +1,9 @@
 """On a TPU chip, commands as processes (marked `tpu`: skipped elsewhere): `make test-tpu` runs this file in a pytest
 process of its own before the others, so that the chip is free for each command (one process holds it at a time).
 
-Every command runs on the chip; the export quantized on the chip stores the bytes of the same export made on the
-host's CPU (JAX_PLATFORMS=cpu); JAX_DEFAULT_MATMUL_PRECISION=highest runs.
+Every command runs on the chip (the int8 export and the training step compiled for the chip's own topology with
+MaxText's Megablox kernel among them); the export quantized on the chip stores the bytes of the same export made on
+the host's CPU (JAX_PLATFORMS=cpu), and `verify` re-reads both; JAX_DEFAULT_MATMUL_PRECISION=highest runs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path, record_p
     done = _tool(*args, "--output", str(tmp_path / where), env=env)
     record_property(f"export_seconds_{where}", round(time.perf_counter() - start, 2))
     assert done.returncode == 0, (where, done.stderr[-2000:])
+    checked = _tool("verify", str(tmp_path / where))  # the export re-read on the chip's host against its manifest
+    assert checked.returncode == 0, (where, checked.stderr[-2000:])
   hashes = {}
   for where in ("tpu", "cpu"):
     with open(tmp_path / where / "export_manifest.json", encoding="utf-8") as f:
@@ -54,9 +57,12 @@ def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path, record_p
      "deepseek-fp8"],
     ["export", *TINY, "quantization=fp8_full", "--checkpoint", CKPT, "--output", "{tmp}/ue", "--layout",
      "deepseek-fp8", "--scale-fmt", "ue8m0", "--no-validate"],
+    ["export", *TINY, "quantization=int8", "--checkpoint", CKPT, "--output", "{tmp}/int8"],
+    ["maxtext", *TINY, "--topology", "v5e-1", "--train", "adamw", "--compile"],
     ["export", "model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512", "quantization=fp8_full",
      "--random-init", "--output", "{tmp}/v4", "--layout", "deepseek-v4", "--no-validate"],
-], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-deepseek-v4"])
+], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-int8", "maxtext-compile",
+     "export-deepseek-v4"])
 def test_every_command_runs_on_the_chip(argv, tmp_path):
   done = _tool(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
   assert done.returncode == 0, done.stderr[-2000:]
