@@ -30,10 +30,14 @@ COMPARED = sorted(name for name, d in OURS.items() if MAXTEXT.get(name, {}).get(
 # Two live points keep the suite within its 15 minutes; the rest are stored (v5p: tests/test_xla_compile.py).
 LIVE = ["tiny_v5e-8_b1_s256_mtp1", "custom_v5e-8_b1_s256"]
 # Points where our peak is not within 5 % of MaxText's: ours / MaxText as measured (docs/xla-grid.md). Open: on v6e-8
-# the same buffers placed otherwise by XLA's heap; on v5p-8, JAX's Megablox's backward beside MaxText's own kernel.
+# the same buffers placed otherwise by XLA's heap (at batch 2 x 1024 with custom remat, the bytes live at XLA's peak
+# are within 1.2 % of MaxText's, the peak 1.11 x); on v5p-8, JAX's Megablox's backward beside MaxText's own kernel;
+# V4 tiny on v5e-8 at 1 x 256, ours 19 MiB below.
 APART = {"tiny_v6e-8_b16_s256_mtp1": 1.052, "tiny_v6e-8_b16_s256_mtp1_sgd": 1.053,
          "tiny_v6e-8_b2_s1024_mtp1_minimal_with_context": 1.057,
-         "tiny_v6e-8_b2_s1024_mtp1_save_dot_except_mlpwi": 1.068, "tiny_v5p-8_b1_s256_mtp1_minimal": 1.125}
+         "tiny_v6e-8_b2_s1024_mtp1_save_dot_except_mlpwi": 1.068, "tiny_v6e-8_b2_s1024_mtp1_save_qkv_proj": 1.078,
+         "tiny_v6e-8_b2_s1024_mtp1_custom_out_proj": 1.111, "tiny_v5p-8_b1_s256_mtp1_minimal": 1.125,
+         "v4tiny_v5e-8_b1_s256": 0.940}
 PINNED = 0.005
 
 
