@@ -61,8 +61,8 @@ def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path, record_p
     ["maxtext", *TINY, "--topology", "v5e-1", "--train", "adamw", "--compile"],
     ["export", "model_name=deepseek4-tiny", "override_model_config=true", "vocab_size=512", "quantization=fp8_full",
      "--random-init", "--output", "{tmp}/v4", "--layout", "deepseek-v4", "--no-validate"],
-], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-int8", "maxtext-compile",
-     "export-deepseek-v4"])
+], ids=["forward", "diff", "rules", "maxtext", "import", "export-deepseek-fp8", "export-ue8m0", "export-int8",
+         "maxtext-compile", "export-deepseek-v4"])
 def test_every_command_runs_on_the_chip(argv, tmp_path):
   done = _tool(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
   assert done.returncode == 0, done.stderr[-2000:]
