@@ -32,15 +32,20 @@ def _product(values, scale):
   return jnp.where(jnp.isnan(product), jnp.float32(jnp.nan), product)
 
 
-def channel_figures(source, qvalue, scale):
+def channel_figures(source, qvalue, scale, qtype=None):
   """(largest, sum) of the error of `qvalue` × `scale` against `source` over every axis `scale` shares (size 1),
-  each of `scale`'s shape (Qwix's per-channel layout). The error is taken in runs of the first axis of at most
-  `CHUNK_BYTES` of float32 (a loop), so that the step's temporaries stay that small: as one array XLA on the CPU
-  holds the whole float32 error, four times the qvalue, in fresh pages at every call."""
+  each of `scale`'s shape (Qwix's per-channel layout). `qvalue` is the quantized array, or with `qtype` its bytes
+  (uint8) viewed as that type run by run: XLA on the CPU computes in float16 where an array is float8, and converts
+  a whole float8 operand of the loop below before it (a float16 copy, twice the qvalue's size), while bytes stay as
+  they are until each run is read. The error is taken in runs of the first axis of at most `CHUNK_BYTES` of
+  float32 (a loop), so that the step's temporaries stay that small: as one array XLA on the CPU holds the whole
+  float32 error, four times the qvalue, in fresh pages at every call."""
   shared = tuple(a for a in range(source.ndim) if scale.shape[a] == 1)
   scale = scale.astype(jnp.float32)
 
   def reduced(x, q, s):
+    if qtype is not None:
+      q = jax.lax.bitcast_convert_type(q, qtype)
     return _reduced(jnp.abs(_product(q.astype(jnp.float32), s) - x.astype(jnp.float32)), shared)
 
   if not source.ndim:

@@ -151,14 +151,25 @@ def extra_axes(operand_shape: Sequence[int], stored_shape: Sequence[int], prefer
 # Numerics.
 
 
+def _source_absmax(x, axes: tuple[int, ...], compute_dtype: str):
+  """`fp8.absmax(x.astype(compute_dtype), axes)`, taken on `x` as it is and then cast: a float cast rounds
+  monotonically, so the largest magnitude cast is the largest of the cast magnitudes, bit for bit. XLA then reads
+  `x` where it quantizes instead of keeping the whole cast copy for two readers (on the CPU that copy is fresh pages
+  at every call: a third of the quantizer's time)."""
+  return fp8.absmax(x, axes).astype(compute_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("qtype", "axes", "calibration", "compute_dtype"))
 def _quantize(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute_dtype: str):
-  return fp8.quantize(x.astype(compute_dtype), qtype, axes, calibration)
+  if not gathers_absmax_calibration(calibration):
+    return fp8.quantize(x.astype(compute_dtype), qtype, axes, calibration)
+  amax = _source_absmax(x, axes, compute_dtype)
+  return _quantize_with_absmax(x, amax, qtype=qtype, calibration=calibration, compute_dtype=compute_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("axes", "compute_dtype"))
 def _absmax(x, *, axes: tuple[int, ...], compute_dtype: str):
-  return fp8.absmax(x.astype(compute_dtype), axes)
+  return _source_absmax(x, axes, compute_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
@@ -167,22 +178,42 @@ def _quantize_with_absmax(x, amax, *, qtype: str, calibration: str, compute_dtyp
   return fp8.quantize_with_scale(x.astype(compute_dtype), qtype, scale), scale
 
 
+def _measured(x, qvalue, scale):
+  """(qvalue, scale, error figures); a float8 qvalue leaves as its bytes (uint8), which the figures read run by run
+  (`dequant_error.channel_figures`) and the caller views as the qtype again (`as_qtype`)."""
+  if jnp.dtype(qvalue.dtype).itemsize == 1 and jnp.issubdtype(qvalue.dtype, jnp.floating):
+    bits = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
+    return bits, scale, dequant_error.channel_figures(x, bits, scale, qtype=qvalue.dtype)
+  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
+
+
+def as_qtype(qvalue, qtype) -> np.ndarray:
+  """A measured quantizer's qvalue as a numpy array of `qtype` (its bytes viewed as it, without a copy)."""
+  qtype = fp8.resolve_qtype(qtype, integers=True)
+  value = np.asarray(qvalue)
+  return value.view(qtype) if value.dtype != qtype else value
+
+
 @functools.partial(jax.jit, static_argnames=("qtype", "axes", "calibration", "compute_dtype"))
 def _quantize_measured(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute_dtype: str):
-  qvalue, scale = _quantize(x, qtype=qtype, axes=axes, calibration=calibration, compute_dtype=compute_dtype)
-  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
+  return _measured(x, *_quantize(x, qtype=qtype, axes=axes, calibration=calibration, compute_dtype=compute_dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
 def _quantize_with_absmax_measured(x, amax, *, qtype: str, calibration: str, compute_dtype: str):
-  qvalue, scale = _quantize_with_absmax(x, amax, qtype=qtype, calibration=calibration, compute_dtype=compute_dtype)
-  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
+  return _measured(x, *_quantize_with_absmax(x, amax, qtype=qtype, calibration=calibration,
+                                             compute_dtype=compute_dtype))
+
+
+def gathers_absmax_calibration(calibration: str) -> bool:
+  """Whether `calibration` takes its scales from an absmax (`absmax` or `absmax,<factor>`)."""
+  return calibration_lib.parse_calibration(calibration)[0] == "absmax"
 
 
 def gathers_absmax(wq: WeightQuant) -> bool:
   """Whether `wq`'s scales come from an absmax, so that a weight can be quantized in two passes over blocks that
   also cut the shared axes: the maximum of the blocks' absmaxes is the weight's (`compiled_quantizers`)."""
-  return calibration_lib.parse_calibration(wq.calibration)[0] == "absmax"
+  return gathers_absmax_calibration(wq.calibration)
 
 
 def _statics(wq: WeightQuant) -> dict:
@@ -197,7 +228,8 @@ def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, shardi
   `quantize_weight` without chunks; or, `two_pass`, `(absmax, quantize_block)`: x -> absmax and
   (x, whole absmax) -> (qvalue, scale). `sharding`: where the blocks will be (default: the default device).
   `measured`: the quantizers also return the block's dequantization error per channel, computed in the same step
-  (`quant.dequant_error.channel_figures`: (largest, sum), each of the scale's shape)."""
+  (`quant.dequant_error.channel_figures`: (largest, sum), each of the scale's shape), and a float8 qvalue as its
+  bytes (uint8; `as_qtype` views it as the qtype)."""
   spec = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
   statics, axes = _statics(wq), tuple(wq.channel_axes)
   if not two_pass:

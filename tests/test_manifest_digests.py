@@ -145,12 +145,17 @@ def _numpy_figures(source, dequantized, blocks):
 
 @pytest.mark.parametrize("channels", [(1, 3), (0, 2)])  # the first axis shared by the scales, or not
 @pytest.mark.parametrize("chunk", [16 << 20, 2 * 2 * 40 * 24 * 4])  # one run of the first axis, or three
-def test_channel_figures_are_numpys_on_the_float32_source(monkeypatch, channels, chunk):
+@pytest.mark.parametrize("as_bytes", [False, True])  # the qvalue, or its bytes (what a measured quantizer hands on)
+def test_channel_figures_are_numpys_on_the_float32_source(monkeypatch, channels, chunk, as_bytes):
   monkeypatch.setattr(dequant_error, "CHUNK_BYTES", chunk)
   x = np.random.default_rng(2).standard_normal((6, 2, 40, 24)).astype(np.float32)
   x[:, 1, :, 3] = 0.0  # an all-zero channel (of the first scales): scale 1, no error
   qvalue, scale = fp8.quantize(jnp.asarray(x).astype(jnp.bfloat16), "float8_e4m3fn", channels)
-  largest, total = jax.jit(dequant_error.channel_figures)(x, qvalue, scale)
+  if as_bytes:
+    figures = jax.jit(lambda x, b, s: dequant_error.channel_figures(x, b, s, qtype=jnp.float8_e4m3fn))
+    largest, total = figures(x, jax.lax.bitcast_convert_type(qvalue, jnp.uint8), scale)
+  else:
+    largest, total = jax.jit(dequant_error.channel_figures)(x, qvalue, scale)
   assert largest.shape == total.shape == scale.shape
   dequantized = np.asarray(qvalue).astype(np.float32) * np.asarray(scale).astype(np.float32)
   blocks = np.broadcast_to(np.arange(scale.size).reshape(scale.shape), x.shape)

@@ -63,9 +63,10 @@ class Quantizers:
     return self._compiled[self._key(x.shape, x.dtype, wq, two_pass)].result()
 
   def quantize(self, x, wq):
-    """(qvalue, scale, error) of a slice `x` that spans every shared axis of the weight `wq`; `error`: the
-    dequantization error's (largest, sum) per channel (`quant.dequant_error.channel_figures`)."""
-    return self._get(x, wq, False)[0](x)
+    """(qvalue, scale, error) of a slice `x` that spans every shared axis of the weight `wq`: the qvalue as a numpy
+    array, `error` the dequantization error's (largest, sum) per channel (`quant.dequant_error.channel_figures`)."""
+    qvalue, scale, error = self._get(x, wq, False)[0](x)
+    return ptq_weights.as_qtype(qvalue, wq.qtype), scale, error
 
   def absmax(self, x, wq):
     """Pass 1 of a two-pass job: the absmax of the block `x` over the weight's shared axes."""
@@ -73,7 +74,8 @@ class Quantizers:
 
   def quantize_block(self, x, amax, wq):
     """Pass 2: (qvalue, scale, error) of the block `x` given the absmax of every block that shares its channels."""
-    return self._get(x, wq, True)[1](x, amax)
+    qvalue, scale, error = self._get(x, wq, True)[1](x, amax)
+    return ptq_weights.as_qtype(qvalue, wq.qtype), scale, error
 
   def close(self) -> None:
     """Stops compiling (an export that fails or ends); waits for the compile under way."""
