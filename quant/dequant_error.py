@@ -32,34 +32,64 @@ def _product(values, scale):
   return jnp.where(jnp.isnan(product), jnp.float32(jnp.nan), product)
 
 
-def channel_figures(source, qvalue, scale, qtype=None):
+def channel_figures(source, qvalue, scale):
   """(largest, sum) of the error of `qvalue` × `scale` against `source` over every axis `scale` shares (size 1),
-  each of `scale`'s shape (Qwix's per-channel layout). `qvalue` is the quantized array, or with `qtype` its bytes
-  (uint8) viewed as that type run by run: XLA on the CPU computes in float16 where an array is float8, and converts
-  a whole float8 operand of the loop below before it (a float16 copy, twice the qvalue's size), while bytes stay as
-  they are until each run is read. The error is taken in runs of the first axis of at most `CHUNK_BYTES` of
-  float32 (a loop), so that the step's temporaries stay that small: as one array XLA on the CPU holds the whole
-  float32 error, four times the qvalue, in fresh pages at every call."""
-  shared = tuple(a for a in range(source.ndim) if scale.shape[a] == 1)
-  scale = scale.astype(jnp.float32)
+  each of `scale`'s shape (Qwix's per-channel layout), taken run by run (`_in_runs`)."""
+  qvalue = jax.lax.optimization_barrier(qvalue)  # the error from the stored qvalue, not from its producer again
+  return _in_runs(lambda x, s, q: (None, _channel_error(x, q, s)), source, scale, qvalue)[1]
 
-  def reduced(x, q, s):
-    if qtype is not None:
-      q = jax.lax.bitcast_convert_type(q, qtype)
-    return _reduced(jnp.abs(_product(q.astype(jnp.float32), s) - x.astype(jnp.float32)), shared)
 
+def quantized_with_figures(source, scale, quantize):
+  """(qvalue, (largest, sum)): `quantize(run, its scale)` run by run, with the error figures of `channel_figures`
+  taken from each run's qvalue in the same loop. The qvalue comes back without the source's axes of size 1 (for
+  the caller to reshape: a free view in numpy), a float8 one as its bytes (uint8): XLA on the CPU
+  keeps a float8 array of a loop as float16, converted whole before or after it. Done inside the loop, neither the
+  cast source, nor a float16 copy, nor the qvalue a second time is held beside the slice: XLA's CPU code holds its
+  temporaries in fresh pages at every call, which took a third of the export's quantizing time."""
+
+  def run(x, s):
+    q = quantize(x, s)
+    return as_bits(q), _channel_error(x, q, s)
+
+  return _in_runs(run, source, scale)
+
+
+def as_bits(qvalue):
+  """A float8 `qvalue` as its bytes (uint8); any other as it is."""
+  if jnp.dtype(qvalue.dtype).itemsize == 1 and jnp.issubdtype(qvalue.dtype, jnp.floating):
+    return jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
+  return qvalue
+
+
+def _channel_error(x, q, s):
+  """(largest, sum) of |q × s − x| in float32 over the axes where `s` has size 1."""
+  shared = tuple(a for a in range(x.ndim) if s.shape[a] == 1)
+  error = jnp.abs(_product(q.astype(jnp.float32), s.astype(jnp.float32)) - x.astype(jnp.float32))
+  return _reduced(error, shared)
+
+
+def _in_runs(fn, source, scale, *others):
+  """`fn(run of source, its scale, runs of others)` -> (array of the run's shape or None, (largest, sum)) over runs
+  of the first axis of at most `CHUNK_BYTES` of float32 (a loop), so that the step's temporaries stay that small:
+  as one array XLA on the CPU holds the whole float32 error, four times the qvalue. Returns the runs' arrays put
+  back together, without the source's axes of size 1, and the figures, each of `scale`'s shape."""
   if not source.ndim:
-    return reduced(source, qvalue, scale)
+    return fn(source, scale, *others)
+  ones = tuple(a for a in range(source.ndim) if source.shape[a] == 1)
+  if ones and len(ones) < source.ndim:  # put back, XLA's CPU layouts may copy the whole result: left to the caller
+    out, (largest, total) = _in_runs(fn, *(jnp.squeeze(a, ones) for a in (source, scale) + others))
+    return out, (largest.reshape(scale.shape), total.reshape(scale.shape))
   rows = source.shape[0]
   row_bytes = 4 * math.prod(source.shape[1:])
   run = max([d for d in range(1, rows + 1) if rows % d == 0 and d * row_bytes <= CHUNK_BYTES] or [1])
   runs = lambda a: a.reshape((rows // run, run) + a.shape[1:])  # noqa: E731
-  qvalue = jax.lax.optimization_barrier(qvalue)  # the error from the stored qvalue, not from its producer again
-  if 0 in shared:  # every run shares the scale: the runs' figures reduced over the runs
-    largest, total = jax.lax.map(lambda xq: reduced(*xq, scale), (runs(source), runs(qvalue)))
-    return jnp.max(largest, axis=0), jnp.sum(total, axis=0)
-  largest, total = jax.lax.map(lambda xqs: reduced(*xqs), (runs(source), runs(qvalue), runs(scale)))
-  return largest.reshape(scale.shape), total.reshape(scale.shape)
+  if scale.shape[0] == 1:  # every run shares the scale: the runs' figures reduced over the runs
+    out, (largest, total) = jax.lax.map(lambda xo: fn(xo[0], scale, *xo[1:]), (runs(source),) + tuple(map(runs, others)))
+    largest, total = jnp.max(largest, axis=0), jnp.sum(total, axis=0)
+  else:
+    out, (largest, total) = jax.lax.map(lambda xso: fn(*xso), (runs(source), runs(scale)) + tuple(map(runs, others)))
+    largest, total = largest.reshape(scale.shape), total.reshape(scale.shape)
+  return (None if out is None else out.reshape(source.shape)), (largest, total)
 
 
 def block_figures(source, qvalue, scale, block: tuple[int, int]):

@@ -178,31 +178,29 @@ def _quantize_with_absmax(x, amax, *, qtype: str, calibration: str, compute_dtyp
   return fp8.quantize_with_scale(x.astype(compute_dtype), qtype, scale), scale
 
 
-def _measured(x, qvalue, scale):
-  """(qvalue, scale, error figures); a float8 qvalue leaves as its bytes (uint8), which the figures read run by run
-  (`dequant_error.channel_figures`) and the caller views as the qtype again (`as_qtype`)."""
-  if jnp.dtype(qvalue.dtype).itemsize == 1 and jnp.issubdtype(qvalue.dtype, jnp.floating):
-    bits = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
-    return bits, scale, dequant_error.channel_figures(x, bits, scale, qtype=qvalue.dtype)
-  return qvalue, scale, dequant_error.channel_figures(x, qvalue, scale)
-
-
-def as_qtype(qvalue, qtype) -> np.ndarray:
-  """A measured quantizer's qvalue as a numpy array of `qtype` (its bytes viewed as it, without a copy)."""
+def as_qtype(qvalue, qtype, shape) -> np.ndarray:
+  """A measured quantizer's qvalue as a numpy array of `qtype` and the block's `shape` (its bytes viewed as it,
+  without a copy)."""
   qtype = fp8.resolve_qtype(qtype, integers=True)
-  value = np.asarray(qvalue)
+  value = np.asarray(qvalue).reshape(shape)
   return value.view(qtype) if value.dtype != qtype else value
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "axes", "calibration", "compute_dtype"))
 def _quantize_measured(x, *, qtype: str, axes: tuple[int, ...], calibration: str, compute_dtype: str):
-  return _measured(x, *_quantize(x, qtype=qtype, axes=axes, calibration=calibration, compute_dtype=compute_dtype))
+  if not gathers_absmax_calibration(calibration):
+    qvalue, scale = _quantize(x, qtype=qtype, axes=axes, calibration=calibration, compute_dtype=compute_dtype)
+    return dequant_error.as_bits(qvalue), scale, dequant_error.channel_figures(x, qvalue, scale)
+  amax = _source_absmax(x, axes, compute_dtype)
+  return _quantize_with_absmax_measured(x, amax, qtype=qtype, calibration=calibration, compute_dtype=compute_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
 def _quantize_with_absmax_measured(x, amax, *, qtype: str, calibration: str, compute_dtype: str):
-  return _measured(x, *_quantize_with_absmax(x, amax, qtype=qtype, calibration=calibration,
-                                             compute_dtype=compute_dtype))
+  scale = fp8.scale_from_absmax(amax, qtype, calibration)
+  quantize = lambda run, s: fp8.quantize_with_scale(run.astype(compute_dtype), qtype, s)  # noqa: E731
+  qvalue, figures = dequant_error.quantized_with_figures(x, scale, quantize)
+  return qvalue, scale, figures
 
 
 def gathers_absmax_calibration(calibration: str) -> bool:
@@ -228,8 +226,8 @@ def compiled_quantizers(shape, dtype, wq: WeightQuant, *, two_pass: bool, shardi
   `quantize_weight` without chunks; or, `two_pass`, `(absmax, quantize_block)`: x -> absmax and
   (x, whole absmax) -> (qvalue, scale). `sharding`: where the blocks will be (default: the default device).
   `measured`: the quantizers also return the block's dequantization error per channel, computed in the same step
-  (`quant.dequant_error.channel_figures`: (largest, sum), each of the scale's shape), and a float8 qvalue as its
-  bytes (uint8; `as_qtype` views it as the qtype)."""
+  (`quant.dequant_error.channel_figures`: (largest, sum), each of the scale's shape), and the qvalue as
+  `dequant_error.quantized_with_figures` gives it back (`as_qtype` makes it the block's qtype and shape)."""
   spec = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
   statics, axes = _statics(wq), tuple(wq.channel_axes)
   if not two_pass:

@@ -145,15 +145,16 @@ def _numpy_figures(source, dequantized, blocks):
 
 @pytest.mark.parametrize("channels", [(1, 3), (0, 2)])  # the first axis shared by the scales, or not
 @pytest.mark.parametrize("chunk", [16 << 20, 2 * 2 * 40 * 24 * 4])  # one run of the first axis, or three
-@pytest.mark.parametrize("as_bytes", [False, True])  # the qvalue, or its bytes (what a measured quantizer hands on)
-def test_channel_figures_are_numpys_on_the_float32_source(monkeypatch, channels, chunk, as_bytes):
+@pytest.mark.parametrize("in_loop", [False, True])  # figures of a given qvalue, or quantized run by run with them
+def test_channel_figures_are_numpys_on_the_float32_source(monkeypatch, channels, chunk, in_loop):
   monkeypatch.setattr(dequant_error, "CHUNK_BYTES", chunk)
   x = np.random.default_rng(2).standard_normal((6, 2, 40, 24)).astype(np.float32)
   x[:, 1, :, 3] = 0.0  # an all-zero channel (of the first scales): scale 1, no error
   qvalue, scale = fp8.quantize(jnp.asarray(x).astype(jnp.bfloat16), "float8_e4m3fn", channels)
-  if as_bytes:
-    figures = jax.jit(lambda x, b, s: dequant_error.channel_figures(x, b, s, qtype=jnp.float8_e4m3fn))
-    largest, total = figures(x, jax.lax.bitcast_convert_type(qvalue, jnp.uint8), scale)
+  if in_loop:
+    quantize = lambda run, s: fp8.quantize_with_scale(run.astype(jnp.bfloat16), "float8_e4m3fn", s)  # noqa: E731
+    bits, (largest, total) = jax.jit(lambda x, s: dequant_error.quantized_with_figures(x, s, quantize))(x, scale)
+    np.testing.assert_array_equal(np.asarray(bits).reshape(x.shape), np.asarray(qvalue).view(np.uint8))
   else:
     largest, total = jax.jit(dequant_error.channel_figures)(x, qvalue, scale)
   assert largest.shape == total.shape == scale.shape

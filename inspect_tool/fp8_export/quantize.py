@@ -66,7 +66,7 @@ class Quantizers:
     """(qvalue, scale, error) of a slice `x` that spans every shared axis of the weight `wq`: the qvalue as a numpy
     array, `error` the dequantization error's (largest, sum) per channel (`quant.dequant_error.channel_figures`)."""
     qvalue, scale, error = self._get(x, wq, False)[0](x)
-    return ptq_weights.as_qtype(qvalue, wq.qtype), scale, error
+    return ptq_weights.as_qtype(qvalue, wq.qtype, x.shape), scale, error
 
   def absmax(self, x, wq):
     """Pass 1 of a two-pass job: the absmax of the block `x` over the weight's shared axes."""
@@ -75,7 +75,7 @@ class Quantizers:
   def quantize_block(self, x, amax, wq):
     """Pass 2: (qvalue, scale, error) of the block `x` given the absmax of every block that shares its channels."""
     qvalue, scale, error = self._get(x, wq, True)[1](x, amax)
-    return ptq_weights.as_qtype(qvalue, wq.qtype), scale, error
+    return ptq_weights.as_qtype(qvalue, wq.qtype, x.shape), scale, error
 
   def close(self) -> None:
     """Stops compiling (an export that fails or ends); waits for the compile under way."""
