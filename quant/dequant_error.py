@@ -49,7 +49,10 @@ def quantized_with_figures(source, scale, quantize):
 
   def run(x, s):
     q = quantize(x, s)
-    return as_bits(q), _channel_error(x, q, s)
+    bits = jax.lax.optimization_barrier(as_bits(q))  # the error from the stored bytes: on a TPU, XLA (excess
+    # precision allowed) would otherwise skip the float8 rounding of the values it still holds
+    stored = jax.lax.bitcast_convert_type(bits, q.dtype) if bits.dtype != q.dtype else bits
+    return bits, _channel_error(x, stored, s)
 
   return _in_runs(run, source, scale)
 

@@ -31,7 +31,7 @@ def _tool(*argv, env=None, timeout=600):
 
 def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path, record_property):
   """The same export quantized on the chip and on the host's CPU (JAX_PLATFORMS=cpu): every stored tensor's sha256
-  (the wall time of each is recorded in the test report)."""
+  and every quantized tensor's error figures (the wall time of each is recorded in the test report)."""
   args = ["export", *TINY, "quantization=fp8_full", "quantize_mtp=true", "--checkpoint", CKPT, "--no-validate"]
   for where, env in (("tpu", {}), ("cpu", {"JAX_PLATFORMS": "cpu"})):
     start = time.perf_counter()
@@ -40,11 +40,18 @@ def test_the_export_on_the_chip_stores_the_cpu_export_s_bytes(tmp_path, record_p
     assert done.returncode == 0, (where, done.stderr[-2000:])
     checked = _tool("verify", str(tmp_path / where))  # the export re-read on the chip's host against its manifest
     assert checked.returncode == 0, (where, checked.stderr[-2000:])
-  hashes = {}
+  hashes, errors = {}, {}
   for where in ("tpu", "cpu"):
     with open(tmp_path / where / "export_manifest.json", encoding="utf-8") as f:
-      hashes[where] = {t["name"]: t["sha256"] for t in json.load(f)["tensors"]}
+      tensors = json.load(f)["tensors"]
+    hashes[where] = {t["name"]: t["sha256"] for t in tensors}
+    errors[where] = {t["name"]: t["error"] for t in tensors if t.get("error")}
   assert hashes["tpu"] == hashes["cpu"]
+  assert errors["cpu"] and errors["tpu"].keys() == errors["cpu"].keys()
+  for name, cpu in errors["cpu"].items():  # the chip's figures are of its stored bytes, as the CPU's: the largest
+    tpu = errors["tpu"][name]  # error exactly, the mean within float32 summation order
+    assert tpu["max_abs"] == cpu["max_abs"] and tpu["elements"] == cpu["elements"], (name, tpu, cpu)
+    assert tpu["mean_abs"] == pytest.approx(cpu["mean_abs"], rel=1e-5), (name, tpu, cpu)
 
 
 @pytest.mark.parametrize("argv", [
