@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from quant.microscaling import E2M1_VALUES
 
-CHUNK_BYTES = 16 << 20  # float32 error held at once by `channel_figures`
+CHUNK_BYTES = 16 << 20  # float32 of the source a run of `channel_figures` / `quantized_with_figures` takes
 
 
 def _reduced(error, axes: tuple[int, ...]):
@@ -86,11 +86,12 @@ def _in_runs(fn, source, scale, *others):
   row_bytes = 4 * math.prod(source.shape[1:])
   run = max([d for d in range(1, rows + 1) if rows % d == 0 and d * row_bytes <= CHUNK_BYTES] or [1])
   runs = lambda a: a.reshape((rows // run, run) + a.shape[1:])  # noqa: E731
+  cut = tuple(map(runs, others))
   if scale.shape[0] == 1:  # every run shares the scale: the runs' figures reduced over the runs
-    out, (largest, total) = jax.lax.map(lambda xo: fn(xo[0], scale, *xo[1:]), (runs(source),) + tuple(map(runs, others)))
+    out, (largest, total) = jax.lax.map(lambda xo: fn(xo[0], scale, *xo[1:]), (runs(source),) + cut)
     largest, total = jnp.max(largest, axis=0), jnp.sum(total, axis=0)
   else:
-    out, (largest, total) = jax.lax.map(lambda xso: fn(*xso), (runs(source), runs(scale)) + tuple(map(runs, others)))
+    out, (largest, total) = jax.lax.map(lambda xso: fn(*xso), (runs(source), runs(scale)) + cut)
     largest, total = largest.reshape(scale.shape), total.reshape(scale.shape)
   return (None if out is None else out.reshape(source.shape)), (largest, total)
 
