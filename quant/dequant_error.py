@@ -32,11 +32,17 @@ def _product(values, scale):
   return jnp.where(jnp.isnan(product), jnp.float32(jnp.nan), product)
 
 
-def channel_figures(source, qvalue, scale):
+def channel_figures(source, qvalue, scale, qtype=None):
   """(largest, sum) of the error of `qvalue` × `scale` against `source` over every axis `scale` shares (size 1),
-  each of `scale`'s shape (Qwix's per-channel layout), taken run by run (`_in_runs`)."""
+  each of `scale`'s shape (Qwix's per-channel layout), taken run by run (`_in_runs`). With `qtype`, `qvalue` is its
+  bytes (`as_bits`), viewed as `qtype` run by run: XLA's CPU code keeps a float8 array that enters a loop as float16,
+  converted whole before it (a copy twice the qvalue's size, fresh pages at every call)."""
   qvalue = jax.lax.optimization_barrier(qvalue)  # the error from the stored qvalue, not from its producer again
-  return _in_runs(lambda x, s, q: (None, _channel_error(x, q, s)), source, scale, qvalue)[1]
+
+  def run(x, s, q):
+    return None, _channel_error(x, q if qtype is None else jax.lax.bitcast_convert_type(q, qtype), s)
+
+  return _in_runs(run, source, scale, qvalue)[1]
 
 
 def quantized_with_figures(source, scale, quantize):

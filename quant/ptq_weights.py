@@ -195,9 +195,21 @@ def _quantize_measured(x, *, qtype: str, axes: tuple[int, ...], calibration: str
   return _quantize_with_absmax_measured(x, amax, qtype=qtype, calibration=calibration, compute_dtype=compute_dtype)
 
 
+# jax 0.10's XLA CPU pipeline drops optimization barriers: a measured quantizer that quantizes the whole slice and
+# then takes the figures of its bytes quantizes twice there and holds the cast slice (201 MiB of temporaries for a
+# 256 MiB slice), so there it quantizes inside the figures' run loop (`dequant_error.quantized_with_figures`). On
+# jax 0.12 the loop costs more: 771 against 722 ms of CPU for a (160, 1, 1024, 1024) float32 slice, and the wide
+# export of docs/benchmarks.md 19.0-20.0 s against 16.2-16.9 s (alternating rounds).
+_WHOLE_THEN_FIGURES = jax.__version_info__ >= (0, 12)
+
+
 @functools.partial(jax.jit, static_argnames=("qtype", "calibration", "compute_dtype"))
 def _quantize_with_absmax_measured(x, amax, *, qtype: str, calibration: str, compute_dtype: str):
   scale = fp8.scale_from_absmax(amax, qtype, calibration)
+  if _WHOLE_THEN_FIGURES:
+    qvalue = fp8.quantize_with_scale(x.astype(compute_dtype), qtype, scale)
+    bits = dequant_error.as_bits(qvalue)
+    return bits, scale, dequant_error.channel_figures(x, bits, scale, qtype=qvalue.dtype)
   quantize = lambda run, s: fp8.quantize_with_scale(run.astype(compute_dtype), qtype, s)  # noqa: E731
   qvalue, figures = dequant_error.quantized_with_figures(x, scale, quantize)
   return qvalue, scale, figures
