@@ -42,7 +42,7 @@ def channel_figures(source, qvalue, scale, qtype=None):
   def run(x, s, q):
     return None, _channel_error(x, q if qtype is None else jax.lax.bitcast_convert_type(q, qtype), s)
 
-  return _in_runs(run, source, scale, qvalue)[1]
+  return _in_runs(run, source, scale, qvalue, squeeze=False)[1]
 
 
 def quantized_with_figures(source, scale, quantize):
@@ -77,15 +77,16 @@ def _channel_error(x, q, s):
   return _reduced(error, shared)
 
 
-def _in_runs(fn, source, scale, *others):
+def _in_runs(fn, source, scale, *others, squeeze: bool = True):
   """`fn(run of source, its scale, runs of others)` -> (array of the run's shape or None, (largest, sum)) over runs
   of the first axis of at most `CHUNK_BYTES` of float32 (a loop), so that the step's temporaries stay that small:
   as one array XLA on the CPU holds the whole float32 error, four times the qvalue. Returns the runs' arrays put
-  back together, without the source's axes of size 1, and the figures, each of `scale`'s shape."""
+  back together, without the source's axes of size 1 unless not `squeeze` (the figures' sums then keep the order
+  they had before there were runs' arrays), and the figures, each of `scale`'s shape."""
   if not source.ndim:
     return fn(source, scale, *others)
   ones = tuple(a for a in range(source.ndim) if source.shape[a] == 1)
-  if ones and len(ones) < source.ndim:  # put back, XLA's CPU layouts may copy the whole result: left to the caller
+  if squeeze and ones and len(ones) < source.ndim:  # put back, XLA's CPU layouts may copy the whole result
     out, (largest, total) = _in_runs(fn, *(jnp.squeeze(a, ones) for a in (source, scale) + others))
     return out, (largest.reshape(scale.shape), total.reshape(scale.shape))
   rows = source.shape[0]
