@@ -99,3 +99,63 @@ def test_a_step_without_a_loss_holds_no_activations_and_no_gradients(cfg):
                                        "attention=dot_product", *keys])
     assert activations.has_loss(with_loss)
     assert activations.estimate(with_loss, layout, gradients=6e6).phase != est.phase
+
+
+def test_dot_product_attention_holds_four_score_arrays_per_key_length(cfg):
+  """B·H·S·S_kv in bf16 per distinct key length, in TPU tiles; four of them in the backward (scores, probabilities
+  and the gradients of both: `SCORES`). Splash attention's kernel keeps none."""
+  dot = dataclasses.replace(cfg, attention="dot_product")
+  assert activations.attention_scores(dot, _layout(True), 2, 256, 2) == 2 * 4 * 256 * 256 * 2 == 1_048_576
+  assert activations.attention_scores(cfg, _layout(True), 2, 256, 2) == 0  # flash: the kernel's blocks
+  parts = dict(activations.estimate(dot, _layout(True)).parts)
+  assert parts["dot-product attention's score arrays in the backward"] == 4 * 1_048_576
+  assert activations.SCORES == 4
+
+
+def test_deepseek_v4_scores_take_a_key_length_per_compress_ratio_and_the_sink():
+  """DeepSeek-V4 tiny (compress ratios 0, 4 and 128, 4 heads): keys of S + 1, S + S/4 + 1 and S + S/128 + 1 columns
+  (the sink takes one), each padded to 128 lanes: at S = 256, 257, 321 and 259 all take 384."""
+  v4 = config.resolve_config(["model_name=deepseek4-tiny", "attention=dot_product"])
+  assert sorted({int(r) for r in v4.compress_ratios}) == [0, 4, 128] and v4.num_query_heads == 4
+  assert activations.attention_scores(v4, _layout(True), 2, 256, 2) == 3 * 2 * 4 * 256 * 384 * 2 == 4_718_592
+  assert activations.attention_scores(v4, _layout(False), 2, 256, 2) == 2 * 4 * 256 * (257 + 321 + 259) * 2
+
+
+def test_deepseek_v4_saves_one_input_per_scanned_block_across_mhc_streams_and_no_attention_projection():
+  """V4 tiny, 43 layers: 3 hash-routed layers unrolled and 20 scanned blocks of two, so 23 saved inputs, each of
+  mHC's 4 streams (B·4·S·E, E 64 -> 128 lanes); its compressed attention names no projection, so `minimal` adds only
+  the MLPs': per layer the routed experts' wi_0 (R·M) and wo (R·E) and the shared expert's wi_0 and wi_1 (T·64)."""
+  v4 = config.resolve_config(["model_name=deepseek4-tiny", "attention=dot_product"])
+  assert (v4.num_decoder_layers, v4.first_num_hash_layers, v4.num_moe_layers) == (43, 3, 43)
+  full = 23 * (2 * 4) * 256 * 128 * 2
+  assert activations.saved(v4, _layout(True), 2, 256, "full") == full == 12_058_624
+  rows = 512 * 4 * 2  # T·K, times min(expert parallelism 2, 16 experts / 4 per token)
+  per_layer = 2 * rows * 128 * 2 + 2 * 512 * 128 * 2
+  assert activations.saved(v4, _layout(True), 2, 256, "minimal") == full + 43 * per_layer
+  assert activations.saved(v4, _layout(True), 2, 256, "save_qkv_proj") == full  # names V4 does not have
+
+
+def test_generated_code_grows_with_the_program_in_parameter_arrays(cfg):
+  """The code term: (24 MiB + 0.8 MiB·√T) for deepseek3-tiny with MTP's 51 parameter arrays, in proportion for
+  other programs; `layout_of` counts the arrays of the tree it places."""
+  base = 24 * 2**20 + 0.8 * 2**20 * 16  # T = 256
+  twice = dataclasses.replace(_layout(True), arrays=102)
+  assert activations.code_size(_layout(True), 256) == base
+  assert activations.code_size(twice, 256) == 2 * base
+  leaves = model_listing.model_listing(cfg, include_all=False, source="", key_filter=None, fp8_column=False)[0].leaves
+  layout = activations.layout_of(leaves, placement.plan(leaves, cfg, 8), cfg, optimizer="adamw")
+  assert layout.arrays == sum(leaf.is_param for leaf in leaves) == activations.CODE_ARRAYS
+
+
+def test_the_rope_tables_stay_beside_the_loss_only_when_the_logits_do_not_fit_their_space(cfg):
+  """XLA's heap gives the yarn tables' space (160 MiB here) to the float32 logits when they fit in it: 2 × 512 tokens
+  of a 38400 vocabulary (150 MiB) leave the loss phase no RoPE part; 1024 tokens of 129280 (505 MiB) keep them (seen
+  in XLA's heaps of deepseek3-tiny with MTP: at 256 tokens on v5e-8 and v5p-8 the logits take the tables' offsets,
+  at 1024 on v5p-8 the tables lie below them)."""
+  name = "RoPE tables (yarn, max_position_embeddings positions)"
+  small = activations.estimate(cfg, _layout(True))
+  assert small.phase == "backward" and name in dict(small.parts)  # a layer's RoPE, in the backward loop
+  fits = activations.estimate(dataclasses.replace(cfg, vocab_size=38400), _layout(True), batch=2, seq=512)
+  assert fits.phase == "loss" and name not in dict(fits.parts)
+  big = activations.estimate(dataclasses.replace(cfg, vocab_size=129280), _layout(True), batch=1, seq=1024)
+  assert big.phase == "loss" and dict(big.parts)[name] == 2 * 163840 * 128 * 4

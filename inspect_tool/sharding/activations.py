@@ -21,16 +21,24 @@ gradients (exact) and what this module estimates, from the config and the per-de
   backward; each output head's logits gradient (T·V in `dtype`) is held until the head's weight gradient.
 - RoPE: MaxText's yarn embedding computes its table for max_position_embeddings positions (two float32 arrays of
   max_position_embeddings × qk_rope_head_dim/2, laid out 128 lanes wide); two are live whenever a layer runs.
+- dot-product attention (`attention=dot_product`): `SCORES` arrays of B·H·S·S_kv in `dtype` per distinct key length
+  in the layer's backward (the scores, the probabilities and their gradients); DeepSeek-V4's compressed layers add
+  S/r keys per compress ratio r and a sink column. Splash attention's kernel keeps none.
 - the loss: the head's logits in float32 and in `dtype` (T·V·(f + a)), and with MTP and B > 1 the MTP head's
-  `dtype` logits beside them; the head's kernel gathered (E·V·a); the RoPE tables' space is not reused there.
+  `dtype` logits beside them; the head's kernel gathered (E·V·a); with MTP the RoPE tables' space too, unless the
+  float32 logits fit in it (XLA's heap then gives it to them: deepseek3-tiny at 256 tokens on v5e-8 and v5p-8).
+- DeepSeek-V4: each saved layer input is mHC's `mhc_expansion_rate` streams wide, one per scanned block of two
+  layers and per unrolled hash-routed layer; its compressed attention names no projection for a remat policy.
 - compiler scratch: XLA's TPU backend adds scoped HBM to its buffer assignment (`SCOPED`, measured), and
-  `temp_size_in_bytes` counts the vector memory's scratch (`VMEM`); the generated code (`CODE`).
+  `temp_size_in_bytes` counts the vector memory's scratch (`VMEM`); the generated code (`CODE`, in proportion to
+  the program's parameter arrays: DeepSeek-V4 tiny's 215 against deepseek3-tiny's 51).
 
 The peak is the larger of the two phases: the decoder's backward loop (gradients, bf16 weights, saved tensors,
 the MoE layer, held logits gradients, MTP buffers, RoPE tables) and the loss (bf16 weights, saved tensors, MTP
 buffers, logits, the gathered head, RoPE tables: the gradients are not allocated yet, so that phase's parts
 carry them as a negative part). `tests/test_xla_grid.py` holds the estimate to MaxText 0.2.5's XLA figures on the
-grid of `xla_grid.json` (docs/sharding-and-memory.md has the table): within 15 % of XLA's peak on every point.
+grid of `xla_grid.json` (docs/sharding-and-memory.md has the table): within 15 % of XLA's peak on every point; the
+family grid (docs/xla-grid.md) reports the points held out of the fit apart.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ F32 = 4
 MOE_E, MOE_M = 5, 3  # R·E and R·M buffers live in a MoE layer's backward (XLA's buffer assignment, v5p)
 MTP_E, MTP_M = 1, 2  # the MTP block's MoE buffers held through the decoder's backward, per depth
 HELD_LOGITS_TOKENS = 1024  # from this many tokens (at batch 1) XLA holds the logits gradients through the backward
+SCORES = 4  # dot-product attention's backward: scores, probabilities and the gradients of both, per key length
+CODE_ARRAYS = 51  # parameter arrays of deepseek3-tiny with one MTP layer, the program CODE_BASE was fitted on
 VMEM = 48 * 2**20  # vector-memory scratch XLA counts in temp_size_in_bytes on TPU
 CODE_BASE, CODE_PER_ROOT_TOKEN = 24 * 2**20, 0.8 * 2**20  # generated code: fit on deepseek3-tiny (0.04-0.07 GiB)
 SCOPED_GRADS, SCOPED_GRADS_EP, SCOPED_EP = 0.2, 1.1, 8  # per byte of the stacks' gradients (expert parallelism >= 8)
@@ -64,6 +74,7 @@ class StepLayout:
   layer_gathered: float  # one MoE layer's routed-expert matrices, gathered over fsdp, in `dtype`
   state_padding: float = 0.0  # TPU tile padding of the state (parameters, optimizer state): what XLA adds
   grads_padding: float = 0.0  # ... of the gradients
+  arrays: int = CODE_ARRAYS  # parameter arrays: the program's size, which its generated code follows
 
   @property
   def padding(self) -> float:
@@ -92,10 +103,11 @@ def layout_of(leaves, plan, cfg, *, optimizer: str | None, tpu: bool = True,
   a = _dtype_bytes(cfg.dtype)
   mesh = plan.mesh.shape
   copies = grads = gathered = state_padding = grads_padding = 0.0
-  n_moe = cfg.num_moe_layers
+  n_moe, arrays = cfg.num_moe_layers, 0
   for leaf in leaves:
     if not leaf.is_param:
       continue
+    arrays += 1
     placed = plan.of(leaf)
     shard, item = placed.shard_shape, summary_lib.dtype_bytes(leaf.dtype)
     group, part = summary_lib.group_of(leaf)
@@ -110,7 +122,7 @@ def layout_of(leaves, plan, cfg, *, optimizer: str | None, tpu: bool = True,
       grads += size(shard, F32)
     if group == "moe stack" and part == "routed experts":
       gathered += size(_gathered(leaf, placed, mesh, n_moe), a)
-  return StepLayout(mesh, tpu, copies, grads, gathered, state_padding, grads_padding)
+  return StepLayout(mesh, tpu, copies, grads, gathered, state_padding, grads_padding, arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +184,11 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
   in expert-sorted rows, and `custom`'s MLA latents. A value no step of the backward needs is not kept, named or not
   (an MLP's output, which goes into the residual sum)."""
   a, size, mesh = _dtype_bytes(cfg.dtype), layout.size, layout.mesh
-  b, e, h = max(1, round(batch)), cfg.emb_dim, cfg.num_query_heads
-  dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+  b, e, h, hkv = max(1, round(batch)), cfg.emb_dim, cfg.num_query_heads, cfg.num_query_heads
+  dq, dv, streams = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, 1
+  if str(cfg.decoder_block) == "deepseek4":  # heads of head_dim, one shared key-value head; mHC's residual streams
+    dq = dv = cfg.head_dim
+    hkv, streams = cfg.num_kv_heads, max(1, int(cfg.mhc_expansion_rate))
   names = saved_names(cfg, policy)
   has = lambda *ns: sum(n in names for n in ns)  # pylint: disable=unnecessary-lambda-assignment
   rows = moe_rows(cfg, mesh, batch * seq)
@@ -181,12 +196,18 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
   shared = cfg.shared_experts * cfg.moe_mlp_dim // mesh.get("tensor", 1)
   splash = layout.tpu and str(cfg.attention) in ("flash", "autoselected") and seq >= 128  # its residuals: `context`
   total = 0.0
+  if streams > 1:  # DeepSeek-V4: one input per scanned block of two layers and per unrolled hash layer, mHC's
+    hashed = int(cfg.first_num_hash_layers)  # streams wide; its compressed attention names no projection
+    total += size(((cfg.num_decoder_layers - hashed) // 2 + hashed, b * streams, seq, e), a)
+    names = names - {"out_proj", "query_proj", "key_proj", "value_proj", "attention_out", "context",
+                     "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv"}
   for n, moe in ((cfg.first_num_dense_layers, False), (cfg.num_moe_layers, True)):
     if not n:
       continue
-    total += size((n, b, seq, e), a) * (1 + has("out_proj"))
-    total += size((n, b, seq, h, dq), a) * has("query_proj", "key_proj")
-    total += size((n, b, seq, h, dv), a) * (has("value_proj", "attention_out") + ("context" in names and splash))
+    total += size((n, b, seq, e), a) * ((streams == 1) + has("out_proj"))
+    total += size((n, b, seq, h, dq), a) * has("query_proj") + size((n, b, seq, hkv, dq), a) * has("key_proj")
+    total += size((n, b, seq, hkv, dv), a) * has("value_proj")
+    total += size((n, b, seq, h, dv), a) * (has("attention_out") + ("context" in names and splash))
     total += size((n, b, seq, cfg.q_lora_rank), a) * has("query_wa_proj", "mla_q") if cfg.q_lora_rank else 0
     total += size((n, b, seq, cfg.kv_lora_rank + cfg.qk_rope_head_dim), a) * has("kv_wa_proj")
     total += size((n, b, seq, cfg.kv_lora_rank), a) * has("mla_kv")
@@ -197,6 +218,17 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
       total += size((n, rows, m), a) * (bool(has("mlpwi_0", "moe_mlpwi_0")) + has("moe_mlpwi_1"))
       total += size((n, rows, e), a) * bool(has("mlpwo", "moe_mlpwo"))
   return total
+
+
+def attention_scores(cfg, layout: StepLayout, batch: float, seq: int, a: int) -> float:
+  """One of dot-product attention's score arrays (B·H·S·S_kv in `dtype`) per distinct key length S_kv of the
+  layers: S, or for DeepSeek-V4 S + S/r + 1 per compress ratio r (S + 1 uncompressed: the sink takes a column)."""
+  if str(cfg.attention) != "dot_product":
+    return 0.0
+  heads = max(1, cfg.num_query_heads // layout.mesh.get("tensor", 1))
+  ratios = ({int(r) for r in cfg.compress_ratios} if str(cfg.decoder_block) == "deepseek4" else set())
+  lengths = [seq + (seq // r if r else 0) + 1 for r in sorted(ratios)] or [seq]
+  return sum(layout.size((int(math.ceil(batch)), heads, seq, n), a) for n in lengths)
 
 
 def rope_tables(cfg, layout: StepLayout) -> float:
@@ -237,23 +269,26 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
                    depths * (MTP_E * size((rows, e), a) + MTP_M * size((rows, m), a))))
   rope = ("RoPE tables (yarn, max_position_embeddings positions)", rope_tables(cfg, layout))
   fixed = [("vector-memory scratch", VMEM if layout.tpu else 0.0),
-           ("generated code", CODE_BASE + CODE_PER_ROOT_TOKEN * math.sqrt(tokens))]
+           ("generated code", code_size(layout, tokens))]
   if layout.padding:
     fixed.append(("TPU tile padding of the state and gradients", layout.padding))
   backward = common + [
       ("MoE layer in its backward (expert-sorted buffers, gathered experts)",
        (MOE_E * size((rows, e), a) + MOE_M * size((rows, m), a) + layout.layer_gathered) if rows else 0.0),
       _held(cfg, layout, batch, tokens, depths, a), rope,
+      ("dot-product attention's score arrays in the backward", SCORES * attention_scores(cfg, layout, batch, seq, a)),
       ("scoped HBM of the layer loop", _loop_scoped(cfg, layout, batch, seq) if layout.tpu else 0.0)]
   heads = main_loss(cfg) + depths  # the output heads whose logits the loss holds
   extra = size((tokens, v), a) if heads > 1 and batch > 1 else 0.0
   logits = (size((tokens, v), F32) + size((tokens, v), a)) if heads else 0.0
 
+  rope_below = size((tokens, v), F32) > rope[1]  # else the logits take the tables' freed space in XLA's heap
+
   def loss_parts(second):
     return common + [
         (f"logits of the loss (float32 and {cfg.dtype})", logits + second),
         ("output head's kernel gathered", size((e, v), a) if heads else 0.0),
-        ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths else [])
+        ("gradients (not allocated yet at the loss)", -gradients)] + ([rope] if depths and rope_below else [])
 
   loss = loss_parts(extra)
   if extra and room is not None and sum(b for _, b in loss + fixed) > room:
@@ -263,6 +298,12 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
     state += _scoped_grads(layout) if layout.tpu else 0.0
     return ActivationEstimate(batch, seq, policy, "backward", _whole(backward + fixed), layout, round(state))
   return ActivationEstimate(batch, seq, policy, "loss", _whole(loss + fixed), layout, round(state - gradients))
+
+
+def code_size(layout: StepLayout, tokens: float) -> float:
+  """XLA's generated code: grows with the root of the tokens (fitted on deepseek3-tiny), and in proportion to the
+  program, counted in parameter arrays (DeepSeek-V4 tiny's 215 against deepseek3-tiny's 51: 66-219 MiB measured)."""
+  return (CODE_BASE + CODE_PER_ROOT_TOKEN * math.sqrt(tokens)) * layout.arrays / CODE_ARRAYS
 
 
 def has_loss(cfg) -> bool:
