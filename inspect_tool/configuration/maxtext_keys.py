@@ -31,11 +31,11 @@ TREE_KEYS = frozenset({
     # DeepSeek-V3.2 / V4 / custom architectures.
     "use_indexer", "indexer_n_heads", "indexer_head_dim", "mhc_expansion_rate", "engram_layers", "compress_ratios",
     "o_groups", "o_lora_rank", "first_num_hash_layers",
+    "head_dim",  # DeepSeek-V4's compressed attention and compressors (MLA's shapes come from qk_nope/qk_rope/v_head_dim)
 })
 
 # Fields that change no output of this tool, and why (MaxText uses them for evaluation, memory or training only).
 NO_EFFECT_FIELDS = {
-    "head_dim": "MLA's shapes come from qk_nope/qk_rope/v_head_dim (MaxText ignores head_dim for MLA too)",
     "mtp_eval_target_module": "an evaluation metric (MTP acceptance rate), not the model",
     "num_vocab_tiling": "a memory tiling of the loss; the logits are the same",
     "dropout_rate": "no parameters; the forward pass here is deterministic, dropout off",
