@@ -190,6 +190,9 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
     dq = dv = cfg.head_dim
     hkv, streams = cfg.num_kv_heads, max(1, int(cfg.mhc_expansion_rate))
   names = saved_names(cfg, policy)
+  if streams > 1:  # DeepSeek-V4's compressed attention names no projection
+    names -= {"out_proj", "query_proj", "key_proj", "value_proj", "attention_out", "context", "query_wa_proj", "mla_q",
+              "kv_wa_proj", "mla_kv"}
   has = lambda *ns: sum(n in names for n in ns)  # pylint: disable=unnecessary-lambda-assignment
   rows = moe_rows(cfg, mesh, batch * seq)
   m = cfg.moe_mlp_dim // mesh.get("tensor", 1)
@@ -197,10 +200,8 @@ def saved(cfg, layout: StepLayout, batch: float, seq: int, policy: str) -> float
   splash = layout.tpu and str(cfg.attention) in ("flash", "autoselected") and seq >= 128  # its residuals: `context`
   total = 0.0
   if streams > 1:  # DeepSeek-V4: one input per scanned block of two layers and per unrolled hash layer, mHC's
-    hashed = int(cfg.first_num_hash_layers)  # streams wide; its compressed attention names no projection
+    hashed = int(cfg.first_num_hash_layers)  # streams wide
     total += size(((cfg.num_decoder_layers - hashed) // 2 + hashed, b * streams, seq, e), a)
-    names = names - {"out_proj", "query_proj", "key_proj", "value_proj", "attention_out", "context",
-                     "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv"}
   for n, moe in ((cfg.first_num_dense_layers, False), (cfg.num_moe_layers, True)):
     if not n:
       continue
@@ -226,7 +227,7 @@ def attention_scores(cfg, layout: StepLayout, batch: float, seq: int, a: int) ->
   if str(cfg.attention) != "dot_product":
     return 0.0
   heads = max(1, cfg.num_query_heads // layout.mesh.get("tensor", 1))
-  ratios = ({int(r) for r in cfg.compress_ratios} if str(cfg.decoder_block) == "deepseek4" else set())
+  ratios = {int(r) for r in cfg.compress_ratios} if str(cfg.decoder_block) == "deepseek4" else set()
   lengths = [seq + (seq // r if r else 0) + 1 for r in sorted(ratios)] or [seq]
   return sum(layout.size((int(math.ceil(batch)), heads, seq, n), a) for n in lengths)
 
@@ -281,7 +282,6 @@ def estimate(cfg, layout: StepLayout, *, gradients: float = 0.0, batch: float | 
   heads = main_loss(cfg) + depths  # the output heads whose logits the loss holds
   extra = size((tokens, v), a) if heads > 1 and batch > 1 else 0.0
   logits = (size((tokens, v), F32) + size((tokens, v), a)) if heads else 0.0
-
   rope_below = size((tokens, v), F32) > rope[1]  # else the logits take the tables' freed space in XLA's heap
 
   def loss_parts(second):
